@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Sluice's two commands, from a clean clone with nothing installed by hand:
+#   ./dev.sh run     set up (virtualenv, torch, install, migrations) and run the platform
+#   ./dev.sh test    set up the same way and run the whole test suite
+# Anything after the command goes to it (`./dev.sh test -k jwt`, `./dev.sh run --port 9000`).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV=${SLUICE_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+setup() {
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+        echo "sluice: Python 3.11 or newer is needed (set PYTHON=...)" >&2
+        exit 1
+    fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        echo "sluice: creating virtualenv in $VENV"
+        "$PYTHON" -m venv "$VENV"
+    fi
+    # Reinstall only when pyproject.toml changed since the last successful install.
+    local want stamp="$VENV/.sluice-install-stamp"
+    want=$(cat pyproject.toml | "$VENV/bin/python" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')
+    if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+        echo "sluice: installing dependencies (first run takes a few minutes)"
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+        # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+        "$VENV/bin/python" -m pip install -q -e ".[dev]"
+        echo "$want" > "$stamp"
+    fi
+}
+
+cmd=${1:-}
+case "$cmd" in
+    run|test)
+        shift
+        setup
+        exec "$VENV/bin/sluice" "$cmd" "$@"
+        ;;
+    *)
+        echo "usage: ./dev.sh run|test [args...]" >&2
+        exit 2
+        ;;
+esac

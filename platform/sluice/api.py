@@ -1,0 +1,105 @@
+"""The one NinjaAPI: mounts every app's router and maps every error to OpenAI's shape."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import Http404, HttpRequest, HttpResponse
+from ninja import NinjaAPI
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.security import HttpBearer
+
+from sluice.errors import (
+    ApiError,
+    BadRequest,
+    NotFound,
+    PayloadTooLarge,
+    ServerError,
+    Unauthenticated,
+    Unprocessable,
+)
+from sluice.responses import error_response
+from tenants.api import auth_router
+from tenants.api import router as tenants_router
+from tenants.authentication import authenticate
+from tenants.principal import Principal
+
+logger = logging.getLogger(__name__)
+
+
+class BearerAuth(HttpBearer):
+    """`Authorization: Bearer <API key or JWT>` to a Principal (request.auth)."""
+
+    def authenticate(self, request: HttpRequest, token: str) -> Principal:
+        return authenticate(token)
+
+
+api = NinjaAPI(
+    title="Sluice management API",
+    version="1",
+    description="Tenants, members, API keys and tokens. Inference lives under /v1.",
+    auth=BearerAuth(),
+    urls_namespace="api",
+    docs_url="/api/docs",
+    openapi_url="/api/openapi.json",
+)
+api.add_router("/api/v1/", tenants_router)
+api.add_router("/v1/auth/", auth_router)
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, str]:
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "data", "query",
+                                                                       "path")]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return f"Unknown field '{param}'.", param, "unknown_field"
+    if first.get("type") == "missing":
+        return f"Missing required field '{param}'.", param, "missing_field"
+    msg = str(first.get("msg", "Invalid request."))
+    return (f"{param}: {msg}" if param else msg), param, "validation_error"
+
+
+@api.exception_handler(ApiError)
+def _api_error(request: HttpRequest, exc: ApiError) -> HttpResponse:
+    return error_response(exc)
+
+
+@api.exception_handler(ValidationError)
+def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    message, param, code = _validation_message(list(exc.errors))
+    return error_response(Unprocessable(message, param=param, code=code))
+
+
+@api.exception_handler(AuthenticationError)
+def _auth_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
+    return error_response(Unauthenticated("Missing bearer token (Authorization: Bearer ...)."))
+
+
+@api.exception_handler(HttpError)
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    if exc.status_code == 400:  # ninja's "Cannot parse request body"
+        return error_response(BadRequest("Request body is not valid JSON.", code="invalid_json"))
+    if exc.status_code == 405:
+        return error_response(BadRequest("Method not allowed.", code="method_not_allowed"))
+    return error_response(BadRequest(str(exc)))
+
+
+@api.exception_handler(Http404)
+def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
+    return error_response(NotFound("Not found."))
+
+
+@api.exception_handler(RequestDataTooBig)
+def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
+    return error_response(PayloadTooLarge("Request body is too large."))
+
+
+@api.exception_handler(Exception)
+def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
+    # The traceback goes to the server log (without the request body); the caller gets
+    # an opaque, typed error.
+    logger.exception("unhandled error on %s %s", request.method, request.path)
+    return error_response(ServerError("The server had an error processing your request."))

@@ -1,0 +1,191 @@
+"""`sluice`: run the whole platform locally, or run the test suite.
+
+    sluice run  [--host H] [--port P]   Redis (private if none), migrate, seed, serve
+    sluice test [pytest args...]        PostgreSQL + Redis (private if none), lint, pytest
+    sluice manage <command> [...]       Django management commands
+
+dev.sh creates the virtualenv and then calls these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from sluice.localinfra import Started, ensure_postgres, ensure_redis
+from sluice.processes import ProcessGroup
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+# Tests use their own Redis database index and a PostgreSQL `test_*` database that
+# pytest-django creates and drops, so they never touch a developer's data.
+TEST_REDIS = "redis://127.0.0.1:6379/15"
+TEST_DATABASE = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def _say(message: str) -> None:
+    print(f"sluice: {message}", flush=True)
+
+
+def _wait_ready(url: str, timeout_s: float, group: ProcessGroup) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - loopback
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if any(c.proc.poll() is not None for c in group.children.values()):
+            raise RuntimeError("a process exited during start-up (see its output above)")
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready in {timeout_s:.0f}s")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sluice.settings.base")
+    base = f"http://{args.host}:{args.port}"
+    os.environ.setdefault("SLUICE_PUBLIC_URL", base)
+    started: list[Started] = []
+    group = ProcessGroup()
+    group.install_signal_handlers()
+    try:
+        redis_url, redis_started = ensure_redis(os.environ.get("REDIS_URL", DEFAULT_REDIS))
+        if redis_started:
+            started.append(redis_started)
+            _say(f"no Redis reachable; started a private {redis_started.name}")
+        os.environ["REDIS_URL"] = redis_url
+
+        import django
+        from django.core.management import call_command
+
+        django.setup()
+        from tenants.services import demo_seed
+
+        call_command("migrate", interactive=False, verbosity=0)
+        creds = demo_seed()
+
+        group.env = dict(os.environ)
+        group.start("http", [
+            sys.executable, "-m", "uvicorn", "sluice.asgi:application",
+            "--host", args.host, "--port", str(args.port), "--workers", str(args.workers),
+            "--no-access-log", "--lifespan", "off", "--timeout-graceful-shutdown", "5",
+        ])
+        _wait_ready(f"{base}/readyz", 60, group)
+        print(_banner(base, redis_url, redis_started, creds), flush=True)
+        exited = group.wait()
+        if exited is not None:
+            _say(f"process {exited[0]!r} exited with code {exited[1]}; stopping everything")
+            return 1
+        return 0
+    except RuntimeError as exc:
+        _say(f"error: {exc}")
+        return 1
+    finally:
+        group.stop()
+        for item in started:
+            item.stop()
+        _say("stopped")
+
+
+def _banner(base: str, redis_url: str, redis_started: Started | None, creds: object) -> str:
+    key = getattr(creds, "api_key", "")
+    redis_note = " (private, stops with Sluice)" if redis_started else ""
+    from django.conf import settings
+
+    db = settings.DATABASES["default"]
+    return f"""
+Sluice is running.
+  OpenAI-compatible base URL  {base}/v1
+  Management API docs         {base}/api/docs
+  Readiness                   {base}/readyz
+  JWKS                        {base}/.well-known/jwks.json
+  Database                    {db["ENGINE"].rsplit(".", 1)[-1]} {db["NAME"]}
+  Redis                       {redis_url}{redis_note}
+
+  Login     {getattr(creds, "username", "")} / {getattr(creds, "password", "")}   (tenant {getattr(creds, "tenant", "")}, platform admin)
+  API key   {key}   (developer)
+
+Try it:
+  curl -s {base}/api/v1/me -H "Authorization: Bearer {key}"
+  curl -s -X POST {base}/v1/auth/token -H "Content-Type: application/json" \\
+       -d '{{"grant_type": "api_key", "api_key": "{key}"}}'
+
+Press Ctrl-C to stop.
+"""
+
+
+def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
+    started: list[Started] = []
+    try:
+        db_url, pg = ensure_postgres(os.environ.get("DATABASE_URL", TEST_DATABASE))
+        if pg:
+            started.append(pg)
+            _say(f"no PostgreSQL reachable; started a {pg.name}")
+        redis_url, rs = ensure_redis(os.environ.get("REDIS_URL", TEST_REDIS))
+        if rs:
+            started.append(rs)
+            _say(f"no Redis reachable; started a private {rs.name}")
+        with tempfile.TemporaryDirectory(prefix="sluice-test-state-") as state:
+            env = {
+                **os.environ,
+                "DATABASE_URL": db_url,
+                "REDIS_URL": redis_url,
+                "DJANGO_SETTINGS_MODULE": "sluice.settings.test",
+                "SLUICE_STATE_DIR": state,
+                "PYTHONDONTWRITEBYTECODE": "1",
+            }
+            if not args.no_lint:
+                _say("ruff check")
+                lint = subprocess.call([sys.executable, "-m", "ruff", "check", "."], cwd=REPO)  # noqa: S603
+                if lint != 0:
+                    return lint
+            code = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO,  # noqa: S603
+                                   env=env)
+        if code == 5:
+            _say("pytest collected no tests: that is a failure")
+            return 1
+        return code
+    except RuntimeError as exc:
+        _say(f"error: {exc}")
+        return 1
+    finally:
+        for item in started:
+            item.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the platform locally")
+    run.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"))
+    run.add_argument("--port", type=int, default=int(os.environ.get("SLUICE_PORT", "8000")))
+    run.add_argument("--workers", type=int, default=int(os.environ.get("SLUICE_HTTP_WORKERS", "1")))
+    test = sub.add_parser("test", help="run the test suite (extra args go to pytest)")
+    test.add_argument("--no-lint", action="store_true")
+    sub.add_parser("manage", help="Django management commands", add_help=False)
+
+    if argv[:1] == ["manage"]:
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sluice.settings.base")
+        from django.core.management import execute_from_command_line
+
+        execute_from_command_line(["sluice manage", *argv[1:]])
+        return 0
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "test":
+        return cmd_test(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return cmd_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

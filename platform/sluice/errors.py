@@ -1,0 +1,115 @@
+"""Typed API errors, one vocabulary for every protocol.
+
+Each error knows its HTTP status and OpenAI-style `type`/`code`; the REST, SSE, WebSocket
+and gRPC adapters translate the same exception to their own wire format. Messages are
+written for the caller and must never carry secrets, personal data or stack traces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class ApiError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+
+def error_body(
+    message: str, *, type: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """The OpenAI error envelope: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthenticated(ApiError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+    def __init__(self, message: str = "Invalid or missing credentials.", **kw: Any) -> None:
+        kw.setdefault("headers", {"WWW-Authenticate": 'Bearer realm="sluice"'})
+        super().__init__(message, **kw)
+
+
+class PermissionDenied(ApiError):
+    status = 403
+    type = "permission_error"
+    default_code = "permission_denied"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class Conflict(ApiError):
+    status = 409
+    type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class Unprocessable(ApiError):
+    status = 422
+    type = "invalid_request_error"
+    default_code = "validation_error"
+
+
+class RateLimited(ApiError):
+    status = 429
+    type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float, **kw: Any) -> None:
+        headers = kw.pop("headers", {}) or {}
+        headers.setdefault("Retry-After", str(max(1, round(retry_after_s))))
+        super().__init__(message, headers=headers, **kw)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(ApiError):
+    status = 503
+    type = "service_unavailable"
+    default_code = "overloaded"
+
+
+class DeadlineExceeded(ApiError):
+    status = 504
+    type = "timeout_error"
+    default_code = "deadline_exceeded"
+
+
+class ServerError(ApiError):
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"

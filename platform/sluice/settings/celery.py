@@ -1,0 +1,15 @@
+"""Celery: Redis broker; tasks are idempotent and acknowledged late."""
+
+from __future__ import annotations
+
+from sluice.settings.env import env_bool, env_int
+from sluice.settings.redis import REDIS_URL
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = REDIS_URL
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_TIME_LIMIT = env_int("SLUICE_CELERY_TASK_TIME_LIMIT_S", 3600, minimum=1)
+CELERY_TASK_ALWAYS_EAGER = env_bool("SLUICE_CELERY_EAGER", False)
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -1,0 +1,155 @@
+"""Management API for identity: who am I, tenants, members, API keys; and the token
+exchange. Handlers only parse, call a selector or service, and serialize."""
+
+from __future__ import annotations
+
+from django.http import HttpRequest
+from ninja import Router
+from ninja.pagination import LimitOffsetPagination, paginate
+
+from sluice.errors import BadRequest
+from tenants import selectors, services
+from tenants.principal import Principal
+from tenants.schemas import (
+    ApiKeyCreatedOut,
+    ApiKeyCreateIn,
+    ApiKeyOut,
+    MemberCreateIn,
+    MemberOut,
+    MemberUpdateIn,
+    NewUserIn,
+    PrincipalOut,
+    TenantCreateIn,
+    TenantOut,
+    TenantUpdateIn,
+    TokenIn,
+    TokenOut,
+)
+
+router = Router(tags=["identity"])
+auth_router = Router(tags=["auth"], auth=None)
+
+
+def _actor(request: HttpRequest) -> Principal:
+    principal = request.auth  # type: ignore[attr-defined]
+    assert isinstance(principal, Principal)  # noqa: S101 - set by BearerAuth
+    return principal
+
+
+def _new_user(data: NewUserIn) -> services.NewUser:
+    return services.NewUser(username=data.username, email=data.email, password=data.password)
+
+
+@router.get("/me", response=PrincipalOut)
+def me(request: HttpRequest) -> dict[str, object]:
+    p = _actor(request)
+    return {
+        "tenant_id": p.tenant_id, "tenant": p.tenant_slug, "role": p.role,
+        "subject": p.subject, "method": p.method, "key_id": p.key_id,
+        "allowed_models": sorted(p.allowed_models) if p.allowed_models is not None else None,
+    }
+
+
+# -- tenants -------------------------------------------------------------------------
+@router.get("/tenants", response=list[TenantOut])
+@paginate(LimitOffsetPagination)
+def tenant_list(request: HttpRequest):  # type: ignore[no-untyped-def]
+    return selectors.tenant_list(actor=_actor(request))
+
+
+@router.post("/tenants", response={201: TenantOut})
+def tenant_create(request: HttpRequest, data: TenantCreateIn):  # type: ignore[no-untyped-def]
+    admin = _new_user(data.admin) if data.admin else None
+    return 201, services.tenant_create(
+        actor=_actor(request), slug=data.slug, name=data.name, admin=admin
+    )
+
+
+@router.get("/tenants/{int:tenant_id}", response=TenantOut)
+def tenant_get(request: HttpRequest, tenant_id: int):  # type: ignore[no-untyped-def]
+    return selectors.tenant_get(actor=_actor(request), tenant_id=tenant_id)
+
+
+@router.patch("/tenants/{int:tenant_id}", response=TenantOut)
+def tenant_update(request: HttpRequest, tenant_id: int, data: TenantUpdateIn):  # type: ignore[no-untyped-def]
+    return services.tenant_update(
+        actor=_actor(request), tenant_id=tenant_id, name=data.name, is_active=data.is_active
+    )
+
+
+# -- members -------------------------------------------------------------------------
+@router.get("/members", response=list[MemberOut])
+@paginate(LimitOffsetPagination)
+def member_list(request: HttpRequest):  # type: ignore[no-untyped-def]
+    return selectors.member_list(actor=_actor(request))
+
+
+@router.post("/members", response={201: MemberOut})
+def member_create(request: HttpRequest, data: MemberCreateIn):  # type: ignore[no-untyped-def]
+    return 201, services.member_create(
+        actor=_actor(request), new=_new_user(data), role=data.role
+    )
+
+
+@router.get("/members/{int:member_id}", response=MemberOut)
+def member_get(request: HttpRequest, member_id: int):  # type: ignore[no-untyped-def]
+    return selectors.member_get(actor=_actor(request), member_id=member_id)
+
+
+@router.patch("/members/{int:member_id}", response=MemberOut)
+def member_update(request: HttpRequest, member_id: int, data: MemberUpdateIn):  # type: ignore[no-untyped-def]
+    return services.member_update(
+        actor=_actor(request), member_id=member_id, role=data.role, is_active=data.is_active
+    )
+
+
+@router.delete("/members/{int:member_id}", response=MemberOut)
+def member_deactivate(request: HttpRequest, member_id: int):  # type: ignore[no-untyped-def]
+    return services.member_update(actor=_actor(request), member_id=member_id, is_active=False)
+
+
+# -- API keys ------------------------------------------------------------------------
+@router.get("/keys", response=list[ApiKeyOut])
+@paginate(LimitOffsetPagination)
+def apikey_list(request: HttpRequest):  # type: ignore[no-untyped-def]
+    return selectors.apikey_list(actor=_actor(request))
+
+
+@router.post("/keys", response={201: ApiKeyCreatedOut})
+def apikey_create(request: HttpRequest, data: ApiKeyCreateIn):  # type: ignore[no-untyped-def]
+    created = services.apikey_create(
+        actor=_actor(request),
+        name=data.name,
+        role=data.role,
+        expires_at=data.expires_at,
+        allowed_models=data.allowed_models,
+    )
+    out = ApiKeyOut.from_orm(created.key).model_dump()
+    return 201, {**out, "key": created.secret}
+
+
+@router.get("/keys/{int:key_id}", response=ApiKeyOut)
+def apikey_get(request: HttpRequest, key_id: int):  # type: ignore[no-untyped-def]
+    return selectors.apikey_get(actor=_actor(request), key_id=key_id)
+
+
+@router.delete("/keys/{int:key_id}", response=ApiKeyOut)
+def apikey_revoke(request: HttpRequest, key_id: int):  # type: ignore[no-untyped-def]
+    return services.apikey_revoke(actor=_actor(request), key_id=key_id)
+
+
+# -- token exchange ------------------------------------------------------------------
+@auth_router.post("/token", response=TokenOut)
+def token(request: HttpRequest, data: TokenIn):  # type: ignore[no-untyped-def]
+    if data.grant_type == "api_key":
+        if not data.api_key:
+            raise BadRequest("grant_type api_key needs `api_key`.", param="api_key")
+        issued = services.token_for_api_key(api_key=data.api_key)
+    else:
+        if not data.username or not data.password:
+            raise BadRequest("grant_type password needs `username` and `password`.",
+                             param="username")
+        issued = services.token_for_password(
+            username=data.username, password=data.password, tenant=data.tenant
+        )
+    return {"access_token": issued.access_token, "expires_in": issued.expires_in}

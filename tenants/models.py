@@ -1,0 +1,87 @@
+"""Tenants, their members and API keys.
+
+Every object that belongs to a tenant carries a `tenant` foreign key, and every query on
+it is filtered by the caller's tenant (selectors do this; nothing reads a global tenant).
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.validators import RegexValidator
+from django.db import models
+from django.utils import timezone
+
+from tenants.roles import Role
+
+SLUG_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
+
+
+class Tenant(models.Model):
+    slug = models.CharField(max_length=63, unique=True, validators=[RegexValidator(SLUG_PATTERN)])
+    name = models.CharField(max_length=200)
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Member(models.Model):
+    """A person's membership of a tenant, with exactly one role there."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="members")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="memberships"
+    )
+    role = models.CharField(max_length=32, choices=Role.choices)
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "user"], name="member_unique_per_tenant")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user_id}@{self.tenant_id}:{self.role}"
+
+    @property
+    def subject(self) -> str:
+        return f"member:{self.pk}"
+
+
+class ApiKey(models.Model):
+    """A tenant-scoped secret. Only a SHA-256 of the full key is stored; `prefix` finds
+    the row without scanning, and is safe to show (it is not enough to authenticate)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True)
+    key_hash = models.CharField(max_length=64)
+    role = models.CharField(max_length=32, choices=Role.choices)
+    # Who created it: "member:<id>" or "oidc:<issuer>|<sub>". Developers manage their own.
+    created_by = models.CharField(max_length=300)
+    member = models.ForeignKey(
+        Member, null=True, blank=True, on_delete=models.PROTECT, related_name="api_keys"
+    )
+    # None: every model the tenant may use; otherwise only these deployment names.
+    allowed_models = models.JSONField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["tenant", "created_by"])]
+
+    def __str__(self) -> str:
+        return f"{self.prefix} ({self.name})"
+
+    def is_usable(self, now: timezone.datetime | None = None) -> bool:
+        now = now or timezone.now()
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)

@@ -1,0 +1,123 @@
+"""Management API shapes for tenants, members, keys and tokens."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from ninja import Schema
+from pydantic import EmailStr, Field, StringConstraints
+
+from sluice.schemas import StrictSchema
+from tenants import apikeys
+from tenants.models import SLUG_PATTERN, ApiKey, Member
+from tenants.roles import Role
+
+Slug = Annotated[str, StringConstraints(pattern=SLUG_PATTERN, max_length=63)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+Username = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.@+-]{1,150}$")]
+Password = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+class PrincipalOut(Schema):
+    tenant_id: int
+    tenant: str
+    role: Role
+    subject: str
+    method: str
+    key_id: int | None
+    allowed_models: list[str] | None
+
+
+class TenantOut(Schema):
+    id: int
+    slug: str
+    name: str
+    is_active: bool
+    created_at: datetime
+
+
+class NewUserIn(StrictSchema):
+    username: Username
+    email: EmailStr
+    password: Password
+
+
+class TenantCreateIn(StrictSchema):
+    slug: Slug
+    name: Name
+    admin: NewUserIn | None = None
+
+
+class TenantUpdateIn(StrictSchema):
+    name: Name | None = None
+    is_active: bool | None = None
+
+
+class MemberOut(Schema):
+    id: int
+    username: str
+    email: str
+    role: Role
+    is_active: bool
+    created_at: datetime
+
+    @staticmethod
+    def resolve_username(obj: Member) -> str:
+        return obj.user.get_username()
+
+    @staticmethod
+    def resolve_email(obj: Member) -> str:
+        return str(getattr(obj.user, "email", ""))
+
+
+class MemberCreateIn(NewUserIn):
+    role: Role
+
+
+class MemberUpdateIn(StrictSchema):
+    role: Role | None = None
+    is_active: bool | None = None
+
+
+class ApiKeyOut(Schema):
+    id: int
+    name: str
+    display: str
+    role: Role
+    created_by: str
+    allowed_models: list[str] | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+    created_at: datetime
+
+    @staticmethod
+    def resolve_display(obj: ApiKey) -> str:
+        return apikeys.display(obj.prefix)
+
+
+class ApiKeyCreatedOut(ApiKeyOut):
+    key: str = Field(description="The secret. Shown once: store it now.")
+
+
+class ApiKeyCreateIn(StrictSchema):
+    name: Name
+    role: Role | None = None
+    expires_at: datetime | None = None
+    allowed_models: Annotated[list[ModelName], Field(max_length=100)] | None = None
+
+
+class TokenIn(StrictSchema):
+    grant_type: Literal["api_key", "password"]
+    api_key: Annotated[str, StringConstraints(max_length=512)] | None = None
+    username: Annotated[str, StringConstraints(max_length=150)] | None = None
+    password: Password | None = None
+    tenant: Slug | None = None
+
+
+class TokenOut(Schema):
+    access_token: str
+    token_type: Literal["Bearer"] = "Bearer"
+    expires_in: int

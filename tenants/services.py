@@ -1,0 +1,253 @@
+"""Writes for tenants, members and API keys. Every function checks the actor's rights
+itself, so the API, the admin UI and management commands cannot diverge."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.contrib.auth import authenticate as django_authenticate
+from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from sluice.errors import Conflict, PermissionDenied, Unauthenticated, Unprocessable
+from tenants import apikeys
+from tenants.authentication import lookup_api_key
+from tenants.models import ApiKey, Member, Tenant
+from tenants.principal import AuthMethod, Principal
+from tenants.roles import Action, Role, can_grant
+from tenants.selectors import apikey_get, member_get, require, tenant_get
+from tenants.tokens import IssuedToken, issue_access_token
+
+User = get_user_model()
+_ADMIN_ROLES = (Role.TENANT_ADMIN, Role.PLATFORM_ADMIN)
+
+
+@dataclass(frozen=True)
+class NewUser:
+    username: str
+    email: str
+    password: str
+
+
+def _require_grant(actor: Principal, role: Role) -> None:
+    if not can_grant(actor.role, role):
+        raise PermissionDenied(f"A {actor.role} cannot grant the role {role}.", param="role")
+
+
+def _create_user(new: NewUser) -> object:
+    try:
+        validate_password(new.password)
+    except ValidationError as exc:
+        raise Unprocessable(" ".join(exc.messages), param="password") from None
+    if User.objects.filter(username=new.username).exists():
+        raise Conflict("That username is taken.", param="username")
+    return User.objects.create_user(username=new.username, email=new.email, password=new.password)
+
+
+# -- tenants -------------------------------------------------------------------------
+@transaction.atomic
+def tenant_create(*, actor: Principal, slug: str, name: str, admin: NewUser | None) -> Tenant:
+    require(actor, Action.TENANT_CREATE)
+    try:
+        with transaction.atomic():
+            tenant = Tenant.objects.create(slug=slug, name=name)
+    except IntegrityError:
+        raise Conflict("A tenant with that slug exists.", param="slug") from None
+    if admin is not None:
+        Member.objects.create(tenant=tenant, user=_create_user(admin), role=Role.TENANT_ADMIN)
+    return tenant
+
+
+@transaction.atomic
+def tenant_update(
+    *, actor: Principal, tenant_id: int, name: str | None = None, is_active: bool | None = None
+) -> Tenant:
+    require(actor, Action.TENANT_UPDATE)
+    tenant = tenant_get(actor=actor, tenant_id=tenant_id)
+    if is_active is False and tenant.pk == actor.tenant_id:
+        raise Conflict("You cannot disable your own tenant.", param="is_active")
+    if name is not None:
+        tenant.name = name
+    if is_active is not None:
+        tenant.is_active = is_active
+    tenant.save(update_fields=["name", "is_active"])
+    return tenant
+
+
+# -- members -------------------------------------------------------------------------
+@transaction.atomic
+def member_create(*, actor: Principal, new: NewUser, role: Role) -> Member:
+    require(actor, Action.MEMBER_MANAGE)
+    _require_grant(actor, role)
+    return Member.objects.create(tenant_id=actor.tenant_id, user=_create_user(new), role=role)
+
+
+def _ensure_admin_remains(member: Member) -> None:
+    others = Member.objects.filter(
+        tenant_id=member.tenant_id, role__in=_ADMIN_ROLES, is_active=True
+    ).exclude(pk=member.pk)
+    if member.role in _ADMIN_ROLES and not others.exists():
+        raise Conflict("A tenant must keep at least one active admin.")
+
+
+def _revoke_keys_beyond(member: Member, role: Role | None) -> None:
+    """Revoke the member's keys that `role` could not grant (all of them for None)."""
+    keys = ApiKey.objects.filter(member=member, revoked_at__isnull=True)
+    doomed = [k.pk for k in keys if role is None or not can_grant(role, k.role)]
+    ApiKey.objects.filter(pk__in=doomed).update(revoked_at=timezone.now())
+
+
+@transaction.atomic
+def member_update(
+    *, actor: Principal, member_id: int, role: Role | None = None, is_active: bool | None = None
+) -> Member:
+    require(actor, Action.MEMBER_MANAGE)
+    # Lock the tenant's admins first: two admins demoting each other at once must not
+    # both win and leave the tenant without one.
+    list(Member.objects.select_for_update().filter(tenant_id=actor.tenant_id, role__in=_ADMIN_ROLES))
+    member = member_get(actor=actor, member_id=member_id)
+    # A member above the actor cannot be changed by them, nor raised above the actor.
+    _require_grant(actor, Role(member.role))
+    if role is not None:
+        _require_grant(actor, role)
+        if role not in _ADMIN_ROLES:
+            _ensure_admin_remains(member)
+        member.role = role
+        _revoke_keys_beyond(member, role)
+    if is_active is False:
+        _ensure_admin_remains(member)
+        _revoke_keys_beyond(member, None)
+    if is_active is not None:
+        member.is_active = is_active
+    member.save(update_fields=["role", "is_active"])
+    return member
+
+
+# -- API keys ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CreatedKey:
+    key: ApiKey
+    secret: str  # shown once, never stored
+
+
+@transaction.atomic
+def apikey_create(
+    *,
+    actor: Principal,
+    name: str,
+    role: Role | None = None,
+    expires_at: datetime | None = None,
+    allowed_models: list[str] | None = None,
+) -> CreatedKey:
+    require(actor, Action.APIKEY_MANAGE_ALL, Action.APIKEY_MANAGE_OWN)
+    role = role or actor.role
+    _require_grant(actor, role)
+    if expires_at is not None and expires_at <= timezone.now():
+        raise Unprocessable("expires_at must be in the future.", param="expires_at")
+    # A key can narrow the caller's model scope, never widen it.
+    if actor.allowed_models is not None:
+        if allowed_models is None:
+            allowed_models = sorted(actor.allowed_models)
+        elif not set(allowed_models) <= actor.allowed_models:
+            raise PermissionDenied("allowed_models exceeds your own.", param="allowed_models")
+    if actor.key_id is not None:
+        parent = ApiKey.objects.filter(pk=actor.key_id).first()
+        if parent is not None and parent.expires_at is not None:
+            if expires_at is None or expires_at > parent.expires_at:
+                expires_at = parent.expires_at
+    secret, prefix, digest = apikeys.generate()
+    key = ApiKey.objects.create(
+        tenant_id=actor.tenant_id,
+        name=name,
+        prefix=prefix,
+        key_hash=digest,
+        role=role,
+        created_by=actor.subject,
+        member_id=actor.member_id,
+        allowed_models=sorted(set(allowed_models)) if allowed_models is not None else None,
+        expires_at=expires_at,
+    )
+    return CreatedKey(key=key, secret=secret)
+
+
+@transaction.atomic
+def apikey_revoke(*, actor: Principal, key_id: int) -> ApiKey:
+    key = apikey_get(actor=actor, key_id=key_id)
+    if key.revoked_at is None:
+        key.revoked_at = timezone.now()
+        key.save(update_fields=["revoked_at"])
+    return key
+
+
+# -- tokens --------------------------------------------------------------------------
+def token_for_api_key(*, api_key: str) -> IssuedToken:
+    key = lookup_api_key(api_key)
+    return issue_access_token(
+        subject=key.created_by,
+        tenant_id=key.tenant_id,
+        role=key.role,
+        member_id=key.member_id,
+        key_id=key.pk,
+        allowed_models=key.allowed_models,
+    )
+
+
+def token_for_password(*, username: str, password: str, tenant: str | None) -> IssuedToken:
+    user = django_authenticate(username=username, password=password)
+    if user is None:
+        raise Unauthenticated("Incorrect username or password.", code="invalid_credentials")
+    members = Member.objects.filter(user=user, is_active=True, tenant__is_active=True)
+    if tenant is not None:
+        members = members.filter(tenant__slug=tenant)
+    found = list(members.select_related("tenant")[:2])
+    if not found:
+        raise Unauthenticated("No active membership for these credentials.",
+                              code="invalid_credentials")
+    if len(found) > 1:
+        raise Unprocessable("You belong to several tenants: name one in `tenant`.",
+                            param="tenant")
+    member = found[0]
+    return issue_access_token(
+        subject=member.subject,
+        tenant_id=member.tenant_id,
+        role=member.role,
+        member_id=member.pk,
+        key_id=None,
+        allowed_models=None,
+    )
+
+
+# -- demo ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DemoCredentials:
+    tenant: str
+    username: str
+    password: str
+    api_key: str
+
+
+@transaction.atomic
+def demo_seed(*, username: str = "admin", tenant_slug: str = "demo") -> DemoCredentials:
+    """Idempotent: the demo tenant and its platform admin exist afterwards, the admin's
+    password is reset to a fresh random one and a fresh developer key is made."""
+    tenant, _ = Tenant.objects.get_or_create(slug=tenant_slug, defaults={"name": "Demo tenant"})
+    password = secrets.token_urlsafe(12)
+    user = User.objects.filter(username=username).first()
+    if user is None:
+        user = User.objects.create_user(username=username, email="admin@demo.invalid")
+    user.set_password(password)
+    user.save(update_fields=["password"])
+    member, _ = Member.objects.update_or_create(
+        tenant=tenant, user=user, defaults={"role": Role.PLATFORM_ADMIN, "is_active": True}
+    )
+    admin = Principal(
+        tenant_id=tenant.pk, tenant_slug=tenant.slug, role=Role.PLATFORM_ADMIN,
+        subject=member.subject, method=AuthMethod.SESSION, member_id=member.pk,
+    )
+    created = apikey_create(actor=admin, name="demo key", role=Role.DEVELOPER)
+    return DemoCredentials(tenant.slug, username, password, created.secret)
