@@ -4,10 +4,10 @@ exchange. Handlers only parse, call a selector or service, and serialize."""
 from __future__ import annotations
 
 from django.http import HttpRequest
-from ninja import Router
+from ninja import Router, Status
 from ninja.pagination import LimitOffsetPagination, paginate
-
 from sluice.errors import BadRequest
+
 from tenants import selectors, services
 from tenants.principal import Principal
 from tenants.schemas import (
@@ -60,9 +60,9 @@ def tenant_list(request: HttpRequest):  # type: ignore[no-untyped-def]
 @router.post("/tenants", response={201: TenantOut})
 def tenant_create(request: HttpRequest, data: TenantCreateIn):  # type: ignore[no-untyped-def]
     admin = _new_user(data.admin) if data.admin else None
-    return 201, services.tenant_create(
+    return Status(201, services.tenant_create(
         actor=_actor(request), slug=data.slug, name=data.name, admin=admin
-    )
+    ))
 
 
 @router.get("/tenants/{int:tenant_id}", response=TenantOut)
@@ -86,9 +86,9 @@ def member_list(request: HttpRequest):  # type: ignore[no-untyped-def]
 
 @router.post("/members", response={201: MemberOut})
 def member_create(request: HttpRequest, data: MemberCreateIn):  # type: ignore[no-untyped-def]
-    return 201, services.member_create(
+    return Status(201, services.member_create(
         actor=_actor(request), new=_new_user(data), role=data.role
-    )
+    ))
 
 
 @router.get("/members/{int:member_id}", response=MemberOut)
@@ -125,7 +125,7 @@ def apikey_create(request: HttpRequest, data: ApiKeyCreateIn):  # type: ignore[n
         allowed_models=data.allowed_models,
     )
     out = ApiKeyOut.from_orm(created.key).model_dump()
-    return 201, {**out, "key": created.secret}
+    return Status(201, {**out, "key": created.secret})
 
 
 @router.get("/keys/{int:key_id}", response=ApiKeyOut)

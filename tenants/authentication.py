@@ -10,8 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 from django.utils import timezone
-
 from sluice.errors import PermissionDenied, Unauthenticated
+
 from tenants import apikeys
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
@@ -56,7 +56,8 @@ def lookup_api_key(token: str) -> ApiKey:
         not key.member.is_active or not can_grant(key.member.role, key.role)
     ):
         # The owner left or was demoted below the key's role: the key must not outlive it.
-        raise Unauthenticated("This API key's owner no longer holds its role.", code="revoked_api_key")
+        raise Unauthenticated("This API key's owner no longer holds its role.",
+                              code="revoked_api_key")
     if key.last_used_at is None or key.last_used_at < now - _LAST_USED_RESOLUTION:
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
     return key
@@ -109,7 +110,8 @@ def authenticate_jwt(token: str) -> Principal:
     if key_id is not None:
         key = ApiKey.objects.filter(pk=key_id, tenant=tenant).first()
         if key is None or not key.is_usable():
-            raise Unauthenticated("The API key behind this token was revoked.", code="revoked_api_key")
+            raise Unauthenticated("The API key behind this token was revoked.",
+                                  code="revoked_api_key")
     if member_id is not None:
         member = Member.objects.filter(pk=member_id, tenant=tenant, is_active=True).first()
         if member is None or not can_grant(member.role, role):

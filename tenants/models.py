@@ -11,6 +11,7 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
+from tenants import apikeys
 from tenants.roles import Role
 
 SLUG_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
@@ -81,6 +82,10 @@ class ApiKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.prefix} ({self.name})"
+
+    @property
+    def display(self) -> str:
+        return apikeys.display(self.prefix)
 
     def is_usable(self, now: timezone.datetime | None = None) -> bool:
         now = now or timezone.now()

@@ -17,6 +17,7 @@ minute (so a flood of forged kids cannot turn into a flood of fetches).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -107,11 +108,9 @@ class ExternalIssuer:
             if self._loaded_at and age < _JWKS_TTL_S and not (force and age > _JWKS_MIN_REFETCH_S):
                 return
             self._loaded_at = now
-            try:
+            # On failure keep the keys we had: an IdP outage must not log everyone out.
+            with contextlib.suppress(OSError, ValueError):
                 self._keys = _parse_jwks(_fetch_json(str(self.jwks_url)))
-            except (OSError, ValueError):
-                # Keep the keys we had: an IdP outage must not log everyone out at once.
-                pass
 
     # -- claims --------------------------------------------------------------------
     def tenant_slug(self, claims: dict[str, Any]) -> str | None:

@@ -40,7 +40,9 @@ class Action(StrEnum):
 _DEVELOPER = frozenset({
     Action.TENANT_READ_OWN, Action.APIKEY_MANAGE_OWN, Action.MODEL_USE, Action.MODEL_LIST,
 })
-_AUDITOR = frozenset({Action.TENANT_READ_OWN, Action.AUDIT_READ, Action.MODEL_LIST})
+_AUDITOR = frozenset({
+    Action.TENANT_READ_OWN, Action.APIKEY_MANAGE_OWN, Action.AUDIT_READ, Action.MODEL_LIST,
+})
 _TENANT_ADMIN = _DEVELOPER | _AUDITOR | {
     Action.MEMBER_READ, Action.MEMBER_MANAGE, Action.APIKEY_MANAGE_ALL,
     Action.GOVERNANCE_MANAGE,

@@ -7,10 +7,9 @@ from typing import Annotated, Literal
 
 from ninja import Schema
 from pydantic import EmailStr, Field, StringConstraints
-
 from sluice.schemas import StrictSchema
-from tenants import apikeys
-from tenants.models import SLUG_PATTERN, ApiKey, Member
+
+from tenants.models import SLUG_PATTERN, Member
 from tenants.roles import Role
 
 Slug = Annotated[str, StringConstraints(pattern=SLUG_PATTERN, max_length=63)]
@@ -93,10 +92,6 @@ class ApiKeyOut(Schema):
     last_used_at: datetime | None
     created_at: datetime
 
-    @staticmethod
-    def resolve_display(obj: ApiKey) -> str:
-        return apikeys.display(obj.prefix)
-
 
 class ApiKeyCreatedOut(ApiKeyOut):
     key: str = Field(description="The secret. Shown once: store it now.")
@@ -119,5 +114,5 @@ class TokenIn(StrictSchema):
 
 class TokenOut(Schema):
     access_token: str
-    token_type: Literal["Bearer"] = "Bearer"
+    token_type: Literal["Bearer"] = "Bearer"  # noqa: S105 - not a secret
     expires_in: int

@@ -13,8 +13,8 @@ from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-
 from sluice.errors import Conflict, PermissionDenied, Unauthenticated, Unprocessable
+
 from tenants import apikeys
 from tenants.authentication import lookup_api_key
 from tenants.models import ApiKey, Member, Tenant
@@ -109,7 +109,9 @@ def member_update(
     require(actor, Action.MEMBER_MANAGE)
     # Lock the tenant's admins first: two admins demoting each other at once must not
     # both win and leave the tenant without one.
-    list(Member.objects.select_for_update().filter(tenant_id=actor.tenant_id, role__in=_ADMIN_ROLES))
+    admins = Member.objects.select_for_update().filter(tenant_id=actor.tenant_id,
+                                                       role__in=_ADMIN_ROLES)
+    list(admins)
     member = member_get(actor=actor, member_id=member_id)
     # A member above the actor cannot be changed by them, nor raised above the actor.
     _require_grant(actor, Role(member.role))
@@ -157,9 +159,9 @@ def apikey_create(
             raise PermissionDenied("allowed_models exceeds your own.", param="allowed_models")
     if actor.key_id is not None:
         parent = ApiKey.objects.filter(pk=actor.key_id).first()
-        if parent is not None and parent.expires_at is not None:
-            if expires_at is None or expires_at > parent.expires_at:
-                expires_at = parent.expires_at
+        ceiling = parent.expires_at if parent is not None else None
+        if ceiling is not None and (expires_at is None or expires_at > ceiling):
+            expires_at = ceiling  # a key cannot outlive the key that made it
     secret, prefix, digest = apikeys.generate()
     key = ApiKey.objects.create(
         tenant_id=actor.tenant_id,

@@ -9,6 +9,7 @@ directory is a mounted Secret.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import secrets
@@ -125,7 +126,7 @@ class KeyRing:
         keys = self.all()
         removed = []
         now = datetime.now(UTC)
-        for older, newer in zip(keys, keys[1:], strict=False):
+        for older, newer in itertools.pairwise(keys):
             if newer.created_at < now - grace:
                 (self.directory / f"{older.kid}.pem").unlink(missing_ok=True)
                 removed.append(older.kid)

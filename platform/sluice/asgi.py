@@ -9,7 +9,7 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sluice.settings.base")
 
-from django.core.asgi import get_asgi_application  # noqa: E402
+from django.core.asgi import get_asgi_application
 
 django_http = get_asgi_application()  # sets Django up before the imports below
 

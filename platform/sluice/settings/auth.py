@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from sluice.settings.env import env_int, env_json, env_list, env_str
 
-
 # The platform signs its own access tokens. Keys live as PEM files in this directory
 # (one per kid, newest is active); `manage.py rotatejwtkeys` adds one and prunes old ones.
 SLUICE_JWT_KEYS_DIR = env_str("SLUICE_JWT_KEYS_DIR", "")  # empty: <state dir>/jwt_keys

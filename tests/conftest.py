@@ -1,0 +1,141 @@
+"""Shared fixtures: two tenants (alice's and bob's) with a member and an API key for each
+role, a platform admin in an operator tenant, and a JSON client for the management API.
+
+Everything runs against the real PostgreSQL and Redis the test command points at."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+from sluice.redis import sync_redis
+
+from tenants.models import ApiKey, Member, Tenant
+from tenants.principal import AuthMethod, Principal
+from tenants.roles import Role
+from tenants.services import apikey_create
+
+PASSWORD = "correct horse battery staple"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fresh_redis() -> None:
+    """The test Redis database starts empty: nothing from an earlier run leaks in."""
+    sync_redis().flushdb()
+
+
+@dataclass
+class Response:
+    status: int
+    body: Any
+    headers: dict[str, str]
+
+
+class ApiClient:
+    """A thin JSON client over Django's test Client (the full middleware stack)."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self.client = Client()
+        self.token = token
+
+    def call(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+             token: str | None = None, headers: dict[str, str] | None = None) -> Response:
+        extra: dict[str, str] = {}
+        bearer = token if token is not None else self.token
+        if bearer is not None:
+            extra["HTTP_AUTHORIZATION"] = f"Bearer {bearer}"
+        for name, value in (headers or {}).items():
+            extra[f"HTTP_{name.upper().replace('-', '_')}"] = value
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        kwargs: dict[str, Any] = {"content_type": "application/json"} if data is not None else {}
+        if data is not None:
+            kwargs["data"] = data
+        response = getattr(self.client, method.lower())(path, **kwargs, **extra)
+        try:
+            parsed = json.loads(response.content) if response.content else None
+        except ValueError:
+            parsed = response.content.decode(errors="replace")
+        return Response(response.status_code, parsed, dict(response.headers))
+
+    def get(self, path: str, **kw: Any) -> Response:
+        return self.call("GET", path, **kw)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> Response:
+        return self.call("POST", path, body, **kw)
+
+    def patch(self, path: str, body: Any = None, **kw: Any) -> Response:
+        return self.call("PATCH", path, body, **kw)
+
+    def delete(self, path: str, **kw: Any) -> Response:
+        return self.call("DELETE", path, **kw)
+
+
+@dataclass
+class Org:
+    tenant: Tenant
+    members: dict[Role, Member] = field(default_factory=dict)
+    keys: dict[Role, str] = field(default_factory=dict)  # role -> full API key secret
+    key_rows: dict[Role, ApiKey] = field(default_factory=dict)
+
+    def client(self, role: Role) -> ApiClient:
+        return ApiClient(self.keys[role])
+
+
+def principal_for(member: Member) -> Principal:
+    return Principal(
+        tenant_id=member.tenant_id, tenant_slug=member.tenant.slug, role=Role(member.role),
+        subject=member.subject, method=AuthMethod.SESSION, member_id=member.pk,
+    )
+
+
+def make_org(slug: str, roles: list[Role]) -> Org:
+    tenant = Tenant.objects.create(slug=slug, name=f"{slug.title()} Inc")
+    org = Org(tenant=tenant)
+    for role in roles:
+        user = get_user_model().objects.create_user(
+            username=f"{slug}-{role}", email=f"{role}@{slug}.example", password=PASSWORD
+        )
+        member = Member.objects.create(tenant=tenant, user=user, role=role)
+        created = apikey_create(actor=principal_for(member), name=f"{role} key", role=role)
+        org.members[role] = member
+        org.keys[role] = created.secret
+        org.key_rows[role] = created.key
+    return org
+
+
+TENANT_ROLES = [Role.TENANT_ADMIN, Role.DEVELOPER, Role.AUDITOR]
+
+
+@pytest.fixture
+def alice(db: None) -> Org:
+    return make_org("alice", TENANT_ROLES)
+
+
+@pytest.fixture
+def bob(db: None) -> Org:
+    return make_org("bob", TENANT_ROLES)
+
+
+@pytest.fixture
+def ops(db: None) -> Org:
+    """The operator's tenant, home of the platform admin."""
+    return make_org("ops", [Role.PLATFORM_ADMIN])
+
+
+@pytest.fixture
+def anon() -> ApiClient:
+    return ApiClient()
+
+
+def assert_openai_error(response: Response, status: int) -> dict[str, Any]:
+    assert response.status == status, response.body
+    assert isinstance(response.body, dict) and set(response.body) == {"error"}, response.body
+    error = response.body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    return error

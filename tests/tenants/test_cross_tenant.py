@@ -1,0 +1,81 @@
+"""Every object endpoint refuses another tenant's object with 404 and changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.forms.models import model_to_dict
+
+from tenants.models import ApiKey, Member, Tenant
+from tenants.roles import Role
+from tests.conftest import Org, assert_openai_error
+
+pytestmark = pytest.mark.django_db
+
+
+def snapshot() -> dict[str, list[dict[str, Any]]]:
+    """Every row, minus last_used_at (bookkeeping of the caller's own key)."""
+    return {
+        "tenants": [model_to_dict(t) for t in Tenant.objects.order_by("pk")],
+        "members": [model_to_dict(m) for m in Member.objects.order_by("pk")],
+        "keys": [model_to_dict(k, exclude=["last_used_at"])
+                 for k in ApiKey.objects.order_by("pk")],
+    }
+
+
+Target = Callable[[Org], str]
+CASES: list[tuple[str, str, Target, Any]] = [
+    ("GET", "tenant", lambda b: f"/api/v1/tenants/{b.tenant.pk}", None),
+    ("PATCH", "tenant", lambda b: f"/api/v1/tenants/{b.tenant.pk}", {"name": "pwned"}),
+    ("GET", "member", lambda b: f"/api/v1/members/{b.members[Role.TENANT_ADMIN].pk}", None),
+    ("PATCH", "member", lambda b: f"/api/v1/members/{b.members[Role.DEVELOPER].pk}",
+     {"role": "auditor"}),
+    ("DELETE", "member", lambda b: f"/api/v1/members/{b.members[Role.DEVELOPER].pk}", None),
+    ("GET", "key", lambda b: f"/api/v1/keys/{b.key_rows[Role.DEVELOPER].pk}", None),
+    ("DELETE", "key", lambda b: f"/api/v1/keys/{b.key_rows[Role.DEVELOPER].pk}", None),
+]
+
+
+@pytest.mark.parametrize(("method", "kind", "target", "body"), CASES,
+                         ids=[f"{m}-{k}" for m, k, _, _ in CASES])
+def test_alice_admin_cannot_touch_bobs_object(
+    alice: Org, bob: Org, method: str, kind: str, target: Target, body: Any
+) -> None:
+    before = snapshot()
+    response = alice.client(Role.TENANT_ADMIN).call(method, target(bob), body)
+    if kind == "tenant" and method == "PATCH":
+        # Tenant updates are a platform-admin action: a tenant admin is denied outright.
+        assert_openai_error(response, 403)
+    else:
+        assert_openai_error(response, 404)
+    assert snapshot() == before
+    # and bob's own admin still can (the 404 was about alice, not a broken route)
+    if method == "GET":
+        assert bob.client(Role.TENANT_ADMIN).call(method, target(bob)).status == 200
+
+
+def test_lists_never_show_another_tenants_objects(alice: Org, bob: Org) -> None:
+    admin = alice.client(Role.TENANT_ADMIN)
+    members = admin.get("/api/v1/members").body["items"]
+    keys = admin.get("/api/v1/keys").body["items"]
+    assert {m["username"].split("-")[0] for m in members} == {"alice"}
+    bob_key_ids = {k.pk for k in bob.key_rows.values()}
+    assert keys and not bob_key_ids & {k["id"] for k in keys}
+
+
+def test_developer_sees_only_own_keys_in_own_tenant(alice: Org) -> None:
+    dev = alice.client(Role.DEVELOPER)
+    listed = dev.get("/api/v1/keys").body
+    assert [k["id"] for k in listed["items"]] == [alice.key_rows[Role.DEVELOPER].pk]
+    admins_key = alice.key_rows[Role.TENANT_ADMIN].pk
+    before = snapshot()
+    assert_openai_error(dev.get(f"/api/v1/keys/{admins_key}"), 404)
+    assert_openai_error(dev.delete(f"/api/v1/keys/{admins_key}"), 404)
+    assert snapshot() == before
+
+
+def test_platform_admin_reads_any_tenant(alice: Org, ops: Org) -> None:
+    response = ops.client(Role.PLATFORM_ADMIN).get(f"/api/v1/tenants/{alice.tenant.pk}")
+    assert response.status == 200 and response.body["slug"] == "alice"

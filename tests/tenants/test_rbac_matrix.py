@@ -1,0 +1,134 @@
+"""Role x endpoint matrix for every management endpoint.
+
+Each cell is the status a role gets on its *own* tenant's objects; cross-tenant access is
+in test_cross_tenant.py. One table, so a new endpoint without a row fails
+test_matrix_covers_every_route."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.urls import get_resolver
+
+from tenants.models import Member
+from tenants.roles import Role
+from tenants.services import apikey_create
+from tests.conftest import PASSWORD, ApiClient, Org, assert_openai_error, principal_for
+
+pytestmark = pytest.mark.django_db
+
+PA, TA, DEV, AUD = Role.PLATFORM_ADMIN, Role.TENANT_ADMIN, Role.DEVELOPER, Role.AUDITOR
+
+
+@dataclass
+class Ctx:
+    org: Org
+    role: Role
+
+    @property
+    def member(self) -> Member:
+        return self.org.members[self.role]
+
+    def fresh_member(self) -> Member:
+        n = Member.objects.count()
+        user = get_user_model().objects.create_user(username=f"target-{n}", password=PASSWORD)
+        return Member.objects.create(tenant=self.org.tenant, user=user, role=DEV)
+
+    def fresh_key_id(self) -> int:
+        return apikey_create(actor=principal_for(self.member), name="target").key.pk
+
+
+@dataclass
+class Row:
+    method: str
+    path: Callable[[Ctx], str]
+    body: Callable[[Ctx], Any] | None
+    expect: dict[Role, int]
+    route: str  # the route pattern, to check coverage
+
+
+def _new_user(ctx: Ctx) -> dict[str, str]:
+    n = Member.objects.count()
+    return {"username": f"new-{n}", "email": f"new{n}@example.com", "password": PASSWORD}
+
+
+MATRIX: dict[str, Row] = {
+    "me": Row("GET", lambda c: "/api/v1/me", None,
+              {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/me"),
+    "tenant list": Row("GET", lambda c: "/api/v1/tenants", None,
+                       {PA: 200, TA: 403, DEV: 403, AUD: 403}, "api/v1/tenants"),
+    "tenant create": Row("POST", lambda c: "/api/v1/tenants",
+                         lambda c: {"slug": f"new-{c.role.replace('_', '-')}", "name": "New"},
+                         {PA: 201, TA: 403, DEV: 403, AUD: 403}, "api/v1/tenants"),
+    "tenant get": Row("GET", lambda c: f"/api/v1/tenants/{c.org.tenant.pk}", None,
+                      {PA: 200, TA: 200, DEV: 200, AUD: 200},
+                      "api/v1/tenants/<int:tenant_id>"),
+    "tenant update": Row("PATCH", lambda c: f"/api/v1/tenants/{c.org.tenant.pk}",
+                         lambda c: {"name": "Renamed"},
+                         {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                         "api/v1/tenants/<int:tenant_id>"),
+    "member list": Row("GET", lambda c: "/api/v1/members", None,
+                       {PA: 200, TA: 200, DEV: 403, AUD: 403}, "api/v1/members"),
+    "member create": Row("POST", lambda c: "/api/v1/members",
+                         lambda c: {**_new_user(c), "role": "developer"},
+                         {PA: 201, TA: 201, DEV: 403, AUD: 403}, "api/v1/members"),
+    "member get": Row("GET", lambda c: f"/api/v1/members/{c.fresh_member().pk}", None,
+                      {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                      "api/v1/members/<int:member_id>"),
+    "member update": Row("PATCH", lambda c: f"/api/v1/members/{c.fresh_member().pk}",
+                         lambda c: {"role": "auditor"},
+                         {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                         "api/v1/members/<int:member_id>"),
+    "member deactivate": Row("DELETE", lambda c: f"/api/v1/members/{c.fresh_member().pk}",
+                             None, {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                             "api/v1/members/<int:member_id>"),
+    "key list": Row("GET", lambda c: "/api/v1/keys", None,
+                    {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/keys"),
+    "key create": Row("POST", lambda c: "/api/v1/keys", lambda c: {"name": "mine"},
+                      {PA: 201, TA: 201, DEV: 201, AUD: 201}, "api/v1/keys"),
+    "key get": Row("GET", lambda c: f"/api/v1/keys/{c.fresh_key_id()}", None,
+                   {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/keys/<int:key_id>"),
+    "key revoke": Row("DELETE", lambda c: f"/api/v1/keys/{c.fresh_key_id()}", None,
+                      {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/keys/<int:key_id>"),
+}
+
+CASES = [(name, role) for name in MATRIX for role in (PA, TA, DEV, AUD)]
+
+
+def _call(client: ApiClient, row: Row, ctx: Ctx) -> Any:
+    body = row.body(ctx) if row.body else None
+    return client.call(row.method, row.path(ctx), body)
+
+
+@pytest.mark.parametrize(("endpoint", "role"), CASES, ids=[f"{e}-{r}" for e, r in CASES])
+def test_role_gets_expected_status(alice: Org, ops: Org, endpoint: str, role: Role) -> None:
+    org = ops if role == PA else alice
+    row = MATRIX[endpoint]
+    response = _call(org.client(role), row, Ctx(org, role))
+    expected = row.expect[role]
+    if expected >= 400:
+        error = assert_openai_error(response, expected)
+        assert error["type"] == "permission_error"
+    else:
+        assert response.status == expected, response.body
+
+
+@pytest.mark.parametrize("endpoint", list(MATRIX))
+def test_anonymous_gets_401(alice: Org, endpoint: str) -> None:
+    row = MATRIX[endpoint]
+    assert_openai_error(_call(ApiClient(), row, Ctx(alice, TA)), 401)
+
+
+def test_matrix_covers_every_route() -> None:
+    routes = set()
+    for pattern in get_resolver().url_patterns:
+        for sub in getattr(pattern, "url_patterns", []):
+            route = str(sub.pattern)
+            if route.startswith("api/v1/"):
+                routes.add(route)
+    covered = {row.route for row in MATRIX.values()}
+    assert routes == covered, f"routes without a matrix row: {routes - covered}"
