@@ -6,8 +6,8 @@ from __future__ import annotations
 from django.http import HttpRequest
 from ninja import Router, Status
 from ninja.pagination import LimitOffsetPagination, paginate
-from sluice.errors import BadRequest
 
+from sluice.errors import BadRequest
 from tenants import selectors, services
 from tenants.principal import Principal
 from tenants.schemas import (
@@ -53,12 +53,12 @@ def me(request: HttpRequest) -> dict[str, object]:
 # -- tenants -------------------------------------------------------------------------
 @router.get("/tenants", response=list[TenantOut])
 @paginate(LimitOffsetPagination)
-def tenant_list(request: HttpRequest):  # type: ignore[no-untyped-def]
+def tenant_list(request: HttpRequest):
     return selectors.tenant_list(actor=_actor(request))
 
 
 @router.post("/tenants", response={201: TenantOut})
-def tenant_create(request: HttpRequest, data: TenantCreateIn):  # type: ignore[no-untyped-def]
+def tenant_create(request: HttpRequest, data: TenantCreateIn):
     admin = _new_user(data.admin) if data.admin else None
     return Status(201, services.tenant_create(
         actor=_actor(request), slug=data.slug, name=data.name, admin=admin
@@ -66,12 +66,12 @@ def tenant_create(request: HttpRequest, data: TenantCreateIn):  # type: ignore[n
 
 
 @router.get("/tenants/{int:tenant_id}", response=TenantOut)
-def tenant_get(request: HttpRequest, tenant_id: int):  # type: ignore[no-untyped-def]
+def tenant_get(request: HttpRequest, tenant_id: int):
     return selectors.tenant_get(actor=_actor(request), tenant_id=tenant_id)
 
 
 @router.patch("/tenants/{int:tenant_id}", response=TenantOut)
-def tenant_update(request: HttpRequest, tenant_id: int, data: TenantUpdateIn):  # type: ignore[no-untyped-def]
+def tenant_update(request: HttpRequest, tenant_id: int, data: TenantUpdateIn):
     return services.tenant_update(
         actor=_actor(request), tenant_id=tenant_id, name=data.name, is_active=data.is_active
     )
@@ -80,43 +80,43 @@ def tenant_update(request: HttpRequest, tenant_id: int, data: TenantUpdateIn):  
 # -- members -------------------------------------------------------------------------
 @router.get("/members", response=list[MemberOut])
 @paginate(LimitOffsetPagination)
-def member_list(request: HttpRequest):  # type: ignore[no-untyped-def]
+def member_list(request: HttpRequest):
     return selectors.member_list(actor=_actor(request))
 
 
 @router.post("/members", response={201: MemberOut})
-def member_create(request: HttpRequest, data: MemberCreateIn):  # type: ignore[no-untyped-def]
+def member_create(request: HttpRequest, data: MemberCreateIn):
     return Status(201, services.member_create(
         actor=_actor(request), new=_new_user(data), role=data.role
     ))
 
 
 @router.get("/members/{int:member_id}", response=MemberOut)
-def member_get(request: HttpRequest, member_id: int):  # type: ignore[no-untyped-def]
+def member_get(request: HttpRequest, member_id: int):
     return selectors.member_get(actor=_actor(request), member_id=member_id)
 
 
 @router.patch("/members/{int:member_id}", response=MemberOut)
-def member_update(request: HttpRequest, member_id: int, data: MemberUpdateIn):  # type: ignore[no-untyped-def]
+def member_update(request: HttpRequest, member_id: int, data: MemberUpdateIn):
     return services.member_update(
         actor=_actor(request), member_id=member_id, role=data.role, is_active=data.is_active
     )
 
 
 @router.delete("/members/{int:member_id}", response=MemberOut)
-def member_deactivate(request: HttpRequest, member_id: int):  # type: ignore[no-untyped-def]
+def member_deactivate(request: HttpRequest, member_id: int):
     return services.member_update(actor=_actor(request), member_id=member_id, is_active=False)
 
 
 # -- API keys ------------------------------------------------------------------------
 @router.get("/keys", response=list[ApiKeyOut])
 @paginate(LimitOffsetPagination)
-def apikey_list(request: HttpRequest):  # type: ignore[no-untyped-def]
+def apikey_list(request: HttpRequest):
     return selectors.apikey_list(actor=_actor(request))
 
 
 @router.post("/keys", response={201: ApiKeyCreatedOut})
-def apikey_create(request: HttpRequest, data: ApiKeyCreateIn):  # type: ignore[no-untyped-def]
+def apikey_create(request: HttpRequest, data: ApiKeyCreateIn):
     created = services.apikey_create(
         actor=_actor(request),
         name=data.name,
@@ -129,18 +129,18 @@ def apikey_create(request: HttpRequest, data: ApiKeyCreateIn):  # type: ignore[n
 
 
 @router.get("/keys/{int:key_id}", response=ApiKeyOut)
-def apikey_get(request: HttpRequest, key_id: int):  # type: ignore[no-untyped-def]
+def apikey_get(request: HttpRequest, key_id: int):
     return selectors.apikey_get(actor=_actor(request), key_id=key_id)
 
 
 @router.delete("/keys/{int:key_id}", response=ApiKeyOut)
-def apikey_revoke(request: HttpRequest, key_id: int):  # type: ignore[no-untyped-def]
+def apikey_revoke(request: HttpRequest, key_id: int):
     return services.apikey_revoke(actor=_actor(request), key_id=key_id)
 
 
 # -- token exchange ------------------------------------------------------------------
 @auth_router.post("/token", response=TokenOut)
-def token(request: HttpRequest, data: TokenIn):  # type: ignore[no-untyped-def]
+def token(request: HttpRequest, data: TokenIn):
     if data.grant_type == "api_key":
         if not data.api_key:
             raise BadRequest("grant_type api_key needs `api_key`.", param="api_key")

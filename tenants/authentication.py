@@ -10,8 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 from django.utils import timezone
-from sluice.errors import PermissionDenied, Unauthenticated
 
+from sluice.errors import PermissionDenied, Unauthenticated
 from tenants import apikeys
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
@@ -99,9 +99,12 @@ def authenticate_jwt(token: str) -> Principal:
 
     # Our own token: re-check what may have changed since it was issued (tenant disabled,
     # member removed or demoted, key revoked), so revocation takes effect at once.
-    tenant = Tenant.objects.filter(pk=claims.get("tid"), is_active=True).first()
+    tid, raw_role = claims.get("tid"), claims.get("role")
+    if not isinstance(tid, int) or not isinstance(raw_role, str):
+        raise Unauthenticated("Invalid access token: bad claims.", code="invalid_token")
+    tenant = Tenant.objects.filter(pk=tid, is_active=True).first()
     try:
-        role = Role(claims.get("role"))
+        role = Role(raw_role)
     except ValueError:
         raise Unauthenticated("Invalid access token: bad role.", code="invalid_token") from None
     if tenant is None:

@@ -6,6 +6,8 @@ it is filtered by the caller's tenant (selectors do this; nothing reads a global
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.conf import settings
 from django.core.validators import RegexValidator
 from django.db import models
@@ -87,6 +89,6 @@ class ApiKey(models.Model):
     def display(self) -> str:
         return apikeys.display(self.prefix)
 
-    def is_usable(self, now: timezone.datetime | None = None) -> bool:
+    def is_usable(self, now: datetime | None = None) -> bool:
         now = now or timezone.now()
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)

@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 
 from ninja import Schema
 from pydantic import EmailStr, Field, StringConstraints
-from sluice.schemas import StrictSchema
 
+from sluice.schemas import StrictSchema
 from tenants.models import SLUG_PATTERN, Member
 from tenants.roles import Role
 

@@ -5,8 +5,8 @@ whose role lacks the action altogether is PermissionDenied."""
 from __future__ import annotations
 
 from django.db.models import QuerySet
-from sluice.errors import NotFound, PermissionDenied
 
+from sluice.errors import NotFound, PermissionDenied
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import Principal
 from tenants.roles import Action

@@ -9,12 +9,13 @@ from datetime import datetime
 
 from django.contrib.auth import authenticate as django_authenticate
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User as AuthUser
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-from sluice.errors import Conflict, PermissionDenied, Unauthenticated, Unprocessable
 
+from sluice.errors import Conflict, PermissionDenied, Unauthenticated, Unprocessable
 from tenants import apikeys
 from tenants.authentication import lookup_api_key
 from tenants.models import ApiKey, Member, Tenant
@@ -39,7 +40,7 @@ def _require_grant(actor: Principal, role: Role) -> None:
         raise PermissionDenied(f"A {actor.role} cannot grant the role {role}.", param="role")
 
 
-def _create_user(new: NewUser) -> object:
+def _create_user(new: NewUser) -> AuthUser:
     try:
         validate_password(new.password)
     except ValidationError as exc:

@@ -42,10 +42,11 @@ class SigningKey:
         return self.private_key.public_key()
 
     def public_jwk(self) -> dict[str, Any]:
-        if isinstance(self.private_key, ec.EllipticCurvePrivateKey):
-            jwk = ECAlgorithm.to_jwk(self.public_key, as_dict=True)
+        public = self.public_key
+        if isinstance(public, ec.EllipticCurvePublicKey):
+            jwk = ECAlgorithm.to_jwk(public, as_dict=True)
         else:
-            jwk = RSAAlgorithm.to_jwk(self.public_key, as_dict=True)
+            jwk = RSAAlgorithm.to_jwk(public, as_dict=True)
         return {**jwk, "kid": self.kid, "alg": self.alg, "use": "sig"}
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import jwt
 from django.conf import settings
-from sluice.errors import Unauthenticated
 
+from sluice.errors import Unauthenticated
 from tenants.oidc import ExternalIssuer, external_issuers
 from tenants.signing_keys import KID_PATTERN, keyring
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
-from sluice.responses import json_response
 
+from sluice.responses import json_response
 from tenants.signing_keys import keyring
 
 

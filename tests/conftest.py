@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
-from sluice.redis import sync_redis
 
+from sluice.redis import sync_redis
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
 from tenants.roles import Role

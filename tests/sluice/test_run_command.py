@@ -1,0 +1,153 @@
+"""The run command, as a user runs it: private Redis when none answers, SQLite, a seeded
+demo tenant, a real uvicorn serving real sockets, and Ctrl-C stopping everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.localinfra import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Running:
+    proc: subprocess.Popen[str]
+    base: str
+    banner: str
+    key: str
+    redis_port: int
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    port, dead_redis_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL",
+                                                            "DJANGO_SETTINGS_MODULE")}
+    env.update({
+        "SLUICE_STATE_DIR": str(tmp_path_factory.mktemp("state")),
+        # Nothing listens there: the command must start its own Redis.
+        "REDIS_URL": f"redis://127.0.0.1:{dead_redis_port}/0",
+        "PYTHONUNBUFFERED": "1",
+    })
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "run", "--port", str(port)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Press Ctrl-C to stop." in line:
+            break
+    banner = "".join(lines)
+    if "Press Ctrl-C to stop." not in banner:
+        proc.kill()
+        pytest.fail(f"run command did not come up:\n{banner}")
+    key = re.search(r"API key\s+(sk-sluice-\S+)", banner)
+    redis = re.search(r"Redis\s+redis://127\.0\.0\.1:(\d+)/", banner)
+    assert key and redis, banner
+    yield Running(proc, f"http://127.0.0.1:{port}", banner, key.group(1), int(redis.group(1)))
+    if proc.poll() is None:
+        proc.kill()
+
+
+def http(method: str, url: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def test_banner_prints_urls_login_key_and_curl(running: Running) -> None:
+    for fragment in (f"{running.base}/v1", f"{running.base}/api/docs", "Login     admin / ",
+                     f'curl -s {running.base}/api/v1/me -H "Authorization: Bearer {running.key}"',
+                     "(private, stops with Sluice)", "sqlite3"):
+        assert fragment in running.banner
+
+
+def test_printed_key_works_against_the_live_server(running: Running) -> None:
+    status, body = http("GET", f"{running.base}/api/v1/me",
+                        headers={"Authorization": f"Bearer {running.key}"})
+    assert status == 200 and body["tenant"] == "demo" and body["role"] == "developer"
+    status, body = http("POST", f"{running.base}/v1/auth/token", json.dumps(
+        {"grant_type": "api_key", "api_key": running.key}).encode(),
+        {"Content-Type": "application/json"})
+    assert status == 200 and body["token_type"] == "Bearer"
+    status, ready = http("GET", f"{running.base}/readyz")
+    assert status == 200 and ready["checks"] == {"database": "ok", "redis": "ok"}
+
+
+def test_printed_login_works(running: Running) -> None:
+    match = re.search(r"Login\s+(\S+) / (\S+)", running.banner)
+    assert match
+    status, body = http("POST", f"{running.base}/v1/auth/token", json.dumps(
+        {"grant_type": "password", "username": match.group(1),
+         "password": match.group(2)}).encode(), {"Content-Type": "application/json"})
+    assert status == 200, body
+
+
+def _raw(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(payload)
+        chunks = []
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+def test_oversized_chunked_body_is_413_over_a_real_socket(running: Running) -> None:
+    port = int(running.base.rsplit(":", 1)[1])
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(20)) + b"0\r\n\r\n"
+    head = (f"POST /api/v1/keys HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            f"Authorization: Bearer {running.key}\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n").encode()
+    response = _raw(port, head + body)
+    status_line, _, rest = response.partition(b"\r\n")
+    assert b" 413 " in status_line, response[:300]
+    payload = json.loads(rest.split(b"\r\n\r\n", 1)[1])
+    assert payload["error"]["code"] == "payload_too_large"
+
+
+def test_ctrl_c_stops_every_process_it_started(running: Running) -> None:
+    port = int(running.base.rsplit(":", 1)[1])
+    assert _port_open(port) and _port_open(running.redis_port)
+    running.proc.send_signal(signal.SIGINT)
+    assert running.proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 10
+    while (_port_open(port) or _port_open(running.redis_port)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _port_open(port), "HTTP server still listening after Ctrl-C"
+    assert not _port_open(running.redis_port), "private Redis still running after Ctrl-C"
