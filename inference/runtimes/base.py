@@ -1,0 +1,104 @@
+"""The runtime interface: what a worker needs from a model, nothing more.
+
+Contract for chat runtimes (continuous batching, vLLM-style but small):
+- `add(seqs)` prefills new sequences and returns each one's first sampled token;
+- `step()` decodes one token for every active sequence and returns them by request id;
+- `drop(rids)` removes finished or cancelled sequences (freeing their KV cache rows);
+- sequences join and leave only between steps; a step never blocks on I/O.
+Tokenizer methods are pure and thread-safe. Embedding runtimes batch per call.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+class ChatRuntime(ABC):
+    eos_token_ids: frozenset[int] = frozenset()
+    max_context: int = 2048
+
+    @abstractmethod
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Prompt token ids for OpenAI-style messages, generation prompt included."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
+
+    @abstractmethod
+    def add(self, seqs: Sequence[NewSequence]) -> dict[str, int]: ...
+
+    @abstractmethod
+    def step(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    def drop(self, rids: Iterable[str]) -> None: ...
+
+    @property
+    @abstractmethod
+    def active(self) -> list[str]: ...
+
+    def memory(self) -> tuple[int, int]:
+        return process_memory()
+
+
+class EmbeddingRuntime(ABC):
+    max_context: int = 512
+    dimensions: int = 0
+
+    @abstractmethod
+    def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], list[int]]:
+        """Unit-normalised vectors and each text's token count, in order."""
+
+    @abstractmethod
+    def count_tokens(self, text: str) -> int: ...
+
+    def memory(self) -> tuple[int, int]:
+        return process_memory()
+
+
+def process_memory() -> tuple[int, int]:
+    """(used, total) bytes: the process's RSS against the machine's memory."""
+    try:
+        with open("/proc/self/statm") as handle:
+            rss = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return rss, total
+
+
+def device_memory(device: str) -> tuple[int, int]:
+    """(used, total) bytes of the device: torch.cuda.mem_get_info on GPU, RSS on CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return total - free, total
+    return process_memory()

@@ -1,0 +1,196 @@
+"""transformers causal LMs with continuous batching over a shared, left-padded KV cache.
+
+The running batch is one DynamicCache whose rows are sequences. New sequences are
+prefilled together (left-padded), then spliced into the running cache (padding whichever
+side is shorter on the left); finished ones are removed by row, and columns that became
+padding for every row are trimmed. Each decode step is one forward pass for the whole
+batch with per-row position ids and an attention mask that hides the padding.
+
+Works with full-attention decoder models (Llama, SmolLM, Qwen2, Mistral without sliding
+windows...). The weights may be any local transformers folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams, device_memory
+from inference.runtimes.sampling import generator_for, sample
+
+
+class CausalLMRuntime(ChatRuntime):
+    def __init__(self, model: Any, tokenizer: Any, *, device: str, max_context: int) -> None:
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_context = min(max_context, int(getattr(model.config, "max_position_embeddings",
+                                                        max_context)))
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos else [])
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if tokenizer else None
+        if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+            eos.add(im_end)
+        self.eos_token_ids = frozenset(eos)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._rids: list[str] = []
+        self._params: list[SamplingParams] = []
+        self._gens: list[torch.Generator | None] = []
+        self._cache: Any = None
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self._pos = torch.zeros((0,), dtype=torch.long, device=device)
+        self._last = torch.zeros((0,), dtype=torch.long, device=device)
+
+    @classmethod
+    def from_folder(cls, folder: Path, *, device: str, max_context: int) -> CausalLMRuntime:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        return cls(model, tokenizer, device=device, max_context=max_context)
+
+    # -- tokenizer -----------------------------------------------------------------
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        text = "\n".join(f"{m.get('role')}: {m.get('content', '')}" for m in messages)
+        return self.encode(text + "\nassistant:")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    # -- batching ------------------------------------------------------------------
+    @property
+    def active(self) -> list[str]:
+        return list(self._rids)
+
+    @torch.inference_mode()
+    def add(self, seqs: Sequence[NewSequence]) -> dict[str, int]:
+        if not seqs:
+            return {}
+        from transformers import DynamicCache
+
+        lengths = [len(s.prompt_ids) for s in seqs]
+        width = max(lengths)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids[row, width - len(seq.prompt_ids):] = torch.tensor(seq.prompt_ids)
+            mask[row, width - len(seq.prompt_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         cache=cache, use_cache=True)
+        params = [s.params for s in seqs]
+        gens = [generator_for(p, self.device) for p in params]
+        first = sample(out.logits[:, -1, :], params, gens)
+        self._splice(cache, mask, torch.tensor(lengths, device=self.device),
+                     torch.tensor(first, device=self.device))
+        self._rids += [s.rid for s in seqs]
+        self._params += params
+        self._gens += gens
+        return {s.rid: tok for s, tok in zip(seqs, first, strict=True)}
+
+    def _splice(self, cache: Any, mask: torch.Tensor, pos: torch.Tensor,
+                last: torch.Tensor) -> None:
+        if self._cache is None or not self._rids:
+            self._cache, self._mask, self._pos, self._last = cache, mask, pos, last
+            return
+        old_w, new_w = self._mask.shape[1], mask.shape[1]
+        width = max(old_w, new_w)
+        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
+            old_layer.keys = torch.cat([_left_pad(old_layer.keys, width),
+                                        _left_pad(new_layer.keys, width)], dim=0)
+            old_layer.values = torch.cat([_left_pad(old_layer.values, width),
+                                          _left_pad(new_layer.values, width)], dim=0)
+        self._mask = torch.cat([_left_pad_mask(self._mask, width),
+                                _left_pad_mask(mask, width)], dim=0)
+        self._pos = torch.cat([self._pos, pos])
+        self._last = torch.cat([self._last, last])
+
+    @torch.inference_mode()
+    def step(self) -> dict[str, int]:
+        if not self._rids:
+            return {}
+        ones = torch.ones((len(self._rids), 1), dtype=torch.long, device=self.device)
+        mask = torch.cat([self._mask, ones], dim=1)
+        out = self.model(input_ids=self._last[:, None], attention_mask=mask,
+                         position_ids=self._pos[:, None], cache=self._cache,
+                         use_cache=True)
+        tokens = sample(out.logits[:, -1, :], self._params, self._gens)
+        self._mask = mask
+        self._pos = self._pos + 1
+        self._last = torch.tensor(tokens, device=self.device)
+        return dict(zip(self._rids, tokens, strict=True))
+
+    def drop(self, rids: Iterable[str]) -> None:
+        gone = set(rids)
+        keep = [i for i, rid in enumerate(self._rids) if rid not in gone]
+        if len(keep) == len(self._rids):
+            return
+        if not keep:
+            self._rids, self._params, self._gens, self._cache = [], [], [], None
+            return
+        index = torch.tensor(keep, device=self.device)
+        self._rids = [self._rids[i] for i in keep]
+        self._params = [self._params[i] for i in keep]
+        self._gens = [self._gens[i] for i in keep]
+        self._mask, self._pos, self._last = self._mask[index], self._pos[index], self._last[index]
+        # Columns that are padding in every remaining row can go: the cache shrinks back
+        # when a long sequence leaves.
+        used = self._mask.sum(0) > 0
+        start = int(used.nonzero()[0].item()) if bool(used.any()) else 0
+        self._mask = self._mask[:, start:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[index][:, :, start:, :]
+            layer.values = layer.values[index][:, :, start:, :]
+
+    def memory(self) -> tuple[int, int]:
+        return device_memory(self.device)
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - t.shape[-2]
+    if missing <= 0:
+        return t
+    pad = torch.zeros((*t.shape[:-2], missing, t.shape[-1]), dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t], dim=-2)
+
+
+def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    if missing <= 0:
+        return mask
+    pad = torch.zeros((mask.shape[0], missing), dtype=mask.dtype, device=mask.device)
+    return torch.cat([pad, mask], dim=1)
+
+
+def tiny_causal_lm(*, device: str, max_context: int, seed: int = 0) -> CausalLMRuntime:
+    """SmolLM2's architecture and tokenizer at a toy size with random weights: loads in
+    about a second, for tests. Its output is gibberish by design."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from inference.weights import smollm2_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_context,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, initializer_range=0.5,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return CausalLMRuntime(model, tokenizer, device=device, max_context=max_context)
