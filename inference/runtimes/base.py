@@ -15,6 +15,7 @@ import resource
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -86,8 +87,8 @@ class EmbeddingRuntime(ABC):
 def process_memory() -> tuple[int, int]:
     """(used, total) bytes: the process's RSS against the machine's memory."""
     try:
-        with open("/proc/self/statm") as handle:
-            rss = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        statm = Path("/proc/self/statm").read_text()
+        rss = int(statm.split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -11,6 +11,8 @@ from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
+from inference.api import models_router
+from inference.api import router as inference_router
 from sluice.errors import (
     ApiError,
     BadRequest,
@@ -46,7 +48,9 @@ api = NinjaAPI(
     openapi_url="/api/openapi.json",
 )
 api.add_router("/api/v1/", tenants_router)
+api.add_router("/api/v1/", inference_router)
 api.add_router("/v1/auth/", auth_router)
+api.add_router("/v1/", models_router)
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, str]:

@@ -66,10 +66,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         from django.core.management import call_command
 
         django.setup()
+        from inference.services import deployment_seed_defaults
         from tenants.services import demo_seed
 
         call_command("migrate", interactive=False, verbosity=0)
         creds = demo_seed()
+        deployments = [d for d in deployment_seed_defaults() if d.enabled]
 
         group.env = dict(os.environ)
         group.start("http", [
@@ -77,8 +79,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             "--host", args.host, "--port", str(args.port), "--workers", str(args.workers),
             "--no-access-log", "--lifespan", "off", "--timeout-graceful-shutdown", "5",
         ])
+        for deployment in deployments:
+            group.start(f"worker:{deployment.name}", [
+                sys.executable, str(REPO / "manage.py"), "runworker",
+                "--deployment", deployment.name,
+            ])
         _wait_ready(f"{base}/readyz", 60, group)
-        print(_banner(base, redis_url, redis_started, creds), flush=True)
+        print(_banner(base, redis_url, redis_started, creds, [d.name for d in deployments]),
+              flush=True)
         exited = group.wait()
         if exited is not None:
             _say(f"process {exited[0]!r} exited with code {exited[1]}; stopping everything")
@@ -94,7 +102,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         _say("stopped")
 
 
-def _banner(base: str, redis_url: str, redis_started: Started | None, creds: object) -> str:
+def _banner(base: str, redis_url: str, redis_started: Started | None, creds: object,
+            models: list[str]) -> str:
     key = getattr(creds, "api_key", "")
     user, password = getattr(creds, "username", ""), getattr(creds, "password", "")
     tenant = getattr(creds, "tenant", "")
@@ -110,12 +119,15 @@ Sluice is running.
   JWKS                        {base}/.well-known/jwks.json
   Database                    {db["ENGINE"].rsplit(".", 1)[-1]} {db["NAME"]}
   Redis                       {redis_url}{redis_note}
+  Model workers               {", ".join(models) or "none"} (the first start converts
+                              the chat model's shipped weights once: ~30 s)
 
   Login     {user} / {password}   (tenant {tenant}, platform admin)
   API key   {key}   (developer)
 
 Try it:
   curl -s {base}/api/v1/me -H "Authorization: Bearer {key}"
+  curl -s {base}/v1/models -H "Authorization: Bearer {key}"
   curl -s -X POST {base}/v1/auth/token -H "Content-Type: application/json" \\
        -d '{{"grant_type": "api_key", "api_key": "{key}"}}'
 

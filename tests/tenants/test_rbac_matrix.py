@@ -14,6 +14,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.urls import get_resolver
 
+from inference.models import Deployment
 from tenants.models import Member
 from tenants.roles import Role
 from tenants.services import apikey_create
@@ -37,6 +38,10 @@ class Ctx:
         n = Member.objects.count()
         user = get_user_model().objects.create_user(username=f"target-{n}", password=PASSWORD)
         return Member.objects.create(tenant=self.org.tenant, user=user, role=DEV)
+
+    def deployment(self) -> str:
+        Deployment.objects.get_or_create(name="echo-matrix", defaults={"runtime": "echo"})
+        return "echo-matrix"
 
     def fresh_key_id(self) -> int:
         return apikey_create(actor=principal_for(self.member), name="target").key.pk
@@ -94,6 +99,18 @@ MATRIX: dict[str, Row] = {
                    {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/keys/<int:key_id>"),
     "key revoke": Row("DELETE", lambda c: f"/api/v1/keys/{c.fresh_key_id()}", None,
                       {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/keys/<int:key_id>"),
+    "deployment list": Row("GET", lambda c: "/api/v1/deployments", None,
+                           {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/deployments"),
+    "deployment create": Row("POST", lambda c: "/api/v1/deployments",
+                             lambda c: {"name": f"echo-{c.role}", "runtime": "echo"},
+                             {PA: 201, TA: 403, DEV: 403, AUD: 403}, "api/v1/deployments"),
+    "deployment get": Row("GET", lambda c: f"/api/v1/deployments/{c.deployment()}", None,
+                          {PA: 200, TA: 200, DEV: 200, AUD: 200},
+                          "api/v1/deployments/<name>"),
+    "deployment update": Row("PATCH", lambda c: f"/api/v1/deployments/{c.deployment()}",
+                             lambda c: {"max_batch_size": 4},
+                             {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                             "api/v1/deployments/<name>"),
 }
 
 CASES = [(name, role) for name in MATRIX for role in (PA, TA, DEV, AUD)]

@@ -1,0 +1,215 @@
+"""The gateway side of the queue: submit a request, await its events, cancel, resume.
+
+One router task per gateway process reads that process's event stream
+(`sluice:gw:<id>`) with a single blocking XREAD and hands each event to the waiting
+request, so thousands of in-flight requests cost one Redis connection, not thousands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from secrets import token_hex
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from inference import queue as q
+from inference.spec import DeploymentSpec
+from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
+
+logger = logging.getLogger("sluice.inference")
+_FINAL = ("done", "error")
+_GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
+
+
+class RequestHandle:
+    def __init__(self, client: InferenceClient, spec: DeploymentSpec, rid: str, tenant: str,
+                 deadline_ms: int, events: asyncio.Queue[dict[str, Any]]) -> None:
+        self.client, self.spec, self.rid, self.tenant = client, spec, rid, tenant
+        self.deadline_ms = deadline_ms
+        self._queue = events
+        self.next_seq = 0
+        self.finished = False
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Events in order, each once; ends after the final `done` or `error` event."""
+        try:
+            while not self.finished:
+                timeout = (self.deadline_ms - q.now_ms()) / 1000 + _GRACE_S
+                try:
+                    event = await asyncio.wait_for(self._queue.get(), max(timeout, 0.001))
+                except TimeoutError:
+                    await self.cancel()
+                    raise DeadlineExceeded("The request's deadline passed.") from None
+                if event["seq"] < self.next_seq and event["t"] not in _FINAL:
+                    continue  # a duplicate from a worker that took over
+                self.next_seq = event["seq"] + 1
+                if event["t"] in _FINAL:
+                    self.finished = True
+                yield event
+        finally:
+            self.client._forget(self.rid)
+
+    async def cancel(self) -> None:
+        if not self.finished:
+            await self.client.cancel(self.spec.name, self.rid)
+
+
+class InferenceClient:
+    def __init__(self, redis_url: str, *, gateway_id: str | None = None) -> None:
+        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=10,
+                                             socket_connect_timeout=5)
+        # The router's blocking read gets its own connection and a longer timeout.
+        self._reader = aioredis.Redis.from_url(redis_url, socket_timeout=30,
+                                               socket_connect_timeout=5)
+        self.gateway_id = gateway_id or token_hex(8)
+        self.key = q.gateway_key(self.gateway_id)
+        self._waiting: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._router: asyncio.Task[None] | None = None
+        self._enqueue = self.redis.register_script(q.ENQUEUE_LUA)
+        self._last_id = "0-0"
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        if self._router is None:
+            # Start reading from "now": events for requests submitted after this.
+            self._last_id = f"{q.now_ms()}-0"
+            self._router = asyncio.create_task(self._route(), name="sluice-result-router")
+
+    async def close(self) -> None:
+        if self._router is not None:
+            self._router.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._router
+            self._router = None
+        with contextlib.suppress(Exception):
+            await self.redis.delete(self.key)
+        await self.redis.aclose()
+        await self._reader.aclose()
+
+    async def _route(self) -> None:
+        while True:
+            try:
+                reply = await self._reader.xread({self.key: self._last_id}, block=5000, count=1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning("result router: Redis read failed; retrying", exc_info=True)
+                await asyncio.sleep(0.2)
+                continue
+            for _key, entries in reply or []:
+                for msg_id, fields in entries:
+                    self._last_id = msg_id.decode()
+                    waiting = self._waiting.get(fields[b"rid"].decode())
+                    if waiting is not None:
+                        waiting.put_nowait(json.loads(fields[b"e"]))
+            if reply:
+                # Our own stream: keep it short and let it vanish if this process dies.
+                await self.redis.xtrim(self.key, minid=self._last_id)
+                await self.redis.expire(self.key, 3600)
+
+    def _forget(self, rid: str) -> None:
+        self._waiting.pop(rid, None)
+
+    async def submit(
+        self,
+        spec: DeploymentSpec,
+        *,
+        tenant: str,
+        body: dict[str, Any],
+        timeout_s: float = 60.0,
+        priority: int = 0,
+        traceparent: str = "",
+        idempotency_key: str | None = None,
+    ) -> RequestHandle:
+        """Enqueue, or raise Unavailable (queue full) / RateLimited (tenant's share full)."""
+        if self._router is None:
+            await self.start()
+        rid = token_hex(12)
+        deadline_ms = q.now_ms() + int(timeout_s * 1000)
+        if idempotency_key is not None:
+            key = q.idem_key(tenant, idempotency_key)
+            first = await self.redis.set(key, rid, nx=True, ex=86400)
+            if not first:
+                existing = (await self.redis.get(key) or b"").decode()
+                return self._replaying(spec, existing, tenant, deadline_ms)
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._waiting[rid] = events
+        request = q.QueuedRequest(rid=rid, tenant=tenant, kind=spec.kind.value, body=body,
+                                  gateway=self.gateway_id, deadline_ms=deadline_ms,
+                                  priority=priority, traceparent=traceparent)
+        flat = [x for kv in request.fields().items() for x in kv]
+        cap = q.tenant_cap(spec.max_queue_depth, spec.tenant_queue_share)
+        status, _detail = await self._enqueue(
+            keys=[q.stream_key(spec.name), q.tenants_key(spec.name)],
+            args=[spec.max_queue_depth, cap, tenant, *flat],
+        )
+        if status != 1:
+            self._forget(rid)
+            if idempotency_key is not None:
+                await self.redis.delete(q.idem_key(tenant, idempotency_key))
+            if status == -1:
+                raise Unavailable(f"Model '{spec.name}' is overloaded: its queue is full.",
+                                  headers={"Retry-After": "1"})
+            raise RateLimited(f"Too many requests queued for model '{spec.name}' by your "
+                              f"tenant (limit {cap}).", retry_after_s=1,
+                              code="tenant_queue_full")
+        return RequestHandle(self, spec, rid, tenant, deadline_ms, events)
+
+    def _replaying(self, spec: DeploymentSpec, rid: str, tenant: str,
+                   deadline_ms: int) -> RequestHandle:
+        """A handle fed from the request's own stream (idempotent retry, resume)."""
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        handle = RequestHandle(self, spec, rid, tenant, deadline_ms, events)
+
+        async def pump() -> None:
+            with contextlib.suppress(DeadlineExceeded):  # the handle raises its own
+                async for event in self.replay(tenant, rid, after_seq=-1,
+                                               timeout_s=(deadline_ms - q.now_ms()) / 1000):
+                    events.put_nowait(event)
+
+        task = asyncio.create_task(pump())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return handle
+
+    async def cancel(self, deployment: str, rid: str) -> None:
+        key = q.cancel_key(deployment)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sadd(key, rid)
+        pipe.expire(key, 3600)
+        await pipe.execute()
+
+    async def replay(self, tenant: str, rid: str, *, after_seq: int = -1,
+                     timeout_s: float = 60.0) -> AsyncIterator[dict[str, Any]]:
+        """A request's events after `after_seq`, live until its final event (resume)."""
+        key = q.out_key(tenant, rid)
+        deadline = time.monotonic() + timeout_s
+        last = "0-0"
+        while time.monotonic() < deadline:
+            block = max(1, int(min(5.0, deadline - time.monotonic()) * 1000))
+            reply = await self._reader.xread({key: last}, block=block, count=1000)
+            for _key, entries in reply or []:
+                for msg_id, fields in entries:
+                    last = msg_id.decode()
+                    event = json.loads(fields[b"e"])
+                    if event["seq"] > after_seq or event["t"] in _FINAL:
+                        yield event
+                    if event["t"] in _FINAL:
+                        return
+        raise DeadlineExceeded("The request's deadline passed.")
+
+    async def queue_stats(self, deployment: str) -> dict[str, int]:
+        """Queued-or-running count and the age of the oldest entry, in ms."""
+        key = q.stream_key(deployment)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(key)
+        pipe.xrange(key, count=1)
+        depth, first = await pipe.execute()
+        oldest = int(first[0][0].decode().split("-")[0]) if first else q.now_ms()
+        return {"depth": int(depth), "oldest_age_ms": max(0, q.now_ms() - oldest)}

@@ -1,0 +1,49 @@
+"""The deployment registry: which models exist, how they run and how they batch."""
+
+from __future__ import annotations
+
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
+from django.db import models
+from django.utils import timezone
+
+from inference.spec import DeploymentSpec, RuntimeName
+
+# Names end up inside Redis hash tags ({name}): no braces, no spaces.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class Deployment(models.Model):
+    name = models.CharField(max_length=100, unique=True, validators=[RegexValidator(NAME_PATTERN)])
+    runtime = models.CharField(max_length=32, choices=[(r.value, r.value) for r in RuntimeName])
+    weights = models.CharField(max_length=500, blank=True, default="")
+    device = models.CharField(max_length=32, default="auto")
+    description = models.CharField(max_length=300, blank=True, default="")
+    max_batch_size = models.PositiveIntegerField(
+        default=8, validators=[MinValueValidator(1), MaxValueValidator(1024)])
+    max_wait_ms = models.PositiveIntegerField(default=10, validators=[MaxValueValidator(10_000)])
+    max_context = models.PositiveIntegerField(
+        default=2048, validators=[MinValueValidator(16), MaxValueValidator(1_048_576)])
+    max_queue_depth = models.PositiveIntegerField(
+        default=256, validators=[MinValueValidator(1), MaxValueValidator(1_000_000)])
+    tenant_queue_share = models.FloatField(
+        default=0.5, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
+    max_deliveries = models.PositiveIntegerField(
+        default=3, validators=[MinValueValidator(1), MaxValueValidator(100)])
+    echo_token_delay_ms = models.FloatField(default=0.0, validators=[MinValueValidator(0.0)])
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def to_spec(self) -> DeploymentSpec:
+        return DeploymentSpec(
+            name=self.name, runtime=RuntimeName(self.runtime), weights=self.weights,
+            device=self.device, max_batch_size=self.max_batch_size, max_wait_ms=self.max_wait_ms,
+            max_context=self.max_context, max_queue_depth=self.max_queue_depth,
+            tenant_queue_share=self.tenant_queue_share, max_deliveries=self.max_deliveries,
+            echo_token_delay_ms=self.echo_token_delay_ms,
+        )

@@ -1,0 +1,544 @@
+"""The worker: pulls dynamic batches from a deployment's Redis stream, runs the model,
+streams results back, and acknowledges. One process per worker; run it with
+`manage.py runworker --deployment NAME` or `python -m inference.worker --spec JSON`.
+
+Per iteration:
+  heartbeat -> reap stale entries of dead workers -> pull -> cancellations -> admit
+  (fair, by priority) -> one decode step for the running batch -> publish + ack.
+
+Delivery is at-least-once with no duplicates visible to the caller:
+- every event carries a sequence number, and is written to the request's own stream
+  before the entry is acknowledged;
+- a worker that takes over a request (after the first one died) reads what was already
+  streamed, feeds those tokens back as context and continues from there;
+- the `done` marker is set once (SET NX), so only one final event (one charge) exists;
+- an entry delivered more than `max_deliveries` times goes to the dead-letter stream and
+  its caller gets a clear error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from secrets import token_hex
+from typing import Any
+
+import redis
+
+from inference import queue as q
+from inference.runtimes import load_runtime
+from inference.runtimes.base import (
+    ChatRuntime,
+    EmbeddingRuntime,
+    NewSequence,
+    SamplingParams,
+)
+from inference.scheduler import pick
+from inference.spec import DeploymentSpec
+
+logger = logging.getLogger("sluice.worker")
+_EMBED_CHUNK = 64
+_RELEASE_IDLE_MS = 10**9  # "idle forever": the next reaper takes it at once
+
+
+@dataclass
+class Pending:
+    msg_id: str
+    req: q.QueuedRequest
+    deliveries: int = 1
+
+    @property
+    def tenant(self) -> str:
+        return self.req.tenant
+
+    @property
+    def priority(self) -> int:
+        return self.req.priority
+
+
+@dataclass
+class Active:
+    pending: Pending
+    prompt_tokens: int
+    max_new: int
+    stop: tuple[str, ...]
+    ids: list[int] = field(default_factory=list)
+    unsent_ids: list[int] = field(default_factory=list)
+    sent_text: str = ""
+    seq: int = 0
+
+    @property
+    def req(self) -> q.QueuedRequest:
+        return self.pending.req
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class Worker:
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        client: redis.Redis,
+        *,
+        runtime: ChatRuntime | EmbeddingRuntime | None = None,
+        worker_id: str | None = None,
+        block_ms: int = 1000,
+        heartbeat_s: float = 1.0,
+        reclaim_after_ms: int | None = None,
+    ) -> None:
+        self.spec = spec
+        self.redis = client
+        self.runtime = runtime if runtime is not None else load_runtime(spec)
+        self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{token_hex(3)}"
+        self.block_ms = block_ms
+        self.heartbeat_s = heartbeat_s
+        # Entries idle longer than this belong to a dead worker and may be taken over.
+        # It must sit above the p99 batch time: live workers refresh their own entries
+        # every third of it.
+        self.reclaim_after_ms = reclaim_after_ms or int(str(spec.extra.get("reclaim_after_ms",
+                                                                           30000)))
+        self.stream = q.stream_key(spec.name)
+        self.window = spec.max_batch_size * 2
+        self.backlog: list[Pending] = []
+        self.active: dict[str, Active] = {}
+        self.stopping = threading.Event()
+        self._outbox: list[tuple[q.QueuedRequest, dict[str, Any]]] = []
+        self._acks: list[Pending] = []
+        self._last_tenant: str | None = None
+        self._next_heartbeat = 0.0
+        self._next_reap = 0.0
+        self.batches = 0
+        # The request ids of the most recent admissions, for tests and debugging.
+        self.admitted: deque[list[str]] = deque(maxlen=256)
+
+    # -- life cycle ----------------------------------------------------------------
+    def ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, q.GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def run(self, *, drain_s: float = 10.0) -> None:
+        self.ensure_group()
+        logger.info("worker %s serving %s", self.id, self.spec.name)
+        while not self.stopping.is_set():
+            self.iterate()
+        self._drain(drain_s)
+
+    def _drain(self, drain_s: float) -> None:
+        """Finish what is running (up to drain_s), hand everything else back."""
+        deadline = time.monotonic() + drain_s
+        self._release([p for p in self.backlog])
+        self.backlog.clear()
+        while self.active and time.monotonic() < deadline:
+            self._decode_step()
+            self._flush()
+        self._release([a.pending for a in self.active.values()])
+        self.active.clear()
+        self.redis.hdel(q.workers_key(self.spec.name), self.id)
+
+    def _release(self, pendings: list[Pending]) -> None:
+        if pendings:
+            # XCLAIM with a huge IDLE makes the entries look abandoned: the next reaper
+            # of any live worker takes them over at once (and resumes their output).
+            self.redis.xclaim(self.stream, q.GROUP, "released", 0,
+                              [p.msg_id for p in pendings], idle=_RELEASE_IDLE_MS, justid=True)
+
+    def iterate(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._heartbeat()
+            self._next_heartbeat = now + self.heartbeat_s
+        if now >= self._next_reap:
+            self._refresh_claims()
+            self._reap()
+            self._next_reap = now + self.reclaim_after_ms / 3000
+        self._pull()
+        self._cancellations()
+        self._admit()
+        if self.active:
+            self._decode_step()
+        self._flush()
+
+    # -- pulling -------------------------------------------------------------------
+    def _read(self, count: int, block_ms: int | None) -> list[Pending]:
+        reply = self.redis.xreadgroup(q.GROUP, self.id, {self.stream: ">"}, count=count,
+                                      block=block_ms)
+        out = []
+        for _stream, entries in reply or []:
+            for msg_id, fields in entries:
+                out.append(Pending(_s(msg_id), q.QueuedRequest.from_fields(fields)))
+        return out
+
+    def _pull(self) -> None:
+        room = self.window - len(self.backlog) - len(self.active)
+        if room <= 0:
+            return
+        if self.active or self.backlog:
+            self.backlog += self._read(room, None)  # never block a running batch
+            return
+        # Idle: block for the first request, then gather up to a full batch or until
+        # max_wait_ms after the first one arrived.
+        got = self._read(room, self.block_ms)
+        if not got:
+            return
+        until = time.monotonic() + self.spec.max_wait_ms / 1000
+        while len(got) < self.spec.max_batch_size and len(got) < room:
+            left_ms = int((until - time.monotonic()) * 1000)
+            if left_ms < 1:
+                break
+            more = self._read(room - len(got), left_ms)
+            if not more:
+                break
+            got += more
+        self.backlog += got
+
+    def _reap(self) -> None:
+        """Take over entries whose worker died (idle past reclaim_after_ms)."""
+        claimed: list[tuple[str, Any]] = []
+        cursor = "0-0"
+        while True:
+            reply = self.redis.xautoclaim(self.stream, q.GROUP, self.id,
+                                          min_idle_time=self.reclaim_after_ms,
+                                          start_id=cursor, count=self.window)
+            cursor = _s(reply[0])
+            claimed += [(_s(i), f) for i, f in reply[1] if f]
+            if cursor == "0-0" or len(claimed) >= self.window:
+                break
+        if not claimed:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for msg_id, _ in claimed:
+            pipe.xpending_range(self.stream, q.GROUP, min=msg_id, max=msg_id, count=1)
+        counts = pipe.execute()
+        for (msg_id, fields), info in zip(claimed, counts, strict=True):
+            pending = Pending(msg_id, q.QueuedRequest.from_fields(fields),
+                              int(info[0]["times_delivered"]) if info else 1)
+            if pending.deliveries > self.spec.max_deliveries:
+                self._dead_letter(pending)
+            else:
+                logger.warning("took over request %s (delivery %d)", pending.req.rid,
+                               pending.deliveries)
+                self.backlog.append(pending)
+
+    def _refresh_claims(self) -> None:
+        """Reset the idle time of our own entries so no reaper mistakes us for dead."""
+        ids = [p.msg_id for p in self.backlog] + [a.pending.msg_id for a in self.active.values()]
+        if ids:
+            self.redis.xclaim(self.stream, q.GROUP, self.id, 0, ids, justid=True)
+
+    def _dead_letter(self, pending: Pending) -> None:
+        fields = {**pending.req.fields(), "deliveries": str(pending.deliveries),
+                  "worker": self.id, "at": str(q.now_ms())}
+        self.redis.xadd(q.dead_key(self.spec.name), fields, maxlen=10_000, approximate=True)
+        logger.error("request %s dead-lettered after %d deliveries", pending.req.rid,
+                     pending.deliveries)
+        self._error(pending, RequestError(
+            500, "dead_lettered",
+            "The request failed repeatedly on the model workers and was set aside."))
+
+    # -- admission -----------------------------------------------------------------
+    def _cancellations(self) -> None:
+        rids = [p.req.rid for p in self.backlog] + list(self.active)
+        if not rids:
+            return
+        flags = self.redis.smismember(q.cancel_key(self.spec.name), rids)
+        cancelled = {rid for rid, flag in zip(rids, flags, strict=True) if flag}
+        if not cancelled:
+            return
+        for pending in [p for p in self.backlog if p.req.rid in cancelled]:
+            self.backlog.remove(pending)
+            self._final(pending, 0, "cancelled", prompt_tokens=0, completion_tokens=0)
+        for rid in [r for r in self.active if r in cancelled]:
+            self._finish(self.active[rid], "cancelled")
+
+    def _admit(self) -> None:
+        now = q.now_ms()
+        for pending in [p for p in self.backlog if p.req.deadline_ms <= now]:
+            self.backlog.remove(pending)
+            self._error(pending, RequestError(504, "deadline_exceeded",
+                                              "The request's deadline passed while it was queued."))
+        capacity = self.spec.max_batch_size - len(self.active)
+        if capacity <= 0 or not self.backlog:
+            return
+        chosen = pick(self.backlog, capacity, after_tenant=self._last_tenant)
+        for pending in chosen:
+            self.backlog.remove(pending)
+        self._last_tenant = chosen[-1].tenant
+        self.batches += 1
+        self.admitted.append([p.req.rid for p in chosen])
+        if isinstance(self.runtime, EmbeddingRuntime):
+            self._embed(chosen)
+        else:
+            self._start(chosen)
+
+    def _start(self, chosen: list[Pending]) -> None:
+        runtime = self.runtime
+        assert isinstance(runtime, ChatRuntime)  # noqa: S101
+        new: list[NewSequence] = []
+        for pending in chosen:
+            try:
+                prepared = self._prepare(runtime, pending)
+            except RequestError as exc:
+                self._error(pending, exc)
+                continue
+            if prepared is not None:
+                self.active[pending.req.rid] = prepared[0]
+                new.append(prepared[1])
+        first = runtime.add(new)
+        for rid, token in first.items():
+            self._on_token(self.active[rid], token)
+
+    def _prepare(self, runtime: ChatRuntime,
+                 pending: Pending) -> tuple[Active, NewSequence] | None:
+        """The sequence to start, or None when nothing is left to generate."""
+        body = pending.req.body
+        try:
+            prompt = runtime.encode_chat(body["messages"])
+            params = SamplingParams(
+                max_tokens=int(body.get("max_tokens") or 256),
+                temperature=float(body.get("temperature", 0.0) or 0.0),
+                top_p=float(body.get("top_p", 1.0) or 1.0),
+                seed=body.get("seed"),
+                stop=tuple(body.get("stop") or ()),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestError(400, "invalid_request", f"Malformed request: {exc}") from None
+        room = runtime.max_context - len(prompt)
+        if room <= 0:
+            raise RequestError(400, "context_length_exceeded",
+                               f"The prompt has {len(prompt)} tokens; this model's context is "
+                               f"{runtime.max_context}.")
+        active = Active(pending, prompt_tokens=len(prompt),
+                        max_new=min(params.max_tokens, room), stop=params.stop)
+        if pending.deliveries > 1 and not self._resume_state(active):
+            self._acks.append(pending)  # an earlier delivery finished it
+            return None
+        left = active.max_new - len(active.ids)
+        if left <= 0:
+            self._finish(active, "length")
+            return None
+        params = SamplingParams(max_tokens=left, temperature=params.temperature,
+                                top_p=params.top_p, seed=params.seed, stop=params.stop)
+        # A resumed request continues from what was already streamed, as context.
+        return active, NewSequence(pending.req.rid, prompt + active.ids, params)
+
+    def _resume_state(self, active: Active) -> bool:
+        """Load what an earlier delivery already streamed. False if it finished."""
+        for _id, fields in self.redis.xrange(q.out_key(active.req.tenant, active.req.rid)):
+            event = json.loads(fields[b"e"])
+            if event["t"] in ("done", "error"):
+                return False
+            if event["t"] == "delta":
+                active.ids += event["ids"]
+                active.sent_text += event["text"]
+                active.seq = event["seq"] + 1
+        return True
+
+    # -- generation ----------------------------------------------------------------
+    def _decode_step(self) -> None:
+        runtime = self.runtime
+        assert isinstance(runtime, ChatRuntime)  # noqa: S101
+        for rid, token in runtime.step().items():
+            if rid in self.active:
+                self._on_token(self.active[rid], token)
+
+    def _on_token(self, active: Active, token: int) -> None:
+        runtime = self.runtime
+        assert isinstance(runtime, ChatRuntime)  # noqa: S101
+        if token in runtime.eos_token_ids:
+            self._finish(active, "stop")
+            return
+        active.ids.append(token)
+        active.unsent_ids.append(token)
+        text = runtime.decode(active.ids)
+        hit = min((i for i in (text.find(s) for s in active.stop) if i >= 0), default=-1)
+        if hit >= 0:
+            self._emit_text(active, text[:hit], final=True)
+            self._finish(active, "stop")
+            return
+        self._emit_text(active, text, final=False)
+        if len(active.ids) >= active.max_new:
+            self._finish(active, "length")
+        elif active.req.deadline_ms <= q.now_ms():
+            self._finish(active, "deadline")
+
+    def _emit_text(self, active: Active, text: str, *, final: bool) -> None:
+        if not final:
+            # Hold back an incomplete UTF-8 sequence and anything that may be the start
+            # of a stop string, so the caller never sees half a character or half a stop.
+            text = text.rstrip("\ufffd")
+            for stop in active.stop:
+                for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                    if text.endswith(stop[:n]):
+                        text = text[:-n]
+                        break
+        if not text.startswith(active.sent_text):
+            return  # the tokenizer re-merged earlier text: wait for it to settle
+        delta = text[len(active.sent_text):]
+        if not delta and not (final and active.unsent_ids):
+            return
+        self._event(active.req, {"t": "delta", "seq": active.seq, "text": delta,
+                                 "ids": active.unsent_ids})
+        active.seq += 1
+        active.sent_text = text
+        active.unsent_ids = []
+
+    def _finish(self, active: Active, reason: str) -> None:
+        runtime = self.runtime
+        assert isinstance(runtime, ChatRuntime)  # noqa: S101
+        if reason != "stop" or not active.stop:
+            self._emit_text(active, runtime.decode(active.ids), final=True)
+        runtime.drop([active.req.rid])
+        self.active.pop(active.req.rid, None)
+        if reason == "deadline":
+            self._error(active.pending, RequestError(
+                504, "deadline_exceeded", "The request's deadline passed during generation."),
+                seq=active.seq, usage=(active.prompt_tokens, len(active.ids)))
+            return
+        self._final(active.pending, active.seq, reason, prompt_tokens=active.prompt_tokens,
+                    completion_tokens=len(active.ids))
+
+    def _embed(self, chosen: list[Pending]) -> None:
+        runtime = self.runtime
+        assert isinstance(runtime, EmbeddingRuntime)  # noqa: S101
+        texts: list[str] = []
+        spans: list[tuple[Pending, int, int]] = []
+        for pending in chosen:
+            inputs = pending.req.body.get("input")
+            if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
+                self._error(pending, RequestError(400, "invalid_request",
+                                                  "input must be a list of strings"))
+                continue
+            spans.append((pending, len(texts), len(texts) + len(inputs)))
+            texts += inputs
+        vectors: list[list[float]] = []
+        counts: list[int] = []
+        for start in range(0, len(texts), _EMBED_CHUNK):
+            v, c = runtime.embed(texts[start:start + _EMBED_CHUNK])
+            vectors += v
+            counts += c
+        for pending, lo, hi in spans:
+            self._event(pending.req, {"t": "embedding", "seq": 0, "data": vectors[lo:hi]})
+            self._final(pending, 1, "stop", prompt_tokens=sum(counts[lo:hi]), completion_tokens=0)
+
+    # -- results -------------------------------------------------------------------
+    def _event(self, req: q.QueuedRequest, event: dict[str, Any]) -> None:
+        self._outbox.append((req, event))
+
+    def _final(self, pending: Pending, seq: int, reason: str, *, prompt_tokens: int,
+               completion_tokens: int) -> None:
+        self._event(pending.req, {
+            "t": "done", "seq": seq, "finish": reason,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+        })
+        self._acks.append(pending)
+
+    def _error(self, pending: Pending, exc: RequestError, *, seq: int = 0,
+               usage: tuple[int, int] = (0, 0)) -> None:
+        self._event(pending.req, {
+            "t": "error", "seq": seq, "status": exc.status, "code": exc.code,
+            "message": exc.message,
+            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1]},
+        })
+        self._acks.append(pending)
+
+    def _flush(self) -> None:
+        if not self._outbox and not self._acks:
+            return
+        outbox, acks = self._outbox, self._acks
+        self._outbox, self._acks = [], []
+        # One final event per request, ever: the first worker to set `done` owns it.
+        finals = [(req, ev) for req, ev in outbox if ev["t"] in ("done", "error")]
+        owned = set()
+        if finals:
+            pipe = self.redis.pipeline(transaction=False)
+            for req, _ in finals:
+                pipe.set(q.done_key(req.tenant, req.rid), self.id, nx=True, ex=q.OUT_TTL_S)
+            owned = {req.rid for (req, _), won in zip(finals, pipe.execute(), strict=True) if won}
+        pipe = self.redis.pipeline(transaction=False)
+        # Events first, acks after: a crash in between leaves the entry pending, and the
+        # next delivery resumes from (or just acknowledges) what was written.
+        for req, event in outbox:
+            if event["t"] in ("done", "error") and req.rid not in owned:
+                continue
+            data = q.encode_event(event)
+            out = q.out_key(req.tenant, req.rid)
+            pipe.xadd(out, {"e": data})
+            pipe.expire(out, q.OUT_TTL_S)
+            pipe.xadd(q.gateway_key(req.gateway), {"rid": req.rid, "e": data},
+                      maxlen=q.GATEWAY_STREAM_MAXLEN, approximate=True)
+        for pending in acks:
+            pipe.xack(self.stream, q.GROUP, pending.msg_id)
+            pipe.xdel(self.stream, pending.msg_id)
+            pipe.hincrby(q.tenants_key(self.spec.name), pending.req.tenant, -1)
+            pipe.srem(q.cancel_key(self.spec.name), pending.req.rid)
+        pipe.execute()
+
+    def _heartbeat(self) -> None:
+        used, total = self.runtime.memory()
+        beat = {"ts": time.time(), "pid": os.getpid(), "kind": self.spec.kind.value,
+                "batch": len(self.active), "backlog": len(self.backlog),
+                "load": len(self.active) + len(self.backlog),
+                "max_batch": self.spec.max_batch_size, "mem_used": used, "mem_total": total,
+                "batches": self.batches}
+        key = q.workers_key(self.spec.name)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, self.id, json.dumps(beat))
+        pipe.expire(key, 60)
+        pipe.execute()
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def heartbeats(client: redis.Redis, deployment: str, *, max_age_s: float = 5.0
+               ) -> dict[str, dict[str, Any]]:
+    """Live workers of a deployment (heartbeat younger than max_age_s)."""
+    now = time.time()
+    beats = {_s(k): json.loads(v) for k, v in client.hgetall(q.workers_key(deployment)).items()}
+    return {k: v for k, v in beats.items() if now - v["ts"] <= max_age_s}
+
+
+def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
+    """Run a worker until SIGTERM/SIGINT, then drain."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
+    worker = Worker(spec, client, **kwargs)
+
+    def stop(*_: object) -> None:
+        worker.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker.run()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run one inference worker from a spec.")
+    parser.add_argument("--spec", required=True, help="DeploymentSpec as JSON")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL",
+                                                              "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--reclaim-after-ms", type=int, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    serve(DeploymentSpec.from_json(args.spec), args.redis_url,
+          reclaim_after_ms=args.reclaim_after_ms)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Runtimes: continuous batching gives the same tokens as running alone; sampling is
+seeded; the echo runtime echoes; the real models answer sensibly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inference.runtimes import load_runtime
+from inference.runtimes.base import ChatRuntime, EmbeddingRuntime, NewSequence, SamplingParams
+from inference.runtimes.causal_lm import CausalLMRuntime
+from inference.spec import DeploymentSpec, RuntimeName
+from inference.weights import MINILM, SMOLLM2
+
+
+@pytest.fixture(scope="module")
+def tiny() -> CausalLMRuntime:
+    runtime = load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM))
+    assert isinstance(runtime, CausalLMRuntime)
+    return runtime
+
+
+def alone(rt: ChatRuntime, prompt: list[int], n: int, params: SamplingParams | None = None
+          ) -> list[int]:
+    p = params or SamplingParams(max_tokens=n)
+    tokens = [rt.add([NewSequence("solo", prompt, p)])["solo"]]
+    while len(tokens) < n:
+        tokens.append(rt.step()["solo"])
+    rt.drop(["solo"])
+    return tokens
+
+
+def prompts(rt: ChatRuntime) -> list[list[int]]:
+    texts = ["hi", "tell me a story about a dragon and a knight in a castle far away",
+             "what is two plus two?", "x " * 40]
+    return [rt.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+def test_continuous_batching_matches_running_alone(tiny: CausalLMRuntime) -> None:
+    ps = prompts(tiny)
+    n = 10
+    expected = [alone(tiny, p, n) for p in ps]
+    assert len({tuple(e) for e in expected}) == len(ps), "toy model must not be constant"
+    got: dict[str, list[int]] = {}
+    # Sequences join at different steps and leave when done: 0 and 1 start together,
+    # 2 joins after 3 steps, 3 after 6; each stops after n tokens.
+    joins = {0: [0, 1], 3: [2], 6: [3]}
+    step = 0
+    while len(got) < len(ps) or any(len(v) < n for v in got.values()):
+        new = [NewSequence(str(i), ps[i], SamplingParams(max_tokens=n))
+               for i in joins.get(step, [])]
+        for rid, tok in tiny.add(new).items():
+            got[rid] = [tok]
+        for rid, tok in tiny.step().items():
+            got[rid].append(tok)
+        tiny.drop([rid for rid, toks in got.items() if len(toks) >= n and rid in tiny.active])
+        step += 1
+    assert [got[str(i)][:n] for i in range(len(ps))] == expected
+    assert tiny.active == []
+
+
+def test_cache_shrinks_when_long_sequence_leaves(tiny: CausalLMRuntime) -> None:
+    short, long = tiny.encode("a"), tiny.encode("word " * 100)
+    tiny.add([NewSequence("s", short), NewSequence("l", long)])
+    tiny.step()
+    width_before = tiny._mask.shape[1]
+    tiny.drop(["l"])
+    assert tiny._mask.shape[1] < width_before / 10
+    assert alone(tiny, short, 3)  # still usable
+    tiny.drop(["s"])
+
+
+def test_seeded_sampling_is_reproducible(tiny: CausalLMRuntime) -> None:
+    p = prompts(tiny)[1]
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234)
+    assert alone(tiny, p, 8, params) == alone(tiny, p, 8, params)
+    other = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=99)
+    assert alone(tiny, p, 8, params) != alone(tiny, p, 8, other)
+
+
+def test_echo_runtime_returns_the_prompt_then_eos() -> None:
+    echo = load_runtime(DeploymentSpec("e", RuntimeName.ECHO))
+    assert isinstance(echo, ChatRuntime)
+    prompt = echo.encode_chat([{"role": "user", "content": "héllo"}])
+    tokens = alone(echo, prompt, len(prompt) + 1)
+    assert echo.decode(tokens[:-1]) == "héllo" and tokens[-1] in echo.eos_token_ids
+
+
+@pytest.mark.slow
+def test_real_chat_model_answers_sensibly() -> None:
+    rt = load_runtime(DeploymentSpec("smol", RuntimeName.CAUSAL_LM, weights=SMOLLM2))
+    assert isinstance(rt, ChatRuntime)
+    prompt = rt.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    tokens = alone(rt, prompt, 24)
+    cut = next((i for i, t in enumerate(tokens) if t in rt.eos_token_ids), len(tokens))
+    answer = rt.decode(tokens[:cut])
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_real_embedder_ranks_similar_above_unrelated() -> None:
+    rt = load_runtime(DeploymentSpec("minilm", RuntimeName.ENCODER, weights=MINILM))
+    assert isinstance(rt, EmbeddingRuntime) and rt.dimensions == 384
+    vectors, counts = rt.embed(["A cat sits on the mat.", "A kitten is resting on a rug.",
+                                "Quarterly corporate tax filing deadlines."])
+    v = np.array(vectors)
+    assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)
+    assert v[0] @ v[1] > v[0] @ v[2] + 0.3
+    assert all(c > 3 for c in counts)
