@@ -25,6 +25,7 @@ from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
 logger = logging.getLogger("sluice.inference")
 _FINAL = ("done", "error")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
+_ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
 
 
 class RequestHandle:
@@ -74,6 +75,7 @@ class InferenceClient:
         self._enqueue = self.redis.register_script(q.ENQUEUE_LUA)
         self._last_id = "0-0"
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = asyncio.Event()
 
     async def start(self) -> None:
         if self._router is None:
@@ -83,9 +85,15 @@ class InferenceClient:
 
     async def close(self) -> None:
         if self._router is not None:
-            self._router.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._router
+            # Ask the router to stop between reads: cancelling it in the middle of a
+            # Redis command can leave a pooled connection waiting for a reply.
+            self._closing.set()
+            try:
+                await asyncio.wait_for(self._router, _ROUTER_BLOCK_MS / 1000 + 5)
+            except TimeoutError:
+                self._router.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._router
             self._router = None
         with contextlib.suppress(Exception):
             await self.redis.delete(self.key)
@@ -93,12 +101,12 @@ class InferenceClient:
         await self._reader.aclose()
 
     async def _route(self) -> None:
-        while True:
+        while not self._closing.is_set():
             try:
-                reply = await self._reader.xread({self.key: self._last_id}, block=5000, count=1000)
-            except asyncio.CancelledError:
-                raise
+                reply = await self._reader.xread({self.key: self._last_id},
+                                                 block=_ROUTER_BLOCK_MS, count=1000)
             except Exception:
+                # A Redis blip: retry from the same position, nothing is lost.
                 logger.warning("result router: Redis read failed; retrying", exc_info=True)
                 await asyncio.sleep(0.2)
                 continue
@@ -110,8 +118,10 @@ class InferenceClient:
                         waiting.put_nowait(json.loads(fields[b"e"]))
             if reply:
                 # Our own stream: keep it short and let it vanish if this process dies.
-                await self.redis.xtrim(self.key, minid=self._last_id)
-                await self.redis.expire(self.key, 3600)
+                pipe = self._reader.pipeline(transaction=False)
+                pipe.xtrim(self.key, minid=self._last_id)
+                pipe.expire(self.key, 3600)
+                await pipe.execute()
 
     def _forget(self, rid: str) -> None:
         self._waiting.pop(rid, None)
@@ -142,12 +152,14 @@ class InferenceClient:
         self._waiting[rid] = events
         request = q.QueuedRequest(rid=rid, tenant=tenant, kind=spec.kind.value, body=body,
                                   gateway=self.gateway_id, deadline_ms=deadline_ms,
-                                  priority=priority, traceparent=traceparent)
+                                  priority=max(0, min(q.MAX_PRIORITY, priority)),
+                                  traceparent=traceparent)
         flat = [x for kv in request.fields().items() for x in kv]
         cap = q.tenant_cap(spec.max_queue_depth, spec.tenant_queue_share)
+        suffix = q.stream_suffix(tenant, request.priority)
         status, _detail = await self._enqueue(
-            keys=[q.stream_key(spec.name), q.tenants_key(spec.name)],
-            args=[spec.max_queue_depth, cap, tenant, *flat],
+            keys=q.queue_keys(spec.name, suffix),
+            args=[spec.max_queue_depth, cap, tenant, suffix, *flat],
         )
         if status != 1:
             self._forget(rid)
@@ -206,10 +218,12 @@ class InferenceClient:
 
     async def queue_stats(self, deployment: str) -> dict[str, int]:
         """Queued-or-running count and the age of the oldest entry, in ms."""
-        key = q.stream_key(deployment)
+        suffixes = [s.decode() for s in await self.redis.hkeys(q.streams_key(deployment))]
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(key)
-        pipe.xrange(key, count=1)
-        depth, first = await pipe.execute()
-        oldest = int(first[0][0].decode().split("-")[0]) if first else q.now_ms()
-        return {"depth": int(depth), "oldest_age_ms": max(0, q.now_ms() - oldest)}
+        pipe.get(q.depth_key(deployment))
+        for suffix in suffixes:
+            pipe.xrange(q.stream_key(deployment, suffix), count=1)
+        depth, *firsts = await pipe.execute()
+        stamps = [int(f[0][0].decode().split("-")[0]) for f in firsts if f]
+        oldest = min(stamps, default=q.now_ms())
+        return {"depth": int(depth or 0), "oldest_age_ms": max(0, q.now_ms() - oldest)}

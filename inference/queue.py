@@ -1,10 +1,16 @@
 """The Redis batching queue: keys, messages, events, and the producer-side operations.
 
-Layout (the `{...}` hash tags keep a deployment's queue keys, and a tenant's request
-keys, each in one Redis Cluster slot):
+A deployment's queue is one stream per tenant under the deployment's hash tag, so that
+workers can read from every waiting tenant at once (one XREADGROUP over all their
+streams returns up to N entries from each): a tenant's flood sits in its own stream and
+cannot hide another tenant's single request behind it. The `{...}` hash tags keep a
+deployment's queue keys, and a tenant's request keys, each in one Redis Cluster slot:
 
-    sluice:q:{<deployment>}            stream of requests; consumer group "workers"
+    sluice:q:{<deployment>}:s:<tenant>:<priority>
+                                       a tenant's requests of one priority; group "workers"
+    sluice:q:{<deployment>}:streams    hash "<tenant>:<priority>" -> requests in that stream
     sluice:q:{<deployment>}:tenants    hash tenant -> requests queued or in flight
+    sluice:q:{<deployment>}:depth      requests queued or in flight, all tenants
     sluice:q:{<deployment>}:cancel     set of cancelled request ids
     sluice:q:{<deployment>}:dead       dead-letter stream
     sluice:q:{<deployment>}:workers    hash worker id -> heartbeat JSON
@@ -13,8 +19,9 @@ keys, each in one Redis Cluster slot):
     sluice:{<tenant>}:idem:<key>       idempotency key -> request id
     sluice:gw:<gateway id>             events for the requests one gateway process waits on
 
-Workers XACK *and* XDEL finished entries, so XLEN of the stream is exactly the number of
-requests queued or in flight: the bound the gateway enforces before enqueueing.
+Enqueue and acknowledge are Lua scripts, so the counters (the bound the gateway enforces
+before enqueueing, and the set of tenants a worker reads from) never drift from the
+streams; a tenant's stream is deleted when its last request is acknowledged.
 """
 
 from __future__ import annotations
@@ -29,24 +36,43 @@ OUT_TTL_S = 600  # how long a finished generation can still be resumed
 GATEWAY_STREAM_MAXLEN = 100_000
 
 
-def stream_key(deployment: str) -> str:
+def _base(deployment: str) -> str:
     return f"sluice:q:{{{deployment}}}"
 
 
+MAX_PRIORITY = 9  # priorities are 0..9: each is its own stream per tenant
+
+
+def stream_suffix(tenant: str, priority: int) -> str:
+    return f"{tenant}:{priority}"
+
+
+def stream_key(deployment: str, suffix: str) -> str:
+    return f"{_base(deployment)}:s:{suffix}"
+
+
+def streams_key(deployment: str) -> str:
+    return f"{_base(deployment)}:streams"
+
+
 def tenants_key(deployment: str) -> str:
-    return f"{stream_key(deployment)}:tenants"
+    return f"{_base(deployment)}:tenants"
+
+
+def depth_key(deployment: str) -> str:
+    return f"{_base(deployment)}:depth"
 
 
 def cancel_key(deployment: str) -> str:
-    return f"{stream_key(deployment)}:cancel"
+    return f"{_base(deployment)}:cancel"
 
 
 def dead_key(deployment: str) -> str:
-    return f"{stream_key(deployment)}:dead"
+    return f"{_base(deployment)}:dead"
 
 
 def workers_key(deployment: str) -> str:
-    return f"{stream_key(deployment)}:workers"
+    return f"{_base(deployment)}:workers"
 
 
 def out_key(tenant: str, rid: str) -> str:
@@ -101,16 +127,46 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-# Bounded, fair enqueue in one round trip. Returns {1, id}, or {-1, depth} when the queue
-# is full, or {-2, count} when this tenant already holds its share of it.
+# Bounded, fair enqueue in one round trip.
+# KEYS: stream, streams hash, tenants hash, depth.
+# ARGV: max depth, tenant cap, tenant, stream suffix, stream fields...
+# Returns {1, id}, or {-1, depth} when the queue is full, or {-2, count} when this tenant
+# already holds its share of it.
 ENQUEUE_LUA = """
-local depth = redis.call('XLEN', KEYS[1])
+local depth = tonumber(redis.call('GET', KEYS[4]) or '0')
 if depth >= tonumber(ARGV[1]) then return {-1, depth} end
-local mine = tonumber(redis.call('HGET', KEYS[2], ARGV[3]) or '0')
+local mine = tonumber(redis.call('HGET', KEYS[3], ARGV[3]) or '0')
 if mine >= tonumber(ARGV[2]) then return {-2, mine} end
-redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
-return {1, redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))}
+if redis.call('HINCRBY', KEYS[2], ARGV[4], 1) == 1 then
+  -- the stream's first request: create it and its group (pcall: the group may exist)
+  redis.pcall('XGROUP', 'CREATE', KEYS[1], 'workers', '0', 'MKSTREAM')
+end
+redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+redis.call('INCR', KEYS[4])
+return {1, redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))}
 """
+
+# Acknowledge a finished entry and release its counts, atomically with enqueue; the
+# stream goes when its last request does. KEYS as enqueue; ARGV: tenant, suffix, entry id.
+ACK_LUA = """
+if redis.call('XACK', KEYS[1], 'workers', ARGV[3]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[3])
+redis.call('DECR', KEYS[4])
+if redis.call('HINCRBY', KEYS[2], ARGV[2], -1) <= 0 then
+  redis.call('HDEL', KEYS[2], ARGV[2])
+  redis.call('DEL', KEYS[1])
+end
+if redis.call('HINCRBY', KEYS[3], ARGV[1], -1) <= 0 then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+end
+return 1
+"""
+
+
+def queue_keys(deployment: str, suffix: str) -> list[str]:
+    """The KEYS of ENQUEUE_LUA and ACK_LUA."""
+    return [stream_key(deployment, suffix), streams_key(deployment), tenants_key(deployment),
+            depth_key(deployment)]
 
 
 def tenant_cap(max_depth: int, share: float) -> int:

@@ -47,10 +47,12 @@ from inference.spec import DeploymentSpec
 logger = logging.getLogger("sluice.worker")
 _EMBED_CHUNK = 64
 _RELEASE_IDLE_MS = 10**9  # "idle forever": the next reaper takes it at once
+_IDLE_POLL_S = 0.05  # how soon an idle worker notices a stream that did not exist
 
 
 @dataclass
 class Pending:
+    stream: str  # the stream suffix ("<tenant>:<priority>")
     msg_id: str
     req: q.QueuedRequest
     deliveries: int = 1
@@ -109,8 +111,8 @@ class Worker:
         # every third of it.
         self.reclaim_after_ms = reclaim_after_ms or int(str(spec.extra.get("reclaim_after_ms",
                                                                            30000)))
-        self.stream = q.stream_key(spec.name)
         self.window = spec.max_batch_size * 2
+        self._ack = self.redis.register_script(q.ACK_LUA)
         self.backlog: list[Pending] = []
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()
@@ -124,15 +126,7 @@ class Worker:
         self.admitted: deque[list[str]] = deque(maxlen=256)
 
     # -- life cycle ----------------------------------------------------------------
-    def ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, q.GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
     def run(self, *, drain_s: float = 10.0) -> None:
-        self.ensure_group()
         logger.info("worker %s serving %s", self.id, self.spec.name)
         while not self.stopping.is_set():
             self.iterate()
@@ -151,11 +145,18 @@ class Worker:
         self.redis.hdel(q.workers_key(self.spec.name), self.id)
 
     def _release(self, pendings: list[Pending]) -> None:
-        if pendings:
-            # XCLAIM with a huge IDLE makes the entries look abandoned: the next reaper
-            # of any live worker takes them over at once (and resumes their output).
-            self.redis.xclaim(self.stream, q.GROUP, "released", 0,
-                              [p.msg_id for p in pendings], idle=_RELEASE_IDLE_MS, justid=True)
+        # XCLAIM with a huge IDLE makes the entries look abandoned: the next reaper of any
+        # live worker takes them over at once (and resumes their output).
+        for suffix, ids in _by_stream(pendings).items():
+            self.redis.xclaim(self._key(suffix), q.GROUP, "released", 0, ids,
+                              idle=_RELEASE_IDLE_MS, justid=True)
+
+    def _key(self, suffix: str) -> str:
+        return q.stream_key(self.spec.name, suffix)
+
+    def _streams(self) -> list[str]:
+        """The suffixes of the streams that hold requests right now."""
+        return [_s(s) for s in self.redis.hkeys(q.streams_key(self.spec.name))]
 
     def iterate(self) -> None:
         now = time.monotonic()
@@ -174,13 +175,31 @@ class Worker:
         self._flush()
 
     # -- pulling -------------------------------------------------------------------
-    def _read(self, count: int, block_ms: int | None) -> list[Pending]:
-        reply = self.redis.xreadgroup(q.GROUP, self.id, {self.stream: ">"}, count=count,
-                                      block=block_ms)
+    def _read(self, room: int, block_ms: int | None) -> list[Pending]:
+        """New entries from every non-empty stream at once, a fair share of `room` each."""
+        suffixes = self._streams()
+        if not suffixes:
+            if block_ms:
+                time.sleep(_IDLE_POLL_S)
+            return []
+        per_stream = max(1, room // len(suffixes))
+        # A new tenant's stream is not among those we block on: bound the block so it is
+        # noticed within _IDLE_POLL_S.
+        block = min(block_ms, int(_IDLE_POLL_S * 1000)) if block_ms else None
+        try:
+            reply = self.redis.xreadgroup(q.GROUP, self.id,
+                                          {self._key(s): ">" for s in suffixes},
+                                          count=per_stream, block=block)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):  # a stream emptied and went away meanwhile
+                return []
+            raise
         out = []
-        for _stream, entries in reply or []:
+        prefix = len(self._key(""))
+        for stream, entries in reply or []:
+            suffix = _s(stream)[prefix:]
             for msg_id, fields in entries:
-                out.append(Pending(_s(msg_id), q.QueuedRequest.from_fields(fields)))
+                out.append(Pending(suffix, _s(msg_id), q.QueuedRequest.from_fields(fields)))
         return out
 
     def _pull(self) -> None:
@@ -200,32 +219,30 @@ class Worker:
             left_ms = int((until - time.monotonic()) * 1000)
             if left_ms < 1:
                 break
-            more = self._read(room - len(got), left_ms)
-            if not more:
-                break
-            got += more
+            got += self._read(room - len(got), left_ms)
         self.backlog += got
 
     def _reap(self) -> None:
         """Take over entries whose worker died (idle past reclaim_after_ms)."""
-        claimed: list[tuple[str, Any]] = []
-        cursor = "0-0"
-        while True:
-            reply = self.redis.xautoclaim(self.stream, q.GROUP, self.id,
-                                          min_idle_time=self.reclaim_after_ms,
-                                          start_id=cursor, count=self.window)
-            cursor = _s(reply[0])
-            claimed += [(_s(i), f) for i, f in reply[1] if f]
-            if cursor == "0-0" or len(claimed) >= self.window:
-                break
+        claimed: list[tuple[str, str, Any]] = []
+        for suffix in self._streams():
+            try:
+                reply = self.redis.xautoclaim(self._key(suffix), q.GROUP, self.id,
+                                              min_idle_time=self.reclaim_after_ms,
+                                              start_id="0-0", count=self.window)
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    continue
+                raise
+            claimed += [(suffix, _s(i), f) for i, f in reply[1] if f]
         if not claimed:
             return
         pipe = self.redis.pipeline(transaction=False)
-        for msg_id, _ in claimed:
-            pipe.xpending_range(self.stream, q.GROUP, min=msg_id, max=msg_id, count=1)
+        for suffix, msg_id, _ in claimed:
+            pipe.xpending_range(self._key(suffix), q.GROUP, min=msg_id, max=msg_id, count=1)
         counts = pipe.execute()
-        for (msg_id, fields), info in zip(claimed, counts, strict=True):
-            pending = Pending(msg_id, q.QueuedRequest.from_fields(fields),
+        for (suffix, msg_id, fields), info in zip(claimed, counts, strict=True):
+            pending = Pending(suffix, msg_id, q.QueuedRequest.from_fields(fields),
                               int(info[0]["times_delivered"]) if info else 1)
             if pending.deliveries > self.spec.max_deliveries:
                 self._dead_letter(pending)
@@ -236,9 +253,9 @@ class Worker:
 
     def _refresh_claims(self) -> None:
         """Reset the idle time of our own entries so no reaper mistakes us for dead."""
-        ids = [p.msg_id for p in self.backlog] + [a.pending.msg_id for a in self.active.values()]
-        if ids:
-            self.redis.xclaim(self.stream, q.GROUP, self.id, 0, ids, justid=True)
+        mine = self.backlog + [a.pending for a in self.active.values()]
+        for suffix, ids in _by_stream(mine).items():
+            self.redis.xclaim(self._key(suffix), q.GROUP, self.id, 0, ids, justid=True)
 
     def _dead_letter(self, pending: Pending) -> None:
         fields = {**pending.req.fields(), "deliveries": str(pending.deliveries),
@@ -482,9 +499,8 @@ class Worker:
             pipe.xadd(q.gateway_key(req.gateway), {"rid": req.rid, "e": data},
                       maxlen=q.GATEWAY_STREAM_MAXLEN, approximate=True)
         for pending in acks:
-            pipe.xack(self.stream, q.GROUP, pending.msg_id)
-            pipe.xdel(self.stream, pending.msg_id)
-            pipe.hincrby(q.tenants_key(self.spec.name), pending.req.tenant, -1)
+            self._ack(keys=q.queue_keys(self.spec.name, pending.stream),
+                      args=[pending.req.tenant, pending.stream, pending.msg_id], client=pipe)
             pipe.srem(q.cancel_key(self.spec.name), pending.req.rid)
         pipe.execute()
 
@@ -504,6 +520,13 @@ class Worker:
 
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _by_stream(pendings: list[Pending]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for pending in pendings:
+        out.setdefault(pending.stream, []).append(pending.msg_id)
+    return out
 
 
 def heartbeats(client: redis.Redis, deployment: str, *, max_age_s: float = 5.0

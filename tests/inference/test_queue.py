@@ -1,0 +1,241 @@
+"""The Redis batching queue with real Redis, the real gateway client and workers running
+the echo and tiny runtimes: batching by size and time, deadlines, priority, fairness,
+cancellation, bounds, idempotency, resume, heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from inference import queue as q
+from inference.client import InferenceClient
+from inference.spec import DeploymentSpec, RuntimeName
+from inference.worker import Worker, heartbeats
+from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
+from tests.inference.conftest import Result, chat, collect, run, unique
+
+StartWorker = Callable[..., Worker]
+
+
+def echo(**kw: Any) -> DeploymentSpec:
+    return DeploymentSpec(unique("echo"), RuntimeName.ECHO, **kw)
+
+
+def test_a_full_batch_forms_without_waiting_for_max_wait(
+        thread_worker: StartWorker, redis_url: str, rds: redis.Redis) -> None:
+    spec = echo(max_batch_size=4, max_wait_ms=3000)
+
+    async def go(client: InferenceClient) -> float:
+        handles = [await client.submit(spec, tenant="t", body=chat(f"m{i}")) for i in range(4)]
+        worker = thread_worker(spec)
+        started = time.monotonic()
+        results = await asyncio.gather(*[collect(h) for h in handles])
+        assert [r.text for r in results] == [f"m{i}" for i in range(4)]
+        assert sorted(worker.admitted[0]) == sorted(h.rid for h in handles)
+        return time.monotonic() - started
+
+    assert run(go, redis_url) < 2.0, "a full batch must not wait for max_wait_ms"
+
+
+def test_a_partial_batch_waits_for_max_wait_then_runs(
+        thread_worker: StartWorker, redis_url: str) -> None:
+    spec = echo(max_batch_size=8, max_wait_ms=400)
+    worker = thread_worker(spec)
+
+    async def go(client: InferenceClient) -> None:
+        await asyncio.sleep(0.3)  # worker is blocking on an empty stream
+        first = await client.submit(spec, tenant="t", body=chat("one"))
+        await asyncio.sleep(0.1)  # arrives inside the first one's max_wait window
+        second = await client.submit(spec, tenant="t", body=chat("two"))
+        t0 = time.monotonic()
+        a, b = await asyncio.gather(collect(first), collect(second))
+        assert (a.text, b.text) == ("one", "two")
+        assert time.monotonic() - t0 > 0.15  # it did wait for more
+        assert sorted(worker.admitted[0]) == sorted([first.rid, second.rid])
+
+    run(go, redis_url)
+
+
+def test_deadline_passed_in_queue_is_answered_504_without_running(
+        thread_worker: StartWorker, redis_url: str) -> None:
+    spec = echo(max_batch_size=1, echo_token_delay_ms=20)
+
+    async def go(client: InferenceClient) -> None:
+        busy = await client.submit(spec, tenant="t", body=chat("x" * 40))
+        late = await client.submit(spec, tenant="t", body=chat("late"), timeout_s=0.3)
+        worker = thread_worker(spec)
+        result = await collect(late)
+        assert result.final["t"] == "error" and result.final["status"] == 504
+        assert result.final["code"] == "deadline_exceeded"
+        assert result.text == ""
+        assert (await collect(busy)).text == "x" * 40
+        assert all(late.rid not in batch for batch in worker.admitted)
+
+    run(go, redis_url)
+
+
+def test_gateway_gives_up_at_deadline_when_no_worker_answers(redis_url: str,
+                                                             rds: redis.Redis) -> None:
+    spec = echo()
+
+    async def go(client: InferenceClient) -> None:
+        handle = await client.submit(spec, tenant="t", body=chat("nobody home"), timeout_s=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await collect(handle)
+        assert time.monotonic() - t0 < 5
+        assert rds.sismember(q.cancel_key(spec.name), handle.rid), "worker must learn to skip it"
+
+    run(go, redis_url)
+
+
+def test_priority_and_tenant_fairness(thread_worker: StartWorker, redis_url: str) -> None:
+    spec = echo(max_batch_size=1, echo_token_delay_ms=5, max_queue_depth=100,
+                tenant_queue_share=0.9)
+
+    async def go(client: InferenceClient) -> None:
+        flood = [await client.submit(spec, tenant="alice", body=chat(f"a{i}")) for i in range(20)]
+        single = await client.submit(spec, tenant="bob", body=chat("b"))
+        urgent = await client.submit(spec, tenant="alice", body=chat("urgent"), priority=10)
+        worker = thread_worker(spec)
+        await asyncio.gather(*[collect(h) for h in [*flood, single, urgent]])
+        order = [rid for batch in worker.admitted for rid in batch]
+        # The worker reads a window (2 x batch size) at a time, so "first" means within
+        # the first window or two, not after the 20 queued before.
+        assert order.index(urgent.rid) <= 4, order
+        assert order.index(single.rid) <= 4, order
+
+    run(go, redis_url)
+
+
+def test_cancellation_stops_generation_and_bills_tokens_produced(
+        thread_worker: StartWorker, redis_url: str) -> None:
+    spec = echo(echo_token_delay_ms=20)
+    worker = thread_worker(spec)
+
+    async def go(client: InferenceClient) -> None:
+        handle = await client.submit(spec, tenant="t", body=chat("z" * 200, max_tokens=500))
+        events = []
+        async for event in handle.events():
+            events.append(event)
+            if len(events) == 3:
+                await handle.cancel()
+        final = events[-1]
+        assert final["t"] == "done" and final["finish"] == "cancelled"
+        produced = final["usage"]["completion_tokens"]
+        assert 3 <= produced < 200
+        assert len("".join(e.get("text", "") for e in events)) == produced
+        await asyncio.sleep(0.2)
+        assert not worker.active, "the worker stopped generating"
+
+    run(go, redis_url)
+
+
+def test_queue_is_bounded_and_tenant_share_is_enforced(redis_url: str,
+                                                       rds: redis.Redis) -> None:
+    spec = echo(max_queue_depth=4, tenant_queue_share=0.5)
+
+    async def go(client: InferenceClient) -> None:
+        await client.submit(spec, tenant="a", body=chat("1"))
+        await client.submit(spec, tenant="a", body=chat("2"))
+        with pytest.raises(RateLimited) as tenant_full:
+            await client.submit(spec, tenant="a", body=chat("3"))
+        assert tenant_full.value.headers["Retry-After"]
+        await client.submit(spec, tenant="b", body=chat("1"))
+        await client.submit(spec, tenant="c", body=chat("1"))
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable) as full:
+            await client.submit(spec, tenant="d", body=chat("1"))
+        assert time.monotonic() - t0 < 0.5, "rejection is immediate, never a wait"
+        assert full.value.status == 503 and full.value.headers["Retry-After"]
+        assert int(rds.get(q.depth_key(spec.name))) == 4
+
+    run(go, redis_url)
+
+
+def test_idempotency_key_gives_one_generation(thread_worker: StartWorker, redis_url: str,
+                                              rds: redis.Redis) -> None:
+    spec = echo()
+    thread_worker(spec)
+
+    async def go(client: InferenceClient) -> None:
+        first = await client.submit(spec, tenant="t", body=chat("once"), idempotency_key="k1")
+        a = await collect(first)
+        again = await client.submit(spec, tenant="t", body=chat("once"), idempotency_key="k1")
+        b = await collect(again)
+        assert again.rid == first.rid and a.text == b.text == "once"
+        assert a.final == b.final
+
+    run(go, redis_url)
+    assert int(rds.get(q.depth_key(spec.name)) or 0) == 0
+
+
+def test_resume_from_an_offset_gives_the_identical_rest(thread_worker: StartWorker,
+                                                        redis_url: str) -> None:
+    spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=4)
+    thread_worker(spec)
+
+    async def go(client: InferenceClient) -> None:
+        handle = await client.submit(spec, tenant="t", body=chat("hello", max_tokens=20),
+                                     timeout_s=60)
+        full = await collect(handle)
+        assert full.final["t"] == "done" and len(full.text) > 0
+        cut = 3
+        rest = [e async for e in client.replay("t", handle.rid, after_seq=cut - 1)]
+        head = "".join(e["text"] for e in full.events[:cut] if e["t"] == "delta")
+        assert head + "".join(e.get("text", "") for e in rest) == full.text
+        assert rest[-1] == full.final
+
+    run(go, redis_url)
+
+
+def test_bad_requests_get_typed_errors(thread_worker: StartWorker, redis_url: str) -> None:
+    spec = echo(max_context=32)
+    thread_worker(spec)
+
+    async def go(client: InferenceClient) -> list[Result]:
+        too_long = await client.submit(spec, tenant="t", body=chat("y" * 100))
+        malformed = await client.submit(spec, tenant="t", body={"no": "messages"})
+        return [await collect(too_long), await collect(malformed)]
+
+    too_long, malformed = run(go, redis_url)
+    assert too_long.final["status"] == 400 and too_long.final["code"] == "context_length_exceeded"
+    assert malformed.final["status"] == 400
+
+
+def test_embeddings_are_batched_per_call(thread_worker: StartWorker, redis_url: str) -> None:
+    from inference.weights import MINILM
+
+    spec = DeploymentSpec(unique("minilm"), RuntimeName.ENCODER, weights=MINILM,
+                          max_batch_size=8, max_wait_ms=200)
+
+    async def go(client: InferenceClient) -> list[Result]:
+        handles = [await client.submit(spec, tenant="t", body={"input": [f"text {i}", "x"]})
+                   for i in range(3)]
+        worker = thread_worker(spec)
+        results = [await collect(h) for h in handles]
+        assert len(worker.admitted[0]) == 3, "three calls, one model batch"
+        return results
+
+    for result in run(go, redis_url):
+        vectors = result.events[0]["data"]
+        assert len(vectors) == 2 and len(vectors[0]) == 384
+        assert result.final["usage"]["prompt_tokens"] > 0
+
+
+def test_workers_publish_heartbeats_with_memory(thread_worker: StartWorker,
+                                                rds: redis.Redis) -> None:
+    spec = echo()
+    worker = thread_worker(spec)
+    deadline = time.monotonic() + 5
+    while worker.id not in heartbeats(rds, spec.name):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    beat = heartbeats(rds, spec.name)[worker.id]
+    assert beat["mem_used"] > 10 * 2**20 and beat["mem_total"] >= beat["mem_used"]
+    assert beat["max_batch"] == spec.max_batch_size and beat["load"] == 0
