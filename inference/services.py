@@ -22,7 +22,7 @@ EDITABLE = ("runtime", "weights", "device", "description", "max_batch_size", "ma
 
 def _validate(deployment: Deployment) -> None:
     try:
-        deployment.full_clean()
+        deployment.full_clean(validate_unique=False)  # a duplicate is a 409, below
     except ValidationError as exc:
         field, messages = next(iter(exc.message_dict.items()))
         raise Unprocessable(f"{field}: {' '.join(messages)}", param=field) from None

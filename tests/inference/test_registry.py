@@ -1,0 +1,71 @@
+"""The deployment registry API and the OpenAI-style model list."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.models import Deployment
+from inference.services import deployment_seed_defaults
+from tenants.roles import Role
+from tests.conftest import ApiClient, Org, assert_openai_error
+
+pytestmark = pytest.mark.django_db
+
+
+def test_platform_admin_registers_and_tunes_a_deployment(ops: Org) -> None:
+    pa = ops.client(Role.PLATFORM_ADMIN)
+    created = pa.post("/api/v1/deployments", {"name": "my-llama", "runtime": "causal_lm",
+                                              "weights": "/models/llama", "max_batch_size": 32})
+    assert created.status == 201 and created.body["kind"] == "chat"
+    updated = pa.patch("/api/v1/deployments/my-llama", {"max_wait_ms": 25, "enabled": False})
+    assert updated.body["max_wait_ms"] == 25 and updated.body["max_batch_size"] == 32
+    spec = Deployment.objects.get(name="my-llama").to_spec()
+    assert (spec.max_batch_size, spec.max_wait_ms) == (32, 25)
+
+
+@pytest.mark.parametrize("body", [
+    {"name": "bad name!", "runtime": "echo"},
+    {"name": "x", "runtime": "quantum"},
+    {"name": "x", "runtime": "causal_lm"},  # weights required
+    {"name": "x", "runtime": "echo", "max_batch_size": 0},
+    {"name": "x", "runtime": "echo", "tenant_queue_share": 1.5},
+    {"name": "x", "runtime": "echo", "device": "tpu"},
+    {"name": "{x}", "runtime": "echo"},
+])
+def test_invalid_deployments_are_422_and_not_saved(ops: Org, body: dict[str, object]) -> None:
+    error = assert_openai_error(ops.client(Role.PLATFORM_ADMIN).post("/api/v1/deployments", body),
+                                422)
+    assert error["param"]
+    assert not Deployment.objects.exists()
+
+
+def test_duplicate_deployment_is_409(ops: Org) -> None:
+    pa = ops.client(Role.PLATFORM_ADMIN)
+    pa.post("/api/v1/deployments", {"name": "e", "runtime": "echo"})
+    assert_openai_error(pa.post("/api/v1/deployments", {"name": "e", "runtime": "echo"}), 409)
+
+
+def test_model_list_shows_enabled_models_within_the_key_allow_list(alice: Org) -> None:
+    deployment_seed_defaults()
+    Deployment.objects.create(name="retired", runtime="echo", enabled=False)
+    dev = alice.client(Role.DEVELOPER)
+    listed = dev.get("/v1/models").body
+    assert listed["object"] == "list"
+    names = {m["id"] for m in listed["data"]}
+    assert names == {"smollm2-135m-instruct", "all-minilm-l6-v2", "echo"}
+    assert all(m["object"] == "model" and m["owned_by"] == "sluice" for m in listed["data"])
+    narrow = dev.post("/api/v1/keys", {"name": "n", "allowed_models": ["echo"]}).body["key"]
+    assert [m["id"] for m in ApiClient(narrow).get("/v1/models").body["data"]] == ["echo"]
+    assert ApiClient(narrow).get("/v1/models/echo").body["id"] == "echo"
+    error = assert_openai_error(ApiClient(narrow).get("/v1/models/smollm2-135m-instruct"), 404)
+    assert error["code"] == "model_not_found"
+    assert_openai_error(dev.get("/v1/models/retired"), 404)
+    assert_openai_error(ApiClient().get("/v1/models"), 401)
+
+
+def test_seeding_is_idempotent_and_keeps_edits(db: None) -> None:
+    deployment_seed_defaults()
+    Deployment.objects.filter(name="echo").update(max_batch_size=3)
+    deployment_seed_defaults()
+    assert Deployment.objects.count() == 3
+    assert Deployment.objects.get(name="echo").max_batch_size == 3

@@ -1,0 +1,117 @@
+"""Worker processes dying: kill -9 mid-batch answers every request exactly once with the
+full, duplicate-free output; a request that keeps killing workers is dead-lettered;
+SIGTERM drains and hands the rest back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from inference import queue as q
+from inference.client import InferenceClient
+from inference.spec import DeploymentSpec, RuntimeName
+from tests.inference.conftest import ProcessWorkers, chat, collect, run, unique
+
+pytestmark = pytest.mark.slow
+
+
+def prompt(i: int) -> str:
+    return f"request {i:02d} " + "abcdefghij" * 3
+
+
+def done_events(rds: redis.Redis, tenant: str, rid: str) -> int:
+    return sum(1 for _i, f in rds.xrange(q.out_key(tenant, rid))
+               if b'"t":"done"' in f[b"e"] or b'"t":"error"' in f[b"e"])
+
+
+def test_kill_9_mid_batch_every_request_answered_exactly_once(
+        process_workers: ProcessWorkers, rds: redis.Redis, redis_url: str) -> None:
+    spec = DeploymentSpec(unique("echo"), RuntimeName.ECHO, max_batch_size=8,
+                          echo_token_delay_ms=25, max_queue_depth=64)
+    victim = process_workers.start(spec, reclaim_after_ms=1000)
+    process_workers.wait_live(rds, spec.name, 1)
+    survivor = process_workers.start(spec, reclaim_after_ms=1000)
+    process_workers.wait_live(rds, spec.name, 2)
+
+    async def go(client: InferenceClient) -> None:
+        handles = [await client.submit(spec, tenant=f"t{i % 3}", body=chat(prompt(i)),
+                                       timeout_s=60) for i in range(16)]
+        await asyncio.sleep(0.4)  # both workers are mid-generation now
+        os.kill(victim.pid, signal.SIGKILL)
+        results = await asyncio.gather(*[collect(h) for h in handles])
+        for i, (handle, result) in enumerate(zip(handles, results, strict=True)):
+            assert result.final["t"] == "done", result.final
+            assert result.text == prompt(i), "no token lost or repeated across the takeover"
+            seqs = [e["seq"] for e in result.events]
+            assert seqs == sorted(set(seqs)), "every event delivered once, in order"
+            assert result.final["usage"]["completion_tokens"] == len(prompt(i).encode())
+            assert done_events(rds, handle.tenant, handle.rid) == 1, "one final event: one charge"
+
+    run(go, redis_url)
+    assert victim.wait(5) == -signal.SIGKILL and survivor.poll() is None
+    assert int(rds.get(q.depth_key(spec.name)) or 0) == 0
+    assert rds.hlen(q.tenants_key(spec.name)) == 0
+
+
+def test_request_that_keeps_killing_workers_goes_to_dead_letter(
+        process_workers: ProcessWorkers, rds: redis.Redis, redis_url: str) -> None:
+    spec = DeploymentSpec(unique("echo"), RuntimeName.ECHO, max_batch_size=1,
+                          echo_token_delay_ms=50, max_deliveries=2)
+    stream = None
+
+    async def go(client: InferenceClient) -> None:
+        nonlocal stream
+        handle = await client.submit(spec, tenant="t", body=chat("poison " * 20), timeout_s=60)
+        stream = q.stream_key(spec.name, q.stream_suffix("t", 0))
+        kills = 0
+        deadline = time.monotonic() + 45
+        result_task = asyncio.create_task(collect(handle))
+        while not result_task.done() and time.monotonic() < deadline:
+            if not any(p.poll() is None for p in process_workers.procs):
+                process_workers.start(spec, reclaim_after_ms=500)
+            # Whenever a worker holds the request to run it, it "crashes" on it. (Past
+            # max_deliveries the worker holds it only to dead-letter it.)
+            for entry in rds.xpending_range(stream, q.GROUP, "-", "+", 10):
+                if entry["times_delivered"] > spec.max_deliveries:
+                    continue
+                owner = entry["consumer"].decode()
+                for proc in process_workers.procs:
+                    if proc.poll() is None and f"-{proc.pid}-" in owner:
+                        proc.kill()
+                        proc.wait()
+                        kills += 1
+            await asyncio.sleep(0.05)
+        result = await result_task
+        assert result.final["t"] == "error" and result.final["code"] == "dead_lettered"
+        assert kills == spec.max_deliveries
+        dead = rds.xrange(q.dead_key(spec.name))
+        assert len(dead) == 1 and dead[0][1][b"rid"].decode() == handle.rid
+
+    run(go, redis_url)
+    assert int(rds.get(q.depth_key(spec.name)) or 0) == 0
+
+
+def test_sigterm_drains_running_work_and_hands_back_the_rest(
+        process_workers: ProcessWorkers, rds: redis.Redis, redis_url: str) -> None:
+    spec = DeploymentSpec(unique("echo"), RuntimeName.ECHO, max_batch_size=2,
+                          echo_token_delay_ms=10)
+    first = process_workers.start(spec, reclaim_after_ms=60_000)
+    process_workers.wait_live(rds, spec.name, 1)
+
+    async def go(client: InferenceClient) -> None:
+        handles = [await client.submit(spec, tenant="t", body=chat(prompt(i)), timeout_s=60)
+                   for i in range(6)]
+        await asyncio.sleep(0.3)
+        first.terminate()
+        assert first.wait(15) == 0
+        # A fresh worker takes the handed-back entries at once, not after 60 s.
+        process_workers.start(spec, reclaim_after_ms=60_000)
+        results = await asyncio.wait_for(asyncio.gather(*[collect(h) for h in handles]), 30)
+        assert [r.text for r in results] == [prompt(i) for i in range(6)]
+
+    run(go, redis_url)
