@@ -113,9 +113,10 @@ class InferenceClient:
             for _key, entries in reply or []:
                 for msg_id, fields in entries:
                     self._last_id = msg_id.decode()
-                    waiting = self._waiting.get(fields[b"rid"].decode())
-                    if waiting is not None:
-                        waiting.put_nowait(json.loads(fields[b"e"]))
+                    for rid, event in json.loads(fields[b"b"]):
+                        waiting = self._waiting.get(rid)
+                        if waiting is not None:
+                            waiting.put_nowait(event)
             if reply:
                 # Our own stream: keep it short and let it vanish if this process dies.
                 pipe = self._reader.pipeline(transaction=False)

@@ -17,7 +17,8 @@ deployment's queue keys, and a tenant's request keys, each in one Redis Cluster 
     sluice:{<tenant>}:out:<rid>        the request's event stream (TTL): resume source
     sluice:{<tenant>}:done:<rid>       set once by the worker that finishes the request
     sluice:{<tenant>}:idem:<key>       idempotency key -> request id
-    sluice:gw:<gateway id>             events for the requests one gateway process waits on
+    sluice:gw:<gateway id>             events for the requests one gateway process waits on,
+                                       batched: one entry per worker step, [[rid, event]...]
 
 Enqueue and acknowledge are Lua scripts, so the counters (the bound the gateway enforces
 before enqueueing, and the set of tenants a worker reads from) never drift from the

@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from secrets import token_hex
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import redis
 
 from inference import queue as q
+from inference.detokenize import Detokenizer
 from inference.runtimes import load_runtime
 from inference.runtimes.base import (
     ChatRuntime,
@@ -48,6 +50,7 @@ logger = logging.getLogger("sluice.worker")
 _EMBED_CHUNK = 64
 _RELEASE_IDLE_MS = 10**9  # "idle forever": the next reaper takes it at once
 _IDLE_POLL_S = 0.05  # how soon an idle worker notices a stream that did not exist
+_CANCEL_CHECK_S = 0.05  # how often cancellations are looked up (bounds their latency)
 
 
 @dataclass
@@ -72,10 +75,13 @@ class Active:
     prompt_tokens: int
     max_new: int
     stop: tuple[str, ...]
+    ignore_eos: bool = False
     ids: list[int] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
-    sent_text: str = ""
+    text: str = ""  # all text decoded so far
+    sent_text: str = ""  # the part of it already streamed
     seq: int = 0
+    detok: Detokenizer | None = None
 
     @property
     def req(self) -> q.QueuedRequest:
@@ -112,6 +118,8 @@ class Worker:
         self.reclaim_after_ms = reclaim_after_ms or int(str(spec.extra.get("reclaim_after_ms",
                                                                            30000)))
         self.window = spec.max_batch_size * 2
+        self._eos = self.runtime.eos_token_ids if isinstance(self.runtime, ChatRuntime) \
+            else frozenset()
         self._ack = self.redis.register_script(q.ACK_LUA)
         self.backlog: list[Pending] = []
         self.active: dict[str, Active] = {}
@@ -121,6 +129,9 @@ class Worker:
         self._last_tenant: str | None = None
         self._next_heartbeat = 0.0
         self._next_reap = 0.0
+        self._next_cancel_check = 0.0
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-writer")
+        self._writing: Future[None] | None = None
         self.batches = 0
         # The request ids of the most recent admissions, for tests and debugging.
         self.admitted: deque[list[str]] = deque(maxlen=256)
@@ -140,8 +151,10 @@ class Worker:
         while self.active and time.monotonic() < deadline:
             self._decode_step()
             self._flush()
+        self._flush(wait=True)
         self._release([a.pending for a in self.active.values()])
         self.active.clear()
+        self._writer.shutdown(wait=True)
         self.redis.hdel(q.workers_key(self.spec.name), self.id)
 
     def _release(self, pendings: list[Pending]) -> None:
@@ -168,7 +181,9 @@ class Worker:
             self._reap()
             self._next_reap = now + self.reclaim_after_ms / 3000
         self._pull()
-        self._cancellations()
+        if now >= self._next_cancel_check:
+            self._cancellations()
+            self._next_cancel_check = now + _CANCEL_CHECK_S
         self._admit()
         if self.active:
             self._decode_step()
@@ -191,7 +206,8 @@ class Worker:
                                           {self._key(s): ">" for s in suffixes},
                                           count=per_stream, block=block)
         except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc):  # a stream emptied and went away meanwhile
+            # A stream emptied and went away meanwhile (before or during our block).
+            if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
                 return []
             raise
         out = []
@@ -207,7 +223,10 @@ class Worker:
         if room <= 0:
             return
         if self.active or self.backlog:
-            self.backlog += self._read(room, None)  # never block a running batch
+            # Mid-batch, read only when the backlog cannot fill the free slots: a round
+            # trip per decode step would cost more than the step on small models.
+            if len(self.backlog) < self.spec.max_batch_size - len(self.active):
+                self.backlog += self._read(room, None)  # never block a running batch
             return
         # Idle: block for the first request, then gather up to a full batch or until
         # max_wait_ms after the first one arrived.
@@ -331,6 +350,7 @@ class Worker:
                 top_p=float(body.get("top_p", 1.0) or 1.0),
                 seed=body.get("seed"),
                 stop=tuple(body.get("stop") or ()),
+                ignore_eos=bool(body.get("ignore_eos", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(400, "invalid_request", f"Malformed request: {exc}") from None
@@ -340,7 +360,8 @@ class Worker:
                                f"The prompt has {len(prompt)} tokens; this model's context is "
                                f"{runtime.max_context}.")
         active = Active(pending, prompt_tokens=len(prompt),
-                        max_new=min(params.max_tokens, room), stop=params.stop)
+                        max_new=min(params.max_tokens, room), stop=params.stop,
+                        ignore_eos=params.ignore_eos)
         if pending.deliveries > 1 and not self._resume_state(active):
             self._acks.append(pending)  # an earlier delivery finished it
             return None
@@ -349,9 +370,12 @@ class Worker:
             self._finish(active, "length")
             return None
         params = SamplingParams(max_tokens=left, temperature=params.temperature,
-                                top_p=params.top_p, seed=params.seed, stop=params.stop)
+                                top_p=params.top_p, seed=params.seed, stop=params.stop,
+                                ignore_eos=params.ignore_eos)
+        active.detok = Detokenizer(runtime.decode, active.ids)
         # A resumed request continues from what was already streamed, as context.
-        return active, NewSequence(pending.req.rid, prompt + active.ids, params)
+        return active, NewSequence(pending.req.rid, prompt + active.ids, params,
+                                   generated=len(active.ids))
 
     def _resume_state(self, active: Active) -> bool:
         """Load what an earlier delivery already streamed. False if it finished."""
@@ -363,6 +387,7 @@ class Worker:
                 active.ids += event["ids"]
                 active.sent_text += event["text"]
                 active.seq = event["seq"] + 1
+        active.text = active.sent_text
         return True
 
     # -- generation ----------------------------------------------------------------
@@ -374,37 +399,38 @@ class Worker:
                 self._on_token(self.active[rid], token)
 
     def _on_token(self, active: Active, token: int) -> None:
-        runtime = self.runtime
-        assert isinstance(runtime, ChatRuntime)  # noqa: S101
-        if token in runtime.eos_token_ids:
+        if token in self._eos and not active.ignore_eos:
             self._finish(active, "stop")
             return
         active.ids.append(token)
         active.unsent_ids.append(token)
-        text = runtime.decode(active.ids)
-        hit = min((i for i in (text.find(s) for s in active.stop) if i >= 0), default=-1)
-        if hit >= 0:
-            self._emit_text(active, text[:hit], final=True)
-            self._finish(active, "stop")
-            return
-        self._emit_text(active, text, final=False)
+        assert active.detok is not None  # noqa: S101
+        active.text += active.detok.push(token)
+        if active.stop:
+            # Only the new tail can complete a stop string.
+            start = max(0, len(active.sent_text) - max(map(len, active.stop)))
+            hits = [i for i in (active.text.find(s, start) for s in active.stop) if i >= 0]
+            if hits:
+                active.text = active.text[:min(hits)]
+                self._emit_text(active, final=True)
+                self._finish(active, "stop")
+                return
+        self._emit_text(active, final=False)
         if len(active.ids) >= active.max_new:
             self._finish(active, "length")
         elif active.req.deadline_ms <= q.now_ms():
             self._finish(active, "deadline")
 
-    def _emit_text(self, active: Active, text: str, *, final: bool) -> None:
+    def _emit_text(self, active: Active, *, final: bool) -> None:
+        text = active.text
         if not final:
-            # Hold back an incomplete UTF-8 sequence and anything that may be the start
-            # of a stop string, so the caller never sees half a character or half a stop.
-            text = text.rstrip("\ufffd")
+            # Hold back anything that may be the start of a stop string, so the caller
+            # never sees half a stop sequence.
             for stop in active.stop:
                 for n in range(min(len(stop) - 1, len(text)), 0, -1):
                     if text.endswith(stop[:n]):
                         text = text[:-n]
                         break
-        if not text.startswith(active.sent_text):
-            return  # the tokenizer re-merged earlier text: wait for it to settle
         delta = text[len(active.sent_text):]
         if not delta and not (final and active.unsent_ids):
             return
@@ -417,8 +443,7 @@ class Worker:
     def _finish(self, active: Active, reason: str) -> None:
         runtime = self.runtime
         assert isinstance(runtime, ChatRuntime)  # noqa: S101
-        if reason != "stop" or not active.stop:
-            self._emit_text(active, runtime.decode(active.ids), final=True)
+        self._emit_text(active, final=True)  # whatever was held back, if anything
         runtime.drop([active.req.rid])
         self.active.pop(active.req.rid, None)
         if reason == "deadline":
@@ -473,11 +498,21 @@ class Worker:
         })
         self._acks.append(pending)
 
-    def _flush(self) -> None:
-        if not self._outbox and not self._acks:
-            return
-        outbox, acks = self._outbox, self._acks
-        self._outbox, self._acks = [], []
+    def _flush(self, *, wait: bool = False) -> None:
+        """Hand this iteration's events and acks to the writer thread, so that Redis I/O
+        overlaps the next decode step (torch releases the GIL while it computes). One
+        write is in flight at a time: order is kept and a slow Redis slows us down."""
+        if self._outbox or self._acks:
+            if self._writing is not None:
+                self._writing.result()
+            self._writing = self._writer.submit(self._write, self._outbox, self._acks)
+            self._outbox, self._acks = [], []
+        if wait and self._writing is not None:
+            self._writing.result()
+            self._writing = None
+
+    def _write(self, outbox: list[tuple[q.QueuedRequest, dict[str, Any]]],
+               acks: list[Pending]) -> None:
         # One final event per request, ever: the first worker to set `done` owns it.
         finals = [(req, ev) for req, ev in outbox if ev["t"] in ("done", "error")]
         owned = set()
@@ -489,14 +524,20 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         # Events first, acks after: a crash in between leaves the entry pending, and the
         # next delivery resumes from (or just acknowledges) what was written.
+        by_gateway: dict[str, list[str]] = {}
         for req, event in outbox:
-            if event["t"] in ("done", "error") and req.rid not in owned:
+            final = event["t"] in ("done", "error")
+            if final and req.rid not in owned:
                 continue
             data = q.encode_event(event)
             out = q.out_key(req.tenant, req.rid)
             pipe.xadd(out, {"e": data})
-            pipe.expire(out, q.OUT_TTL_S)
-            pipe.xadd(q.gateway_key(req.gateway), {"rid": req.rid, "e": data},
+            if final or event["seq"] == 0:
+                pipe.expire(out, q.OUT_TTL_S)
+            by_gateway.setdefault(req.gateway, []).append(f'["{req.rid}",{data}]')
+        # One message per gateway per iteration carries every event of the step.
+        for gateway, items in by_gateway.items():
+            pipe.xadd(q.gateway_key(gateway), {"b": "[" + ",".join(items) + "]"},
                       maxlen=q.GATEWAY_STREAM_MAXLEN, approximate=True)
         for pending in acks:
             self._ack(keys=q.queue_keys(self.spec.name, pending.stream),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from inference.runtimes.base import ChatRuntime, EmbeddingRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 
@@ -14,6 +16,11 @@ def load_runtime(spec: DeploymentSpec) -> ChatRuntime | EmbeddingRuntime:
 
         return EchoRuntime(token_delay_ms=spec.echo_token_delay_ms, max_context=spec.max_context)
     device = pick_device(spec.device)
+    threads = os.environ.get("SLUICE_TORCH_THREADS")
+    if threads:  # CPU workers sharing a machine: give each a fixed share of the cores
+        import torch
+
+        torch.set_num_threads(int(threads))
     if spec.runtime == RuntimeName.TINY_CAUSAL_LM:
         from inference.runtimes.causal_lm import tiny_causal_lm
 

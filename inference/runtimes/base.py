@@ -26,6 +26,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class NewSequence:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # The last `generated` ids of prompt_ids were produced by an earlier delivery of this
+    # request (a worker that died): the sequence continues after them.
+    generated: int = 0
 
 
 class ChatRuntime(ABC):

@@ -34,7 +34,9 @@ class EchoRuntime(ChatRuntime):
 
     def add(self, seqs: Sequence[NewSequence]) -> dict[str, int]:
         for seq in seqs:
-            self._pending[seq.rid] = [*seq.prompt_ids, EOS]
+            cut = len(seq.prompt_ids) - seq.generated
+            prompt, done = seq.prompt_ids[:cut], seq.generated
+            self._pending[seq.rid] = [*prompt[done:], EOS]
         return self._next(rids=[s.rid for s in seqs])
 
     def step(self) -> dict[str, int]:

@@ -67,7 +67,8 @@ class ProcessWorkers:
     redis_url: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start(self, spec: DeploymentSpec, *, reclaim_after_ms: int = 1000) -> subprocess.Popen[bytes]:
+    def start(self, spec: DeploymentSpec, *,
+              reclaim_after_ms: int = 1000) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "inference.worker", "--spec", spec.to_json(),
              "--redis-url", self.redis_url, "--reclaim-after-ms", str(reclaim_after_ms)],

@@ -43,6 +43,12 @@ def test_kill_9_mid_batch_every_request_answered_exactly_once(
                                        timeout_s=60) for i in range(16)]
         await asyncio.sleep(0.4)  # both workers are mid-generation now
         os.kill(victim.pid, signal.SIGKILL)
+        orphaned = sum(
+            1 for suffix in rds.hkeys(q.streams_key(spec.name))
+            for e in rds.xpending_range(q.stream_key(spec.name, suffix.decode()), q.GROUP,
+                                        "-", "+", 100)
+            if f"-{victim.pid}-" in e["consumer"].decode())
+        assert orphaned > 0, "the victim died holding requests: they must be taken over"
         results = await asyncio.gather(*[collect(h) for h in handles])
         for i, (handle, result) in enumerate(zip(handles, results, strict=True)):
             assert result.final["t"] == "done", result.final
