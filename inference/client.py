@@ -62,9 +62,14 @@ class RequestHandle:
 
 
 class InferenceClient:
-    def __init__(self, redis_url: str, *, gateway_id: str | None = None) -> None:
-        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=10,
-                                             socket_connect_timeout=5)
+    def __init__(self, redis_url: str, *, gateway_id: str | None = None,
+                 max_connections: int = 64) -> None:
+        # A bounded pool that makes callers wait for a free connection: a burst of
+        # submits must queue here, not fail with "Too many connections".
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=max_connections, timeout=10, socket_timeout=10,
+            socket_connect_timeout=5)
+        self.redis = aioredis.Redis(connection_pool=pool)
         # The router's blocking read gets its own connection and a longer timeout.
         self._reader = aioredis.Redis.from_url(redis_url, socket_timeout=30,
                                                socket_connect_timeout=5)

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from inference.worker import heartbeats
 from sluice.localinfra import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +92,8 @@ def http(method: str, url: str, body: bytes | None = None,
 def test_banner_prints_urls_login_key_and_curl(running: Running) -> None:
     for fragment in (f"{running.base}/v1", f"{running.base}/api/docs", "Login     admin / ",
                      f'curl -s {running.base}/api/v1/me -H "Authorization: Bearer {running.key}"',
-                     "(private, stops with Sluice)", "sqlite3"):
+                     "(private, stops with Sluice)", "sqlite3",
+                     "smollm2-135m-instruct, all-minilm-l6-v2, echo"):
         assert fragment in running.banner
 
 
@@ -104,6 +107,23 @@ def test_printed_key_works_against_the_live_server(running: Running) -> None:
     assert status == 200 and body["token_type"] == "Bearer"
     status, ready = http("GET", f"{running.base}/readyz")
     assert status == 200 and ready["checks"] == {"database": "ok", "redis": "ok"}
+
+
+def test_seeded_models_are_listed_and_their_workers_come_up(running: Running) -> None:
+    status, body = http("GET", f"{running.base}/v1/models",
+                        headers={"Authorization": f"Bearer {running.key}"})
+    assert status == 200
+    assert {m["id"] for m in body["data"]} == {"smollm2-135m-instruct", "all-minilm-l6-v2",
+                                               "echo"}
+    rds = redis.Redis(port=running.redis_port)
+    deadline = time.monotonic() + 120  # the chat model's weights convert on first start
+    while time.monotonic() < deadline:
+        live = {d for d in ("echo", "all-minilm-l6-v2", "smollm2-135m-instruct")
+                if heartbeats(rds, d)}
+        if len(live) == 3:
+            break
+        time.sleep(0.5)
+    assert live == {"echo", "all-minilm-l6-v2", "smollm2-135m-instruct"}
 
 
 def test_printed_login_works(running: Running) -> None:
@@ -141,11 +161,21 @@ def test_oversized_chunked_body_is_413_over_a_real_socket(running: Running) -> N
     assert payload["error"]["code"] == "payload_too_large"
 
 
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True, check=False).stdout
+    return {int(p) for p in out.split()}
+
+
 def test_ctrl_c_stops_every_process_it_started(running: Running) -> None:
     port = int(running.base.rsplit(":", 1)[1])
     assert _port_open(port) and _port_open(running.redis_port)
+    children = _children(running.proc.pid)
+    assert len(children) >= 5, "redis, uvicorn and three workers"
     running.proc.send_signal(signal.SIGINT)
     assert running.proc.wait(timeout=30) == 0
+    alive = {pid for pid in children if Path(f"/proc/{pid}").exists()}
+    assert not alive, f"children left running after Ctrl-C: {alive}"
     deadline = time.monotonic() + 10
     while (_port_open(port) or _port_open(running.redis_port)) and time.monotonic() < deadline:
         time.sleep(0.1)
