@@ -49,6 +49,13 @@ class RequestHandle:
                     raise DeadlineExceeded("The request's deadline passed.") from None
                 if event["seq"] < self.next_seq and event["t"] not in _FINAL:
                     continue  # a duplicate from a worker that took over
+                if event["seq"] > self.next_seq:
+                    # A gap: a message to this gateway was lost (Redis failover, a worker
+                    # dying mid-write). The request's own stream has every event.
+                    for missing in await self.client.events_between(
+                            self.tenant, self.rid, self.next_seq, event["seq"]):
+                        self.next_seq = missing["seq"] + 1
+                        yield missing
                 self.next_seq = event["seq"] + 1
                 if event["t"] in _FINAL:
                     self.finished = True
@@ -221,6 +228,16 @@ class InferenceClient:
                     if event["t"] in _FINAL:
                         return
         raise DeadlineExceeded("The request's deadline passed.")
+
+    async def events_between(self, tenant: str, rid: str, first: int,
+                             end: int) -> list[dict[str, Any]]:
+        """Non-final events with first <= seq < end, from the request's own stream."""
+        out = []
+        for _id, fields in await self.redis.xrange(q.out_key(tenant, rid)):
+            event = json.loads(fields[b"e"])
+            if first <= event["seq"] < end and event["t"] not in _FINAL:
+                out.append(event)
+        return out
 
     async def queue_stats(self, deployment: str) -> dict[str, int]:
         """Queued-or-running count and the age of the oldest entry, in ms."""

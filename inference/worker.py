@@ -19,6 +19,7 @@ Delivery is at-least-once with no duplicates visible to the caller:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -140,8 +141,27 @@ class Worker:
     def run(self, *, drain_s: float = 10.0) -> None:
         logger.info("worker %s serving %s", self.id, self.spec.name)
         while not self.stopping.is_set():
-            self.iterate()
+            try:
+                self.iterate()
+            except redis.RedisError:
+                logger.exception("Redis failed; dropping local work, it will be resumed")
+                self._abandon()
+                self.stopping.wait(1.0)
         self._drain(drain_s)
+
+    def _abandon(self) -> None:
+        """Forget everything held locally. The entries stay pending in Redis, so after
+        reclaim_after_ms a worker (this one too) takes them over and resumes each from
+        the events that did reach its stream: nothing is lost or repeated."""
+        if self._writing is not None:
+            with contextlib.suppress(Exception):
+                self._writing.result()
+            self._writing = None
+        if isinstance(self.runtime, ChatRuntime):
+            self.runtime.drop(list(self.active))
+        self.active.clear()
+        self.backlog.clear()
+        self._outbox, self._acks = [], []
 
     def _drain(self, drain_s: float) -> None:
         """Finish what is running (up to drain_s), hand everything else back."""

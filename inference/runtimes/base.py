@@ -88,6 +88,25 @@ class EmbeddingRuntime(ABC):
         return process_memory()
 
 
+class TorchModel:
+    """What every runtime holding a transformers model and tokenizer shares."""
+
+    model: Any
+    tokenizer: Any
+    device: str
+    max_context: int
+
+    def _bind(self, model: Any, tokenizer: Any, *, device: str, max_context: int) -> None:
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        limit = getattr(model.config, "max_position_embeddings", max_context)
+        self.max_context = min(max_context, int(limit))
+
+    def memory(self) -> tuple[int, int]:
+        return device_memory(self.device)
+
+
 def process_memory() -> tuple[int, int]:
     """(used, total) bytes: the process's RSS against the machine's memory."""
     try:

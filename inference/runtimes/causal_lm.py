@@ -18,17 +18,13 @@ from typing import Any
 
 import torch
 
-from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams, device_memory
+from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams, TorchModel
 from inference.runtimes.sampling import generator_for, sample
 
 
-class CausalLMRuntime(ChatRuntime):
+class CausalLMRuntime(TorchModel, ChatRuntime):
     def __init__(self, model: Any, tokenizer: Any, *, device: str, max_context: int) -> None:
-        self.model = model.to(device).eval()
-        self.tokenizer = tokenizer
-        self.device = device
-        self.max_context = min(max_context, int(getattr(model.config, "max_position_embeddings",
-                                                        max_context)))
+        self._bind(model, tokenizer, device=device, max_context=max_context)
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos else [])
@@ -156,9 +152,6 @@ class CausalLMRuntime(ChatRuntime):
         for layer in self._cache.layers:
             layer.keys = layer.keys[index][:, :, start:, :]
             layer.values = layer.values[index][:, :, start:, :]
-
-    def memory(self) -> tuple[int, int]:
-        return device_memory(self.device)
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

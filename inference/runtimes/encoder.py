@@ -8,16 +8,12 @@ from typing import Any
 
 import torch
 
-from inference.runtimes.base import EmbeddingRuntime, device_memory
+from inference.runtimes.base import EmbeddingRuntime, TorchModel
 
 
-class EncoderRuntime(EmbeddingRuntime):
+class EncoderRuntime(TorchModel, EmbeddingRuntime):
     def __init__(self, model: Any, tokenizer: Any, *, device: str, max_context: int) -> None:
-        self.model = model.to(device).eval()
-        self.tokenizer = tokenizer
-        self.device = device
-        self.max_context = min(max_context, int(getattr(model.config, "max_position_embeddings",
-                                                        max_context)))
+        self._bind(model, tokenizer, device=device, max_context=max_context)
         self.dimensions = int(model.config.hidden_size)
 
     @classmethod
@@ -43,6 +39,3 @@ class EncoderRuntime(EmbeddingRuntime):
         vectors = torch.nn.functional.normalize(pooled.float(), dim=-1)
         counts = batch["attention_mask"].sum(1).tolist()
         return vectors.cpu().tolist(), [int(c) for c in counts]
-
-    def memory(self) -> tuple[int, int]:
-        return device_memory(self.device)

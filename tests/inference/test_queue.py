@@ -239,3 +239,28 @@ def test_workers_publish_heartbeats_with_memory(thread_worker: StartWorker,
     beat = heartbeats(rds, spec.name)[worker.id]
     assert beat["mem_used"] > 10 * 2**20 and beat["mem_total"] >= beat["mem_used"]
     assert beat["max_batch"] == spec.max_batch_size and beat["load"] == 0
+
+
+def test_gateway_backfills_events_lost_on_its_own_stream(redis_url: str,
+                                                         rds: redis.Redis) -> None:
+    """A worker writes every event to the request's stream and, batched, to the waiting
+    gateway's stream. If a gateway message is lost, the handle fills the gap from the
+    request's stream instead of silently dropping text."""
+    spec = echo()
+
+    async def go(client: InferenceClient) -> None:
+        handle = await client.submit(spec, tenant="t", body=chat("abc"))
+        events = [{"t": "delta", "seq": i, "text": ch, "ids": [ord(ch)]}
+                  for i, ch in enumerate("abc")]
+        events.append({"t": "done", "seq": 3, "finish": "stop",
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 3}})
+        for event in events:  # as a worker would write them
+            rds.xadd(q.out_key("t", handle.rid), {"e": q.encode_event(event)})
+        for event in (events[0], events[3]):  # ...but "b" and "c" never reach the gateway
+            rds.xadd(q.gateway_key(client.gateway_id),
+                     {"b": f'[["{handle.rid}",{q.encode_event(event)}]]'})
+        result = await collect(handle)
+        assert result.text == "abc"
+        assert [e["seq"] for e in result.events] == [0, 1, 2, 3]
+
+    run(go, redis_url)
