@@ -1,4 +1,5 @@
-"""The one ASGI application: HTTP (Django) and WebSocket (Channels) by protocol.
+"""The one ASGI application: HTTP (the lean /v1 inference path, else Django) and
+WebSocket (Channels) by protocol.
 
 Any ASGI server can serve it (uvicorn is what the run command uses; daphne works too).
 """
@@ -6,6 +7,7 @@ Any ASGI server can serve it (uvicorn is what the run command uses; daphne works
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sluice.settings.base")
 
@@ -17,8 +19,20 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from sluice.websocket_urls import websocket_urlpatterns  # noqa: E402
+from streaming.asgi import LeanApp  # noqa: E402
+
+lean = LeanApp()
+
+
+async def http(scope: Any, receive: Any, send: Any) -> None:
+    """The /v1 inference routes take the lean path; everything else is Django."""
+    if lean.handles(scope["path"]):
+        await lean(scope, receive, send)
+    else:
+        await django_http(scope, receive, send)
+
 
 application = ProtocolTypeRouter({
-    "http": django_http,
+    "http": http,
     "websocket": AllowedHostsOriginValidator(URLRouter(websocket_urlpatterns)),
 })

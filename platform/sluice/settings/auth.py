@@ -17,3 +17,6 @@ SLUICE_JWT_LEEWAY_S = env_int("SLUICE_JWT_LEEWAY_S", 30, minimum=0)
 
 # External OIDC issuers (e.g. Azure AD): a JSON list of objects, see docs/CONFIGURATION.md.
 SLUICE_OIDC_ISSUERS = env_json("SLUICE_OIDC_ISSUERS", [])
+
+# The lean inference path caches principals this long (revocation latency there).
+SLUICE_AUTH_CACHE_TTL_S = env_int("SLUICE_AUTH_CACHE_TTL_S", 10, minimum=0)

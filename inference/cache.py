@@ -1,0 +1,37 @@
+"""Deployment specs for the hot path, cached in-process for a few seconds so that the
+lean /v1 path does not read the registry per request. An edit reaches every gateway
+process within SLUICE_REGISTRY_CACHE_TTL_S (default 5 s)."""
+
+from __future__ import annotations
+
+import time
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from inference.models import Deployment
+from inference.spec import DeploymentSpec
+
+_cache: dict[str, tuple[float, DeploymentSpec | None]] = {}
+
+
+def _load(name: str) -> DeploymentSpec | None:
+    deployment = Deployment.objects.filter(name=name, enabled=True).first()
+    return deployment.to_spec() if deployment is not None else None
+
+
+async def enabled_spec(name: str) -> DeploymentSpec | None:
+    now = time.monotonic()
+    hit = _cache.get(name)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    spec = await sync_to_async(_load, thread_sensitive=False)(name)
+    ttl = float(getattr(settings, "SLUICE_REGISTRY_CACHE_TTL_S", 5))
+    if len(_cache) > 10_000:
+        _cache.clear()
+    _cache[name] = (now + ttl, spec)
+    return spec
+
+
+def clear() -> None:
+    _cache.clear()

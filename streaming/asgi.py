@@ -1,0 +1,267 @@
+"""The lean /v1 inference path: a plain ASGI app beside Django, no Django request cycle.
+
+It serves POST /v1/chat/completions (JSON, or Server-Sent Events with `stream: true`)
+and POST /v1/embeddings in OpenAI's shapes. Everything else goes to Django. The adapter
+only parses, calls the gateway pipeline and encodes; errors are OpenAI-shaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from django.conf import settings
+from pydantic import ValidationError
+
+from sluice.errors import ApiError, BadRequest, PayloadTooLarge, ServerError
+from streaming.gateway import Gateway, Submitted, error_from_event
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+
+logger = logging.getLogger("sluice.streaming")
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_HEARTBEAT_S = 15.0
+_JSON = [(b"content-type", b"application/json")]
+
+
+class ClientGone(Exception):
+    pass
+
+
+def _validation_error(exc: ValidationError) -> BadRequest:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    if first.get("type") == "extra_forbidden":
+        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param,
+                          code="unknown_parameter")
+    if first.get("type") == "missing":
+        return BadRequest(f"Missing required parameter: '{param}'.", param=param,
+                          code="missing_required_parameter")
+    return BadRequest(f"Invalid value for '{param}': {first.get('msg')}", param=param,
+                      code="invalid_value")
+
+
+async def _send_json(send: Send, status: int, body: Any,
+                     headers: dict[str, str] | None = None) -> None:
+    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": _JSON + raw})
+    await send({"type": "http.response.body", "body": orjson.dumps(body)})
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+class LeanApp:
+    ROUTES = {"/v1/chat/completions", "/v1/embeddings"}
+
+    def __init__(self) -> None:
+        self.gateway = Gateway()
+
+    def handles(self, path: str) -> bool:
+        return path.rstrip("/") in self.ROUTES
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self._dispatch(scope, receive, tracked_send)
+        except ClientGone:
+            return
+        except ApiError as exc:
+            if not started:
+                await _send_json(send, exc.status, exc.body(), exc.headers)
+        except Exception:
+            logger.exception("unhandled error on %s", scope.get("path"))
+            if not started:
+                error = ServerError("The server had an error processing your request.")
+                await _send_json(send, error.status, error.body())
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"].rstrip("/")
+        if scope["method"] != "POST":
+            raise BadRequest(f"{scope['method']} is not allowed on {path}; use POST.",
+                             code="method_not_allowed")
+        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        principal = await self.gateway.authenticate(headers.get("authorization"))
+        length = headers.get("content-length")
+        limit = settings.SLUICE_MAX_INFERENCE_BODY_BYTES
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit}.")
+        raw = await _read_body(receive, limit)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise BadRequest("We could not parse the JSON body of your request.",
+                             code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise BadRequest("The request body must be a JSON object.", code="invalid_json")
+        try:
+            if path == "/v1/embeddings":
+                emb = EmbeddingRequest.model_validate(data)
+                await self._embeddings(await self.gateway.embed(principal, emb), emb, send)
+                return
+            req = ChatCompletionRequest.model_validate(data)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        submitted = await self.gateway.chat(principal, req,
+                                            idempotency_key=headers.get("idempotency-key"))
+        watcher = asyncio.create_task(self._watch_disconnect(receive, submitted))
+        try:
+            if req.stream:
+                await self._stream(submitted, req, send)
+            else:
+                await self._complete(submitted, req, send)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _watch_disconnect(self, receive: Receive, submitted: Submitted) -> None:
+        """A client that goes away cancels its generation (it is billed what was made)."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                await submitted.handle.cancel()
+                return
+
+    async def _complete(self, sub: Submitted, req: ChatCompletionRequest, send: Send) -> None:
+        parts: list[str] = []
+        final: dict[str, Any] = {}
+        async for event in sub.handle.events():
+            if event["t"] == "delta":
+                parts.append(event["text"])
+            elif event["t"] == "error":
+                raise error_from_event(event)
+            else:
+                final = event
+        await _send_json(send, 200, {
+            "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
+            "created": int(time.time()), "model": req.model, "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                         "finish_reason": _finish(final), "logprobs": None}],
+            "usage": _usage(final),
+        })
+
+    async def _stream(self, sub: Submitted, req: ChatCompletionRequest, send: Send) -> None:
+        rid = sub.handle.rid
+        base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": req.model, "system_fingerprint": None}
+        events = sub.handle.events()
+        first = await anext(events)  # errors before any output are still plain HTTP errors
+        if first["t"] == "error":
+            raise error_from_event(first)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+            (b"x-request-id", rid.encode())]})
+
+        async def emit(seq: int | str, payload: Any) -> None:
+            data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"id: %s:%s\ndata: %s\n\n" % (rid.encode(), str(seq).encode(),
+                                                              data)})
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish}]}
+
+        await emit("start", chunk({"role": "assistant", "content": ""}))
+        async for event in _with_heartbeats(_prepend(first, events), _HEARTBEAT_S):
+            if event is None:
+                # A comment line keeps proxies from closing a silent stream.
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n",
+                            "more_body": True})
+            elif event["t"] == "delta" and event["text"]:
+                await emit(event["seq"], chunk({"content": event["text"]}))
+            elif event["t"] == "error":
+                await emit(event["seq"], error_from_event(event).body())
+            elif event["t"] == "done":
+                await emit(event["seq"], chunk({}, _finish(event)))
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    await emit("usage", {**base, "choices": [], "usage": _usage(event)})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": False})
+
+    async def _embeddings(self, sub: Submitted, req: EmbeddingRequest, send: Send) -> None:
+        vectors: list[list[float]] = []
+        final: dict[str, Any] = {}
+        async for event in sub.handle.events():
+            if event["t"] == "embedding":
+                vectors = event["data"]
+            elif event["t"] == "error":
+                raise error_from_event(event)
+            else:
+                final = event
+        data = []
+        for i, vector in enumerate(vectors):
+            value: Any = vector
+            if req.encoding_format == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        tokens = final.get("usage", {}).get("prompt_tokens", 0)
+        await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
+                                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def _prepend(first: dict[str, Any],
+                   rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    yield first
+    async for event in rest:
+        yield event
+
+
+async def _with_heartbeats(events: AsyncIterator[dict[str, Any]],
+                           interval: float) -> AsyncIterator[dict[str, Any] | None]:
+    """The events, with None whenever `interval` passes without one. The pending read is
+    never cancelled (that would close the underlying generator)."""
+    pending = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(events))
+    finally:
+        pending.cancel()
+
+
+def _finish(final: dict[str, Any]) -> str:
+    return {"length": "length"}.get(final.get("finish", ""), "stop")
+
+
+def _usage(final: dict[str, Any]) -> dict[str, int]:
+    usage = final.get("usage", {})
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}

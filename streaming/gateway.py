@@ -1,0 +1,137 @@
+"""The gateway pipeline, written once for every protocol adapter.
+
+    authenticate (cached) -> RBAC (model.use) -> model access (allow-list, enabled,
+    kind) -> validate limits -> enqueue on the deployment's queue -> events back
+
+Rate limits, quotas, breakers and audit (the governance issue) plug in here, between
+model access and enqueue, so that REST, SSE, gRPC and WebSocket get them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+
+from inference.cache import enabled_spec
+from inference.client import InferenceClient, RequestHandle
+from inference.spec import DeploymentSpec, Kind
+from sluice.errors import (
+    ApiError,
+    BadRequest,
+    DeadlineExceeded,
+    NotFound,
+    PermissionDenied,
+    ServerError,
+    Unavailable,
+)
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from tenants.cache import authenticate_cached
+from tenants.principal import Principal
+from tenants.roles import Action
+
+
+@dataclass
+class Submitted:
+    principal: Principal
+    spec: DeploymentSpec
+    handle: RequestHandle
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return "".join(str(p) for p in parts)
+
+
+def error_from_event(event: dict[str, Any]) -> ApiError:
+    """A worker's error event as the typed error every adapter knows how to send."""
+    status, code, message = int(event.get("status", 500)), event.get("code"), event["message"]
+    if status == 504:
+        return DeadlineExceeded(message, code=code)
+    if status == 503:
+        return Unavailable(message, code=code)
+    if 400 <= status < 500:
+        return BadRequest(message, code=code)
+    return ServerError(message, code=code)
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self._client: InferenceClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def client(self) -> InferenceClient:
+        # One client per event loop: its connections and router task belong to the loop
+        # that created them (a server restarted in the same process gets a new one).
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            self._client = InferenceClient(settings.REDIS_URL)
+            self._loop = loop
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        from sluice.errors import Unauthenticated
+
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise Unauthenticated("You didn't provide an API key. Use 'Authorization: Bearer "
+                                  "<key>'.")
+        return await authenticate_cached(authorization[7:])
+
+    async def _model(self, principal: Principal, name: str, kind: Kind) -> DeploymentSpec:
+        if not principal.can(Action.MODEL_USE):
+            raise PermissionDenied(f"Your role ({principal.role}) may not call models.")
+        spec = await enabled_spec(name) if principal.may_use_model(name) else None
+        if spec is None:
+            raise NotFound(f"The model '{name}' does not exist or you do not have access to it.",
+                           code="model_not_found", param="model")
+        if spec.kind != kind:
+            raise BadRequest(f"The model '{name}' is a {spec.kind.value} model.",
+                             code="wrong_model_kind", param="model")
+        return spec
+
+    async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
+                   idempotency_key: str | None = None) -> Submitted:
+        spec = await self._model(principal, req.model, Kind.CHAT)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is not None and max_tokens >= spec.max_context:
+            raise BadRequest(f"max_tokens is {max_tokens}; this model's context is "
+                             f"{spec.max_context} tokens.", param="max_tokens",
+                             code="max_tokens_too_large")
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        body: dict[str, Any] = {
+            "messages": [{"role": m.role, "content": _text(m.content)} for m in req.messages],
+            "max_tokens": max_tokens or min(1024, spec.max_context // 2),
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": req.top_p or 1.0,
+            "stop": stop,
+            "seed": req.seed,
+        }
+        handle = await self.client.submit(spec, tenant=principal.tenant_slug, body=body,
+                                          timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S,
+                                          idempotency_key=idempotency_key)
+        return Submitted(principal, spec, handle)
+
+    async def embed(self, principal: Principal, req: EmbeddingRequest) -> Submitted:
+        spec = await self._model(principal, req.model, Kind.EMBEDDING)
+        if req.dimensions is not None:
+            raise BadRequest("This model does not support choosing dimensions.",
+                             param="dimensions")
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        if any(not text for text in inputs):
+            raise BadRequest("input must not contain empty strings.", param="input")
+        handle = await self.client.submit(spec, tenant=principal.tenant_slug,
+                                          body={"input": inputs},
+                                          timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
+        return Submitted(principal, spec, handle)

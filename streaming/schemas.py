@@ -1,0 +1,48 @@
+"""OpenAI request bodies, validated at the edge. Unknown arguments are refused, as
+OpenAI does ("Unrecognized request argument supplied")."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id... pass through
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    model: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: int | None = None
+    user: Annotated[str, StringConstraints(max_length=256)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    metadata: dict[str, str] | None = None
+
+
+class EmbeddingRequest(_Strict):
+    model: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    input: str | Annotated[list[str], Field(min_length=1, max_length=2048)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: Annotated[str, StringConstraints(max_length=256)] | None = None

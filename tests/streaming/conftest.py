@@ -1,0 +1,72 @@
+"""A live Sluice: the real ASGI app under uvicorn on a loopback port, real workers on the
+test Redis, data committed to the test database (transactional_db) so every thread sees
+it. Clients are the official openai SDK."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+import uvicorn
+from django.conf import settings
+
+from inference import cache as registry_cache
+from inference.models import Deployment
+from inference.weights import MINILM
+from inference.worker import Worker
+from sluice.localinfra import free_port
+from tenants import cache as auth_cache
+
+
+@dataclass
+class Live:
+    base_url: str
+    workers: dict[str, Worker]
+
+
+@pytest.fixture
+def live(transactional_db: None) -> Iterator[Live]:
+    redis.Redis.from_url(settings.REDIS_URL).flushdb()
+    auth_cache.clear()
+    registry_cache.clear()
+    specs = [
+        Deployment.objects.create(name="echo", runtime="echo", max_batch_size=8,
+                                  echo_token_delay_ms=2),
+        Deployment.objects.create(name="slow-echo", runtime="echo", max_batch_size=8,
+                                  echo_token_delay_ms=50),
+        Deployment.objects.create(name="minilm", runtime="encoder", weights=MINILM,
+                                  max_batch_size=16),
+        Deployment.objects.create(name="idle", runtime="echo", max_queue_depth=2,
+                                  tenant_queue_share=0.5),  # no worker serves it
+    ]
+    workers: dict[str, Worker] = {}
+    threads = []
+    for deployment in specs[:3]:
+        worker = Worker(deployment.to_spec(), redis.Redis.from_url(settings.REDIS_URL),
+                        block_ms=200)
+        thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
+        thread.start()
+        workers[deployment.name] = worker
+        threads.append(thread)
+    from sluice.asgi import application
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port,
+                                           lifespan="off", log_level="warning"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield Live(f"http://127.0.0.1:{port}/v1", workers)
+    server.should_exit = True
+    serving.join(10)
+    for worker in workers.values():
+        worker.stopping.set()
+    for thread in threads:
+        thread.join(10)
