@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import time
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from inference.models import Deployment
 from inference.spec import DeploymentSpec
+from sluice.db import async_db
 
 _cache: dict[str, tuple[float, DeploymentSpec | None]] = {}
 
@@ -25,7 +25,7 @@ async def enabled_spec(name: str) -> DeploymentSpec | None:
     hit = _cache.get(name)
     if hit is not None and hit[0] > now:
         return hit[1]
-    spec = await sync_to_async(_load, thread_sensitive=False)(name)
+    spec = await async_db(_load)(name)
     ttl = float(getattr(settings, "SLUICE_REGISTRY_CACHE_TTL_S", 5))
     if len(_cache) > 10_000:
         _cache.clear()

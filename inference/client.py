@@ -203,6 +203,20 @@ class InferenceClient:
         task.add_done_callback(self._tasks.discard)
         return handle
 
+    async def attach(self, tenant: str, rid: str) -> bool:
+        """Mark a stream as resumed by a client; False if no such request exists."""
+        if not await self.redis.exists(q.out_key(tenant, rid)):
+            return False
+        await self.redis.set(q.attached_key(tenant, rid), "1", ex=q.OUT_TTL_S)
+        return True
+
+    async def cancel_unless_resumed(self, deployment: str, tenant: str, rid: str,
+                                    grace_s: float) -> None:
+        """Cancel after `grace_s` unless a client re-attached meanwhile (any gateway)."""
+        await asyncio.sleep(grace_s)
+        if not await self.redis.exists(q.attached_key(tenant, rid)):
+            await self.cancel(deployment, rid)
+
     async def cancel(self, deployment: str, rid: str) -> None:
         key = q.cancel_key(deployment)
         pipe = self.redis.pipeline(transaction=False)

@@ -17,6 +17,7 @@ deployment's queue keys, and a tenant's request keys, each in one Redis Cluster 
     sluice:{<tenant>}:out:<rid>        the request's event stream (TTL): resume source
     sluice:{<tenant>}:done:<rid>       set once by the worker that finishes the request
     sluice:{<tenant>}:idem:<key>       idempotency key -> request id
+    sluice:{<tenant>}:attached:<rid>   a client resumed this stream: do not cancel it
     sluice:gw:<gateway id>             events for the requests one gateway process waits on,
                                        batched: one entry per worker step, [[rid, event]...]
 
@@ -82,6 +83,10 @@ def out_key(tenant: str, rid: str) -> str:
 
 def done_key(tenant: str, rid: str) -> str:
     return f"sluice:{{{tenant}}}:done:{rid}"
+
+
+def attached_key(tenant: str, rid: str) -> str:
+    return f"sluice:{{{tenant}}}:attached:{rid}"
 
 
 def idem_key(tenant: str, key: str) -> str:

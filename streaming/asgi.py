@@ -20,7 +20,7 @@ import orjson
 from django.conf import settings
 from pydantic import ValidationError
 
-from sluice.errors import ApiError, BadRequest, PayloadTooLarge, ServerError
+from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from streaming.gateway import Gateway, Submitted, error_from_event
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 
@@ -76,6 +76,7 @@ class LeanApp:
 
     def __init__(self) -> None:
         self.gateway = Gateway()
+        self._background: set[asyncio.Task[None]] = set()
 
     def handles(self, path: str) -> bool:
         return path.rstrip("/") in self.ROUTES
@@ -128,12 +129,16 @@ class LeanApp:
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as exc:
             raise _validation_error(exc) from None
+        resume = _parse_event_id(headers.get("last-event-id"))
+        if req.stream and resume is not None:
+            await self._resume(principal.tenant_slug, resume, req, send)
+            return
         submitted = await self.gateway.chat(principal, req,
                                             idempotency_key=headers.get("idempotency-key"))
-        watcher = asyncio.create_task(self._watch_disconnect(receive, submitted))
+        watcher = asyncio.create_task(self._watch_disconnect(receive, submitted, req.stream))
         try:
             if req.stream:
-                await self._stream(submitted, req, send)
+                await self._stream(submitted.handle.rid, submitted.handle.events(), req, send)
             else:
                 await self._complete(submitted, req, send)
         finally:
@@ -141,13 +146,36 @@ class LeanApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
 
-    async def _watch_disconnect(self, receive: Receive, submitted: Submitted) -> None:
-        """A client that goes away cancels its generation (it is billed what was made)."""
+    async def _watch_disconnect(self, receive: Receive, submitted: Submitted,
+                                resumable: bool) -> None:
+        """A client that goes away cancels its generation (billed what was made). A
+        stream gets a grace period first, for a reconnect with Last-Event-ID."""
         while True:
             message = await receive()
-            if message["type"] == "http.disconnect":
-                await submitted.handle.cancel()
+            if message["type"] != "http.disconnect":
+                continue
+            handle = submitted.handle
+            if not resumable:
+                await handle.cancel()
                 return
+            task = asyncio.create_task(self.gateway.client.cancel_unless_resumed(
+                submitted.spec.name, handle.tenant, handle.rid,
+                settings.SLUICE_STREAM_RESUME_GRACE_S))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return
+
+    async def _resume(self, tenant: str, resume: tuple[str, int], req: ChatCompletionRequest,
+                      send: Send) -> None:
+        """The rest of an earlier stream, from its stored events: nothing regenerated."""
+        rid, after = resume
+        client = self.gateway.client
+        if not await client.attach(tenant, rid):
+            raise NotFound("No resumable stream with that Last-Event-ID.",
+                           code="stream_not_found")
+        events = client.replay(tenant, rid, after_seq=after,
+                               timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
+        await self._stream(rid, events, req, send, replay=True)
 
     async def _complete(self, sub: Submitted, req: ChatCompletionRequest, send: Send) -> None:
         parts: list[str] = []
@@ -167,11 +195,10 @@ class LeanApp:
             "usage": _usage(final),
         })
 
-    async def _stream(self, sub: Submitted, req: ChatCompletionRequest, send: Send) -> None:
-        rid = sub.handle.rid
+    async def _stream(self, rid: str, events: AsyncIterator[dict[str, Any]],
+                      req: ChatCompletionRequest, send: Send, *, replay: bool = False) -> None:
         base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": req.model, "system_fingerprint": None}
-        events = sub.handle.events()
         first = await anext(events)  # errors before any output are still plain HTTP errors
         if first["t"] == "error":
             raise error_from_event(first)
@@ -190,7 +217,8 @@ class LeanApp:
             return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                          "finish_reason": finish}]}
 
-        await emit("start", chunk({"role": "assistant", "content": ""}))
+        if not replay:
+            await emit("start", chunk({"role": "assistant", "content": ""}))
         async for event in _with_heartbeats(_prepend(first, events), _HEARTBEAT_S):
             if event is None:
                 # A comment line keeps proxies from closing a silent stream.
@@ -203,7 +231,7 @@ class LeanApp:
             elif event["t"] == "done":
                 await emit(event["seq"], chunk({}, _finish(event)))
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    await emit("usage", {**base, "choices": [], "usage": _usage(event)})
+                    await emit(event["seq"], {**base, "choices": [], "usage": _usage(event)})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
 
@@ -226,6 +254,18 @@ class LeanApp:
         tokens = final.get("usage", {}).get("prompt_tokens", 0)
         await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
                                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _parse_event_id(value: str | None) -> tuple[str, int] | None:
+    """`<request id>:<seq>` (what every SSE event's `id:` carries) -> (rid, seq)."""
+    if not value or ":" not in value:
+        return None
+    rid, _, seq = value.strip().partition(":")
+    if not rid.isalnum() or len(rid) > 64:
+        return None
+    if seq == "start":
+        return rid, -1
+    return (rid, int(seq)) if seq.isdigit() else None
 
 
 async def _prepend(first: dict[str, Any],

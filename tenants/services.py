@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from sluice.errors import Conflict, PermissionDenied, Unauthenticated, Unprocessable
 from tenants import apikeys
+from tenants import cache as auth_cache
 from tenants.authentication import lookup_api_key
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
@@ -77,6 +78,8 @@ def tenant_update(
     if is_active is not None:
         tenant.is_active = is_active
     tenant.save(update_fields=["name", "is_active"])
+    if is_active is False:
+        auth_cache.invalidate()
     return tenant
 
 
@@ -128,6 +131,7 @@ def member_update(
     if is_active is not None:
         member.is_active = is_active
     member.save(update_fields=["role", "is_active"])
+    auth_cache.invalidate()
     return member
 
 
@@ -184,6 +188,7 @@ def apikey_revoke(*, actor: Principal, key_id: int) -> ApiKey:
     if key.revoked_at is None:
         key.revoked_at = timezone.now()
         key.save(update_fields=["revoked_at"])
+        auth_cache.invalidate()
     return key
 
 

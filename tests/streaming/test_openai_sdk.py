@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from typing import Any
 
 import numpy as np
 import openai
@@ -136,7 +138,9 @@ def test_full_queue_is_a_rate_limit_error(live: Live, keys: dict[Role, str]) -> 
     assert limited.value.response.headers["retry-after"]
 
 
-def test_client_disconnect_cancels_generation(live: Live, keys: dict[Role, str]) -> None:
+def test_client_disconnect_cancels_generation(live: Live, keys: dict[Role, str],
+                                              settings: Any) -> None:
+    settings.SLUICE_STREAM_RESUME_GRACE_S = 0.2  # (default 10 s, for reconnects)
     client = sdk(live, keys[Role.DEVELOPER])
     stream = client.chat.completions.create(
         model="slow-echo", messages=[{"role": "user", "content": "x" * 300}], stream=True)
@@ -186,3 +190,83 @@ def test_bad_input_is_a_clear_4xx_and_queues_nothing(live: Live, keys: dict[Role
         assert http.post(url, json={"model": "echo"}).status_code == 401
     rds = redis.Redis.from_url(settings.REDIS_URL)
     assert not list(rds.scan_iter("sluice:{alice}:out:*")), "nothing reached a worker"
+
+
+def _sse(lines: list[str]) -> list[tuple[str, dict[str, Any] | str]]:
+    """(id, data) pairs of an SSE body."""
+    out, event_id = [], ""
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data = line[6:]
+            out.append((event_id, data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def _text(pairs: list[tuple[str, Any]]) -> str:
+    return "".join(d["choices"][0]["delta"].get("content") or "" for _i, d in pairs
+                   if isinstance(d, dict) and d.get("choices"))
+
+
+def test_resume_after_dropped_connection_gives_identical_text(
+        live: Live, keys: dict[Role, str]) -> None:
+    """The reconnect gets the rest of the same generation from its stored events: the
+    worker admitted the request once, and another tenant cannot attach to it."""
+    import httpx
+
+    body = {"model": "slow-echo", "stream": True,
+            "messages": [{"role": "user", "content": "resume me please " * 3}]}
+    auth = {"Authorization": f"Bearer {keys[Role.DEVELOPER]}"}
+    url = f"{live.base_url}/chat/completions"
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", url, json=body, headers=auth) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert response.headers["cache-control"] == "no-cache"
+            assert response.headers["x-accel-buffering"] == "no"
+            lines: list[str] = []
+            for line in response.iter_lines():
+                lines.append(line)
+                if len([x for x in lines if x.startswith("data: ")]) >= 6:
+                    break  # drop the connection mid-stream
+        head = _sse(lines)
+        last_id = head[-1][0]
+        assert last_id.count(":") == 1
+        rest_response = http.post(url, json=body, headers={**auth, "Last-Event-ID": last_id})
+        assert rest_response.status_code == 200
+        rest = _sse(rest_response.text.splitlines())
+    assert rest[-1] == (rest[-1][0], "[DONE]")
+    assert _text(head) + _text(rest) == "resume me please " * 3
+    rid = last_id.split(":")[0]
+    admitted = [r for batch in live.workers["slow-echo"].admitted for r in batch]
+    assert admitted.count(rid) == 1, "generated once, not regenerated"
+    with httpx.Client(timeout=30) as http:
+        unknown = http.post(url, json=body, headers={**auth, "Last-Event-ID": "nope:3"})
+        bob = make_org("bob", [Role.DEVELOPER]).keys[Role.DEVELOPER]
+        stolen = http.post(url, json=body, headers={"Authorization": f"Bearer {bob}",
+                                                    "Last-Event-ID": last_id})
+    assert unknown.status_code == 404
+    assert stolen.status_code == 404, "a stream is only resumable by its own tenant"
+
+
+def test_revoked_key_stops_working_on_the_hot_path_within_seconds(
+        live: Live, keys: dict[Role, str]) -> None:
+    import httpx
+
+    dev = sdk(live, keys[Role.DEVELOPER])
+    hello = [{"role": "user", "content": "hi"}]
+    assert dev.chat.completions.create(model="echo", messages=hello)  # now cached
+    admin = {"Authorization": f"Bearer {keys[Role.TENANT_ADMIN]}"}
+    api = live.base_url.replace("/v1", "/api/v1")
+    with httpx.Client(timeout=10) as http:
+        key_id = http.get(f"{api}/me", headers={
+            "Authorization": f"Bearer {keys[Role.DEVELOPER]}"}).json()["key_id"]
+        assert http.delete(f"{api}/keys/{key_id}", headers=admin).status_code == 200
+    revoked_at = time.monotonic()
+    while True:
+        try:
+            dev.chat.completions.create(model="echo", messages=hello)
+        except openai.AuthenticationError:
+            break
+        assert time.monotonic() - revoked_at < 3, "revocation must reach the cache quickly"
+        time.sleep(0.1)

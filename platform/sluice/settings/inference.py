@@ -7,4 +7,8 @@ from sluice.settings.env import env_int
 SLUICE_REQUEST_TIMEOUT_S = env_int("SLUICE_REQUEST_TIMEOUT_S", 120, minimum=1)
 SLUICE_MAX_INFERENCE_BODY_BYTES = env_int("SLUICE_MAX_INFERENCE_BODY_BYTES", 4 * 1024 * 1024,
                                           minimum=1024)
+# A dropped SSE stream keeps generating this long, so a reconnect with Last-Event-ID can
+# pick it up; after that it is cancelled (and billed only what was produced).
+SLUICE_STREAM_RESUME_GRACE_S = float(env_int("SLUICE_STREAM_RESUME_GRACE_MS", 10_000,
+                                             minimum=0)) / 1000
 SLUICE_REGISTRY_CACHE_TTL_S = env_int("SLUICE_REGISTRY_CACHE_TTL_S", 5, minimum=0)
