@@ -363,7 +363,6 @@ class Worker:
         """The sequence to start, or None when nothing is left to generate."""
         body = pending.req.body
         try:
-            prompt = runtime.encode_chat(body["messages"])
             params = SamplingParams(
                 max_tokens=int(body.get("max_tokens") or 256),
                 temperature=float(body.get("temperature", 0.0) or 0.0),
@@ -372,6 +371,8 @@ class Worker:
                 stop=tuple(body.get("stop") or ()),
                 ignore_eos=bool(body.get("ignore_eos", False)),
             )
+            prompt = self._prompt(runtime, body["messages"], body.get("history") or [],
+                                  params.max_tokens)
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(400, "invalid_request", f"Malformed request: {exc}") from None
         room = runtime.max_context - len(prompt)
@@ -396,6 +397,21 @@ class Worker:
         # A resumed request continues from what was already streamed, as context.
         return active, NewSequence(pending.req.rid, prompt + active.ids, params,
                                    generated=len(active.ids))
+
+    @staticmethod
+    def _prompt(runtime: ChatRuntime, messages: list[dict[str, Any]],
+                history: list[dict[str, Any]], max_tokens: int) -> list[int]:
+        """The prompt for a conversation: history, then this request's messages.
+
+        Trimming policy: every message of this request stays; the oldest history
+        messages are dropped, one by one, until the prompt leaves room for max_tokens
+        (or for at least a quarter of the context when max_tokens asks for more)."""
+        budget = runtime.max_context - min(max_tokens, runtime.max_context // 4)
+        prompt = runtime.encode_chat([*history, *messages])
+        while history and len(prompt) > budget:
+            history = history[1:]
+            prompt = runtime.encode_chat([*history, *messages])
+        return prompt
 
     def _resume_state(self, active: Active) -> bool:
         """Load what an earlier delivery already streamed. False if it finished."""

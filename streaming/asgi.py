@@ -18,11 +18,11 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from streaming.gateway import Gateway, Submitted, error_from_event
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from streaming.schemas import ChatCompletionRequest, ConversationId, EmbeddingRequest
 
 logger = logging.getLogger("sluice.streaming")
 Scope = dict[str, Any]
@@ -133,12 +133,22 @@ class LeanApp:
         if req.stream and resume is not None:
             await self._resume(principal.tenant_slug, resume, req, send)
             return
+        header_conversation = headers.get("x-sluice-conversation-id")
+        if header_conversation is not None and req.conversation_id is None:
+            try:
+                req.conversation_id = TypeAdapter(ConversationId).validate_python(
+                    header_conversation)
+            except ValidationError:
+                raise BadRequest("X-Sluice-Conversation-Id is not a conversation id.",
+                                 param="conversation_id") from None
         submitted = await self.gateway.chat(principal, req,
                                             idempotency_key=headers.get("idempotency-key"))
         watcher = asyncio.create_task(self._watch_disconnect(receive, submitted, req.stream))
         try:
             if req.stream:
-                await self._stream(submitted.handle.rid, submitted.handle.events(), req, send)
+                await self._stream(submitted.handle.rid, submitted.handle.events(), req, send,
+                                   before_done=lambda text: self.gateway.remember(submitted,
+                                                                                   text))
             else:
                 await self._complete(submitted, req, send)
         finally:
@@ -187,16 +197,25 @@ class LeanApp:
                 raise error_from_event(event)
             else:
                 final = event
-        await _send_json(send, 200, {
+        reply = "".join(parts)
+        body = {
             "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
             "created": int(time.time()), "model": req.model, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
                          "finish_reason": _finish(final), "logprobs": None}],
             "usage": _usage(final),
-        })
+        }
+        if sub.conversation_id is not None:
+            body["conversation_id"] = sub.conversation_id
+        # Stored before the caller sees the reply: its next turn must find this one.
+        await self.gateway.remember(sub, reply)
+        await _send_json(send, 200, body)
 
     async def _stream(self, rid: str, events: AsyncIterator[dict[str, Any]],
-                      req: ChatCompletionRequest, send: Send, *, replay: bool = False) -> None:
+                      req: ChatCompletionRequest, send: Send, *, replay: bool = False,
+                      before_done: Callable[[str], Awaitable[None]] | None = None) -> None:
+        """Send the events as SSE chunks; `before_done` gets the whole text before the
+        final `[DONE]` (so a conversation's next turn can already see it)."""
         base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": req.model, "system_fingerprint": None}
         first = await anext(events)  # errors before any output are still plain HTTP errors
@@ -217,6 +236,7 @@ class LeanApp:
             return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                          "finish_reason": finish}]}
 
+        parts: list[str] = []
         if not replay:
             await emit("start", chunk({"role": "assistant", "content": ""}))
         async for event in _with_heartbeats(_prepend(first, events), _HEARTBEAT_S):
@@ -225,6 +245,7 @@ class LeanApp:
                 await send({"type": "http.response.body", "body": b": keep-alive\n\n",
                             "more_body": True})
             elif event["t"] == "delta" and event["text"]:
+                parts.append(event["text"])
                 await emit(event["seq"], chunk({"content": event["text"]}))
             elif event["t"] == "error":
                 await emit(event["seq"], error_from_event(event).body())
@@ -232,6 +253,8 @@ class LeanApp:
                 await emit(event["seq"], chunk({}, _finish(event)))
                 if req.stream_options is not None and req.stream_options.include_usage:
                     await emit(event["seq"], {**base, "choices": [], "usage": _usage(event)})
+        if before_done is not None:
+            await before_done("".join(parts))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
 

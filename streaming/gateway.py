@@ -18,6 +18,7 @@ from django.conf import settings
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
 from inference.spec import DeploymentSpec, Kind
+from sluice.db import async_db
 from sluice.errors import (
     ApiError,
     BadRequest,
@@ -29,6 +30,7 @@ from sluice.errors import (
 )
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 from tenants.cache import authenticate_cached
+from tenants.conversations import conversation_append, conversation_history
 from tenants.principal import Principal
 from tenants.roles import Action
 
@@ -38,6 +40,8 @@ class Submitted:
     principal: Principal
     spec: DeploymentSpec
     handle: RequestHandle
+    conversation_id: str | None = None
+    messages: list[dict[str, str]] | None = None
 
 
 def _text(content: Any) -> str:
@@ -102,8 +106,13 @@ class Gateway:
         return spec
 
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
-                   idempotency_key: str | None = None) -> Submitted:
+                   idempotency_key: str | None = None,
+                   conversation_id: str | None = None) -> Submitted:
         spec = await self._model(principal, req.model, Kind.CHAT)
+        conversation_id = req.conversation_id or conversation_id
+        history = (await async_db(conversation_history)(actor=principal,
+                                                        public_id=conversation_id)
+                   if conversation_id else [])
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is not None and max_tokens >= spec.max_context:
             raise BadRequest(f"max_tokens is {max_tokens}; this model's context is "
@@ -117,11 +126,22 @@ class Gateway:
             "top_p": req.top_p or 1.0,
             "stop": stop,
             "seed": req.seed,
+            # Older turns; the worker drops the oldest until the prompt fits (exact
+            # token counts with the model's own tokenizer).
+            "history": history,
         }
         handle = await self.client.submit(spec, tenant=principal.tenant_slug, body=body,
                                           timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S,
                                           idempotency_key=idempotency_key)
-        return Submitted(principal, spec, handle)
+        return Submitted(principal, spec, handle, conversation_id,
+                         [{"role": m.role, "content": _text(m.content)} for m in req.messages])
+
+    async def remember(self, sub: Submitted, reply: str) -> None:
+        """Append the request's messages and the reply to its conversation."""
+        if sub.conversation_id is not None:
+            await async_db(conversation_append)(
+                actor=sub.principal, public_id=sub.conversation_id,
+                messages=[*(sub.messages or []), {"role": "assistant", "content": reply}])
 
     async def embed(self, principal: Principal, req: EmbeddingRequest) -> Submitted:
         spec = await self._model(principal, req.model, Kind.EMBEDDING)

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+ConversationId = Annotated[str, StringConstraints(pattern=r"^conv_[0-9a-f]{24}$")]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -38,6 +40,8 @@ class ChatCompletionRequest(_Strict):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     metadata: dict[str, str] | None = None
+    # Sluice extension (also the X-Sluice-Conversation-Id header): server-side history.
+    conversation_id: ConversationId | None = None
 
 
 class EmbeddingRequest(_Strict):

@@ -8,12 +8,15 @@ from ninja import Router, Status
 from ninja.pagination import LimitOffsetPagination, paginate
 
 from sluice.errors import BadRequest
-from tenants import selectors, services
+from tenants import conversations, selectors, services
 from tenants.principal import Principal
 from tenants.schemas import (
     ApiKeyCreatedOut,
     ApiKeyCreateIn,
     ApiKeyOut,
+    ConversationCreateIn,
+    ConversationDetailOut,
+    ConversationOut,
     MemberCreateIn,
     MemberOut,
     MemberUpdateIn,
@@ -137,6 +140,30 @@ def apikey_get(request: HttpRequest, key_id: int):
 @router.delete("/keys/{int:key_id}", response=ApiKeyOut)
 def apikey_revoke(request: HttpRequest, key_id: int):
     return services.apikey_revoke(actor=actor_of(request), key_id=key_id)
+
+
+# -- conversations -------------------------------------------------------------------
+@router.get("/conversations", response=list[ConversationOut])
+@paginate(LimitOffsetPagination)
+def conversation_list(request: HttpRequest):
+    return conversations.conversation_list(actor=actor_of(request))
+
+
+@router.post("/conversations", response={201: ConversationOut})
+def conversation_create(request: HttpRequest, data: ConversationCreateIn):
+    return Status(201, conversations.conversation_create(actor=actor_of(request),
+                                                         title=data.title))
+
+
+@router.get("/conversations/{conversation_id}", response=ConversationDetailOut)
+def conversation_get(request: HttpRequest, conversation_id: str):
+    return conversations.conversation_get(actor=actor_of(request), public_id=conversation_id)
+
+
+@router.delete("/conversations/{conversation_id}", response={204: None})
+def conversation_delete(request: HttpRequest, conversation_id: str):
+    conversations.conversation_delete(actor=actor_of(request), public_id=conversation_id)
+    return Status(204, None)
 
 
 # -- token exchange ------------------------------------------------------------------

@@ -92,3 +92,35 @@ class ApiKey(models.Model):
     def is_usable(self, now: datetime | None = None) -> bool:
         now = now or timezone.now()
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+class Conversation(models.Model):
+    """Server-side chat history (a Sluice extension: `conversation_id` on a request)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="conversations")
+    public_id = models.CharField(max_length=40, unique=True)
+    title = models.CharField(max_length=200, blank=True, default="")
+    created_by = models.CharField(max_length=300)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["tenant", "created_by"])]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+
+class ConversationMessage(models.Model):
+    conversation = models.ForeignKey(Conversation, on_delete=models.CASCADE,
+                                     related_name="messages")
+    role = models.CharField(max_length=16)
+    content = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.conversation_id}:{self.role}"

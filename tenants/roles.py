@@ -30,7 +30,8 @@ class Action(StrEnum):
     MEMBER_MANAGE = "member.manage"
     APIKEY_MANAGE_ALL = "apikey.manage_all"  # every key of the tenant
     APIKEY_MANAGE_OWN = "apikey.manage_own"  # keys the caller created
-    MODEL_USE = "model.use"  # chat, completions, embeddings
+    MODEL_USE = "model.use"  # chat, completions, embeddings, one's own conversations
+    CONVERSATION_MANAGE_ALL = "conversation.manage_all"  # every conversation of the tenant
     MODEL_LIST = "model.list"
     AUDIT_READ = "audit.read"
     GOVERNANCE_MANAGE = "governance.manage"  # quotas, rate limits, breaker thresholds
@@ -45,7 +46,7 @@ _AUDITOR = frozenset({
 })
 _TENANT_ADMIN = _DEVELOPER | _AUDITOR | {
     Action.MEMBER_READ, Action.MEMBER_MANAGE, Action.APIKEY_MANAGE_ALL,
-    Action.GOVERNANCE_MANAGE,
+    Action.GOVERNANCE_MANAGE, Action.CONVERSATION_MANAGE_ALL,
 }
 _PLATFORM_ADMIN = _TENANT_ADMIN | {
     Action.TENANT_CREATE, Action.TENANT_LIST, Action.TENANT_READ_ANY, Action.TENANT_UPDATE,

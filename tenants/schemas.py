@@ -9,7 +9,7 @@ from ninja import Schema
 from pydantic import EmailStr, Field, StringConstraints
 
 from sluice.schemas import StrictSchema
-from tenants.models import SLUG_PATTERN, Member
+from tenants.models import SLUG_PATTERN, Conversation, ConversationMessage, Member
 from tenants.roles import Role
 
 Slug = Annotated[str, StringConstraints(pattern=SLUG_PATTERN, max_length=63)]
@@ -116,3 +116,33 @@ class TokenOut(Schema):
     access_token: str
     token_type: Literal["Bearer"] = "Bearer"  # noqa: S105 - not a secret
     expires_in: int
+
+
+class ConversationOut(Schema):
+    id: str
+    title: str
+    created_by: str
+    created_at: datetime
+    updated_at: datetime
+
+    @staticmethod
+    def resolve_id(obj: Conversation) -> str:
+        return obj.public_id
+
+
+class MessageOut(Schema):
+    role: str
+    content: str
+    created_at: datetime
+
+
+class ConversationDetailOut(ConversationOut):
+    messages: list[MessageOut]
+
+    @staticmethod
+    def resolve_messages(obj: Conversation) -> list[ConversationMessage]:
+        return list(obj.messages.order_by("id"))
+
+
+class ConversationCreateIn(StrictSchema):
+    title: Annotated[str, StringConstraints(max_length=200)] = ""

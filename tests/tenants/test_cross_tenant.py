@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from django.forms.models import model_to_dict
 
-from tenants.models import ApiKey, Member, Tenant
+from tenants.conversations import conversation_create
+from tenants.models import ApiKey, Conversation, Member, Tenant
 from tenants.roles import Role
-from tests.conftest import Org, assert_openai_error
+from tests.conftest import Org, assert_openai_error, principal_for
 
 pytestmark = pytest.mark.django_db
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.django_db
 def snapshot() -> dict[str, list[dict[str, Any]]]:
     """Every row, minus last_used_at (bookkeeping of the caller's own key)."""
     return {
+        "conversations": [model_to_dict(c) for c in Conversation.objects.order_by("pk")],
         "tenants": [model_to_dict(t) for t in Tenant.objects.order_by("pk")],
         "members": [model_to_dict(m) for m in Member.objects.order_by("pk")],
         "keys": [model_to_dict(k, exclude=["last_used_at"])
@@ -35,7 +37,16 @@ CASES: list[tuple[str, str, Target, Any]] = [
     ("DELETE", "member", lambda b: f"/api/v1/members/{b.members[Role.DEVELOPER].pk}", None),
     ("GET", "key", lambda b: f"/api/v1/keys/{b.key_rows[Role.DEVELOPER].pk}", None),
     ("DELETE", "key", lambda b: f"/api/v1/keys/{b.key_rows[Role.DEVELOPER].pk}", None),
+    ("GET", "conversation", lambda b: f"/api/v1/conversations/{_conversation(b)}", None),
+    ("DELETE", "conversation", lambda b: f"/api/v1/conversations/{_conversation(b)}", None),
 ]
+
+
+def _conversation(org: Org) -> str:
+    """Bob's admin's conversation (created once per test)."""
+    admin = principal_for(org.members[Role.TENANT_ADMIN])
+    existing = Conversation.objects.filter(tenant=org.tenant).first()
+    return (existing or conversation_create(actor=admin, title="bob's")).public_id
 
 
 @pytest.mark.parametrize(("method", "kind", "target", "body"), CASES,
@@ -43,8 +54,9 @@ CASES: list[tuple[str, str, Target, Any]] = [
 def test_alice_admin_cannot_touch_bobs_object(
     alice: Org, bob: Org, method: str, kind: str, target: Target, body: Any
 ) -> None:
+    path = target(bob)
     before = snapshot()
-    response = alice.client(Role.TENANT_ADMIN).call(method, target(bob), body)
+    response = alice.client(Role.TENANT_ADMIN).call(method, path, body)
     if kind == "tenant" and method == "PATCH":
         # Tenant updates are a platform-admin action: a tenant admin is denied outright.
         assert_openai_error(response, 403)

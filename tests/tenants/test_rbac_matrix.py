@@ -15,6 +15,7 @@ from django.contrib.auth import get_user_model
 from django.urls import get_resolver
 
 from inference.models import Deployment
+from tenants.conversations import conversation_create
 from tenants.models import Member
 from tenants.roles import Role
 from tenants.services import apikey_create
@@ -42,6 +43,9 @@ class Ctx:
     def deployment(self) -> str:
         Deployment.objects.get_or_create(name="echo-matrix", defaults={"runtime": "echo"})
         return "echo-matrix"
+
+    def fresh_conversation(self) -> str:
+        return conversation_create(actor=principal_for(self.member)).public_id
 
     def fresh_key_id(self) -> int:
         return apikey_create(actor=principal_for(self.member), name="target").key.pk
@@ -111,6 +115,22 @@ MATRIX: dict[str, Row] = {
                              lambda c: {"max_batch_size": 4},
                              {PA: 200, TA: 403, DEV: 403, AUD: 403},
                              "api/v1/deployments/<name>"),
+    # Auditors use no models, so they have no conversations; the others their own.
+    "conversation list": Row("GET", lambda c: "/api/v1/conversations", None,
+                             {PA: 200, TA: 200, DEV: 200, AUD: 403}, "api/v1/conversations"),
+    "conversation create": Row("POST", lambda c: "/api/v1/conversations",
+                               lambda c: {"title": "t"},
+                               {PA: 201, TA: 201, DEV: 201, AUD: 403},
+                               "api/v1/conversations"),
+    "conversation get": Row("GET", lambda c: f"/api/v1/conversations/{c.fresh_conversation()}"
+                            if c.role != AUD else "/api/v1/conversations/conv_x", None,
+                            {PA: 200, TA: 200, DEV: 200, AUD: 403},
+                            "api/v1/conversations/<conversation_id>"),
+    "conversation delete": Row("DELETE",
+                               lambda c: f"/api/v1/conversations/{c.fresh_conversation()}"
+                               if c.role != AUD else "/api/v1/conversations/conv_x", None,
+                               {PA: 204, TA: 204, DEV: 204, AUD: 403},
+                               "api/v1/conversations/<conversation_id>"),
 }
 
 CASES = [(name, role) for name in MATRIX for role in (PA, TA, DEV, AUD)]

@@ -1,0 +1,75 @@
+"""Server-side conversations over the OpenAI SDK: history is kept per tenant, fed back
+as context, and trimmed to the model's window by the stated policy."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import openai
+import pytest
+import redis
+from django.conf import settings
+from openai.types.chat import ChatCompletion
+
+from inference.models import Deployment
+from inference.worker import Worker
+from tenants.models import Conversation
+from tenants.roles import Role
+from tests.conftest import make_org
+from tests.streaming.conftest import Live
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def tiny(live: Live) -> Iterator[str]:
+    """A small-context chat model (toy weights) whose prompt counts show the history."""
+    spec = Deployment.objects.create(name="tiny", runtime="tiny_causal_lm", max_context=256,
+                                     max_batch_size=4).to_spec()
+    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
+    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
+    thread.start()
+    yield "tiny"
+    worker.stopping.set()
+    thread.join(10)
+
+
+def test_conversation_keeps_history_and_trims_it(live: Live, tiny: str) -> None:
+    import httpx
+
+    org = make_org("alice", [Role.DEVELOPER])
+    key = org.keys[Role.DEVELOPER]
+    with httpx.Client(timeout=10) as http:
+        created = http.post(live.base_url.replace("/v1", "/api/v1") + "/conversations",
+                            json={"title": "demo"}, headers={"Authorization": f"Bearer {key}"})
+    conversation = created.json()["id"]
+    client = openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=60)
+
+    def ask(text: str, conversation_id: str = conversation) -> ChatCompletion:
+        return client.chat.completions.create(
+            model=tiny, messages=[{"role": "user", "content": text}], max_tokens=8,
+            temperature=0, extra_body={"conversation_id": conversation_id})
+
+    first = ask("My name is Ada.")
+    second = ask("What is my name?")
+    assert first.usage and second.usage
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 8, "history was included"
+    stored = Conversation.objects.get(public_id=conversation).messages.order_by("id")
+    assert [m.role for m in stored] == ["user", "assistant", "user", "assistant"]
+    assert stored[0].content == "My name is Ada."
+    assert stored[1].content == first.choices[0].message.content
+    # Far more history than the 256-token window: the oldest turns are dropped, the
+    # request still fits and answers.
+    for i in range(12):
+        reply = ask(f"Turn {i}: " + "words " * 20)
+        assert reply.usage is not None
+        assert reply.usage.prompt_tokens <= 256 - 8
+    # Another tenant cannot use (or see) it.
+    bob = make_org("bob", [Role.DEVELOPER]).keys[Role.DEVELOPER]
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=live.base_url, api_key=bob, max_retries=0).chat.completions.create(
+            model=tiny, messages=[{"role": "user", "content": "hi"}],
+            extra_body={"conversation_id": conversation})
+    with pytest.raises(openai.BadRequestError):
+        ask("x", conversation_id="not-a-conversation")
