@@ -15,6 +15,7 @@ from inference.schemas import (
     ModelListOut,
     ModelOut,
 )
+from sluice.errors import NotFound
 from tenants.api import actor_of
 
 router = Router(tags=["deployments"])
@@ -58,8 +59,6 @@ def model_list(request: HttpRequest):
 def model_get(request: HttpRequest, model: str):
     usable = {d.name: d for d in selectors.models_for(actor=actor_of(request))}
     if model not in usable:
-        from sluice.errors import NotFound
-
         raise NotFound(f"The model '{model}' does not exist or you do not have access to it.",
                        code="model_not_found", param="model")
     return _model(usable[model])

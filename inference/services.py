@@ -8,6 +8,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from inference.models import Deployment
+from inference.selectors import deployment_get
 from inference.spec import RuntimeName
 from inference.weights import MINILM, SMOLLM2
 from sluice.errors import Conflict, Unprocessable
@@ -47,8 +48,6 @@ def deployment_create(*, actor: Principal, name: str, **fields: Any) -> Deployme
 @transaction.atomic
 def deployment_update(*, actor: Principal, name: str, **fields: Any) -> Deployment:
     require(actor, Action.DEPLOYMENT_MANAGE)
-    from inference.selectors import deployment_get
-
     deployment = deployment_get(actor=actor, name=name)
     for key, value in fields.items():
         if key in EDITABLE and value is not None:

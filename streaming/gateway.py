@@ -26,6 +26,7 @@ from sluice.errors import (
     NotFound,
     PermissionDenied,
     ServerError,
+    Unauthenticated,
     Unavailable,
 )
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
@@ -86,8 +87,6 @@ class Gateway:
             self._client = None
 
     async def authenticate(self, authorization: str | None) -> Principal:
-        from sluice.errors import Unauthenticated
-
         if not authorization or not authorization.lower().startswith("bearer "):
             raise Unauthenticated("You didn't provide an API key. Use 'Authorization: Bearer "
                                   "<key>'.")

@@ -14,17 +14,14 @@ from sluice.errors import NotFound
 from tenants.models import Conversation, ConversationMessage
 from tenants.principal import Principal
 from tenants.roles import Action
-from tenants.selectors import require
+from tenants.selectors import owned, require
 
 HISTORY_LIMIT = 500  # messages loaded per request at most (the newest)
 
 
 def conversation_list(*, actor: Principal) -> QuerySet[Conversation]:
-    require(actor, Action.MODEL_USE, Action.CONVERSATION_MANAGE_ALL)
-    found = Conversation.objects.filter(tenant_id=actor.tenant_id)
-    if not actor.can(Action.CONVERSATION_MANAGE_ALL):
-        found = found.filter(created_by=actor.subject)
-    return found.order_by("id")
+    return owned(actor, Conversation.objects.all(), manage_all=Action.CONVERSATION_MANAGE_ALL,
+                 manage_own=Action.MODEL_USE)
 
 
 def conversation_get(*, actor: Principal, public_id: str) -> Conversation:

@@ -4,12 +4,16 @@ whose role lacks the action altogether is PermissionDenied."""
 
 from __future__ import annotations
 
-from django.db.models import QuerySet
+from typing import TypeVar
+
+from django.db.models import Model, QuerySet
 
 from sluice.errors import NotFound, PermissionDenied
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import Principal
 from tenants.roles import Action
+
+M = TypeVar("M", bound=Model)
 
 
 def require(actor: Principal, *actions: Action) -> None:
@@ -45,12 +49,20 @@ def member_get(*, actor: Principal, member_id: int) -> Member:
     return member
 
 
+def owned(actor: Principal, objects: QuerySet[M], *, manage_all: Action,
+          manage_own: Action) -> QuerySet[M]:
+    """The tenant's objects for someone who may manage them all, else the caller's own
+    (`created_by` is the caller's subject)."""
+    require(actor, manage_all, manage_own)
+    found = objects.filter(tenant_id=actor.tenant_id)
+    if not actor.can(manage_all):
+        found = found.filter(created_by=actor.subject)
+    return found.order_by("id")
+
+
 def apikey_list(*, actor: Principal) -> QuerySet[ApiKey]:
-    require(actor, Action.APIKEY_MANAGE_ALL, Action.APIKEY_MANAGE_OWN)
-    keys = ApiKey.objects.filter(tenant_id=actor.tenant_id)
-    if not actor.can(Action.APIKEY_MANAGE_ALL):
-        keys = keys.filter(created_by=actor.subject)
-    return keys.order_by("id")
+    return owned(actor, ApiKey.objects.all(), manage_all=Action.APIKEY_MANAGE_ALL,
+                 manage_own=Action.APIKEY_MANAGE_OWN)
 
 
 def apikey_get(*, actor: Principal, key_id: int) -> ApiKey:

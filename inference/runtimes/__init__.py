@@ -9,6 +9,7 @@ from inference.spec import DeploymentSpec, RuntimeName
 
 
 def load_runtime(spec: DeploymentSpec) -> ChatRuntime | EmbeddingRuntime:
+    # Imports are lazy on purpose: an echo worker must not pay for torch + transformers.
     from inference.weights import pick_device, resolve
 
     if spec.runtime == RuntimeName.ECHO:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams, TorchModel
 from inference.runtimes.sampling import generator_for, sample
@@ -75,7 +76,6 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
     def add(self, seqs: Sequence[NewSequence]) -> dict[str, int]:
         if not seqs:
             return {}
-        from transformers import DynamicCache
 
         lengths = [len(s.prompt_ids) for s in seqs]
         width = max(lengths)
