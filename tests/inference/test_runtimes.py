@@ -87,6 +87,7 @@ def test_echo_runtime_returns_the_prompt_then_eos() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # the first load on a fresh machine dequantises the GGUF
 def test_real_chat_model_answers_sensibly() -> None:
     rt = load_runtime(DeploymentSpec("smol", RuntimeName.CAUSAL_LM, weights=SMOLLM2))
     assert isinstance(rt, ChatRuntime)
