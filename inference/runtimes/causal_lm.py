@@ -37,6 +37,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._rids: list[str] = []
         self._params: list[SamplingParams] = []
         self._gens: list[torch.Generator | None] = []
+        self._constraints: list[Any] = []
         self._cache: Any = None
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=device)
         self._pos = torch.zeros((0,), dtype=torch.long, device=device)
@@ -91,12 +92,14 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
                          cache=cache, use_cache=True)
         params = [s.params for s in seqs]
         gens = [generator_for(p, self.device) for p in params]
-        first = sample(out.logits[:, -1, :], params, gens)
+        constraints = [s.constraint for s in seqs]
+        first = sample(out.logits[:, -1, :], params, gens, constraints)
         self._splice(cache, mask, torch.tensor(lengths, device=self.device),
                      torch.tensor(first, device=self.device))
         self._rids += [s.rid for s in seqs]
         self._params += params
         self._gens += gens
+        self._constraints += constraints
         return {s.rid: tok for s, tok in zip(seqs, first, strict=True)}
 
     def _splice(self, cache: Any, mask: torch.Tensor, pos: torch.Tensor,
@@ -125,7 +128,14 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         out = self.model(input_ids=self._last[:, None], attention_mask=mask,
                          position_ids=self._pos[:, None], cache=self._cache,
                          use_cache=True)
-        tokens = sample(out.logits[:, -1, :], self._params, self._gens)
+        try:
+            tokens = sample(out.logits[:, -1, :], self._params, self._gens, self._constraints)
+        except Exception:
+            # The forward pass already grew the cache by a column: take it back, so the
+            # batch stays consistent for the caller that handles the error.
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, :-1, :], layer.values[:, :, :-1, :]
+            raise
         self._mask = mask
         self._pos = self._pos + 1
         self._last = torch.tensor(tokens, device=self.device)
@@ -138,11 +148,13 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
             return
         if not keep:
             self._rids, self._params, self._gens, self._cache = [], [], [], None
+            self._constraints = []
             return
         index = torch.tensor(keep, device=self.device)
         self._rids = [self._rids[i] for i in keep]
         self._params = [self._params[i] for i in keep]
         self._gens = [self._gens[i] for i in keep]
+        self._constraints = [self._constraints[i] for i in keep]
         self._mask, self._pos, self._last = self._mask[index], self._pos[index], self._last[index]
         # Columns that are padding in every remaining row can go: the cache shrinks back
         # when a long sequence leaves.
