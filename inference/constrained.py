@@ -23,15 +23,14 @@ from typing import Any
 
 import torch
 
+from inference.toolschema import SchemaError, validate  # noqa: F401 - re-exported
+
 MAX_STRING_CHARS = 200  # a string without maxLength is closed after this many characters
 MAX_DIGIT_TOKENS = 12
 _NUMBER_PREFIX = re.compile(r"^-?$|^-?(0|[1-9]\d*)(\.\d*)?$")
 _INTEGER_PREFIX = re.compile(r"^-?$|^-?(0|[1-9]\d*)$")
 _NUMBER = re.compile(r"^-?(0|[1-9]\d*)(\.\d+)?$")
-
-
-class SchemaError(ValueError):
-    pass
+_NEVER = re.compile(r"(?!)")
 
 
 class VocabIndex:
@@ -86,34 +85,6 @@ class Digits:
 
 
 Instr = Literal | Choice | FreeString | Digits
-
-
-def validate(schema: Any, path: str = "parameters") -> None:
-    """Raise SchemaError if the schema uses anything this decoder cannot honour."""
-    if not isinstance(schema, dict):
-        raise SchemaError(f"{path} must be a JSON schema object")
-    if "enum" in schema:
-        values = schema["enum"]
-        if not isinstance(values, list) or not values or not all(
-                v is None or isinstance(v, str | int | float | bool) for v in values):
-            raise SchemaError(f"{path}.enum must be a non-empty list of scalars")
-        return
-    kind = schema.get("type")
-    for unsupported in ("anyOf", "oneOf", "allOf", "$ref", "not", "pattern", "items",
-                        "minLength", "format", "minimum", "maximum"):
-        if unsupported in schema:
-            raise SchemaError(f"{path} uses '{unsupported}', which is not supported")
-    if kind == "object":
-        props = schema.get("properties", {})
-        if not isinstance(props, dict):
-            raise SchemaError(f"{path}.properties must be an object")
-        required = schema.get("required", [])
-        if not isinstance(required, list) or any(r not in props for r in required):
-            raise SchemaError(f"{path}.required names a property that is not defined")
-        for name, sub in props.items():
-            validate(sub, f"{path}.properties.{name}")
-    elif kind not in ("string", "integer", "number", "boolean", "null"):
-        raise SchemaError(f"{path}.type {kind!r} is not supported")
 
 
 def compile_program(schema: dict[str, Any],
@@ -211,14 +182,15 @@ class JsonConstraint:
             # Any token that keeps the text a prefix of a JSON number (no leading zeros,
             # at most one dot for numbers, none for integers), and the end token once
             # the text is a whole number.
-            # Past max_tokens only completing tokens remain, so the number always ends.
+            complete = bool(_NUMBER.match(self._number))
             prefix = _NUMBER_PREFIX if instr.allow_dot else _INTEGER_PREFIX
             if self._count >= instr.max_tokens:
-                prefix = _NUMBER
+                # Out of room: end now, or take only a token that completes the number.
+                prefix = _NEVER if complete else _NUMBER
             for token in self.vocab.number_tokens:
                 if prefix.match(self._number + self.vocab.texts[token]):
                     mask[token] = True
-            if _NUMBER.match(self._number):
+            if complete:
                 mask[instr.end] = True
         return logits.masked_fill(~mask.to(logits.device), float("-inf"))
 
@@ -249,7 +221,7 @@ class JsonConstraint:
                 self._number += self.vocab.texts[token]
 
 
-def apply(logits: torch.Tensor, constraints: Sequence[JsonConstraint | None]) -> list[int | None]:
+def apply(logits: torch.Tensor, constraints: Sequence[Any]) -> list[int | None]:
     """Mask each constrained row in place; return forced tokens (None: sample the row)."""
     forced: list[int | None] = []
     for row, constraint in enumerate(constraints):

@@ -31,7 +31,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from secrets import token_hex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -43,9 +43,13 @@ from inference.runtimes.base import (
     EmbeddingRuntime,
     NewSequence,
     SamplingParams,
+    TorchModel,
 )
 from inference.scheduler import pick
 from inference.spec import DeploymentSpec
+
+if TYPE_CHECKING:
+    from inference.tools import ToolCallConstraint
 
 logger = logging.getLogger("sluice.worker")
 _EMBED_CHUNK = 64
@@ -77,6 +81,7 @@ class Active:
     max_new: int
     stop: tuple[str, ...]
     ignore_eos: bool = False
+    tool: ToolCallConstraint | None = None
     ids: list[int] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
     text: str = ""  # all text decoded so far
@@ -121,6 +126,7 @@ class Worker:
         self.window = spec.max_batch_size * 2
         self._eos = self.runtime.eos_token_ids if isinstance(self.runtime, ChatRuntime) \
             else frozenset()
+        self._vocab: Any = None  # a VocabIndex, built on the first tool call
         self._ack = self.redis.register_script(q.ACK_LUA)
         self.backlog: list[Pending] = []
         self.active: dict[str, Active] = {}
@@ -382,7 +388,7 @@ class Worker:
                                f"{runtime.max_context}.")
         active = Active(pending, prompt_tokens=len(prompt),
                         max_new=min(params.max_tokens, room), stop=params.stop,
-                        ignore_eos=params.ignore_eos)
+                        ignore_eos=params.ignore_eos, tool=self._tool_constraint(body))
         if pending.deliveries > 1 and not self._resume_state(active):
             self._acks.append(pending)  # an earlier delivery finished it
             return None
@@ -396,7 +402,27 @@ class Worker:
         active.detok = Detokenizer(runtime.decode, active.ids)
         # A resumed request continues from what was already streamed, as context.
         return active, NewSequence(pending.req.rid, prompt + active.ids, params,
-                                   generated=len(active.ids))
+                                   generated=len(active.ids), constraint=active.tool)
+
+    def _tool_constraint(self, body: dict[str, Any]) -> ToolCallConstraint | None:
+        if not body.get("tools"):
+            return None
+        # torch-only code, imported when a tool call is asked for (echo workers skip it).
+        from inference.constrained import SchemaError, VocabIndex
+        from inference.tools import ToolCallConstraint, parse_tools
+
+        if not isinstance(self.runtime, TorchModel):
+            raise RequestError(400, "tools_not_supported",
+                               f"The model '{self.spec.name}' cannot call tools.")
+        if self._vocab is None:
+            self._vocab = VocabIndex(self.runtime.tokenizer,
+                                     int(self.runtime.model.config.vocab_size))
+        try:
+            tools = parse_tools(body["tools"])
+        except (SchemaError, KeyError, TypeError) as exc:
+            raise RequestError(400, "invalid_tool_schema", f"Invalid tool: {exc}") from None
+        return ToolCallConstraint.build(self._vocab, tools,
+                                        str(body.get("tool_choice", "auto")))
 
     @staticmethod
     def _prompt(runtime: ChatRuntime, messages: list[dict[str, Any]],
@@ -442,6 +468,9 @@ class Worker:
         active.unsent_ids.append(token)
         assert active.detok is not None  # noqa: S101
         active.text += active.detok.push(token)
+        if active.tool is not None and active.tool.call_complete:
+            self._finish(active, "tool_calls")
+            return
         if active.stop:
             # Only the new tail can complete a stop string.
             start = max(0, len(active.sent_text) - max(map(len, active.stop)))
@@ -458,6 +487,9 @@ class Worker:
             self._finish(active, "deadline")
 
     def _emit_text(self, active: Active, *, final: bool) -> None:
+        tool = active.tool
+        if tool is not None and (tool.mode == "call" or not tool.done):
+            return  # a tool call (or maybe the start of one) is not content
         text = active.text
         if not final:
             # Hold back anything that may be the start of a stop string, so the caller
@@ -482,6 +514,13 @@ class Worker:
         self._emit_text(active, final=True)  # whatever was held back, if anything
         runtime.drop([active.req.rid])
         self.active.pop(active.req.rid, None)
+        if reason == "tool_calls" and active.tool is not None:
+            name, arguments = active.tool.call()
+            self._final(active.pending, active.seq, reason, prompt_tokens=active.prompt_tokens,
+                        completion_tokens=len(active.ids),
+                        tool_calls=[{"id": f"call_{active.req.rid[:20]}", "name": name,
+                                     "arguments": arguments}])
+            return
         if reason == "deadline":
             self._error(active.pending, RequestError(
                 504, "deadline_exceeded", "The request's deadline passed during generation."),
@@ -518,11 +557,14 @@ class Worker:
         self._outbox.append((req, event))
 
     def _final(self, pending: Pending, seq: int, reason: str, *, prompt_tokens: int,
-               completion_tokens: int) -> None:
-        self._event(pending.req, {
+               completion_tokens: int, tool_calls: list[dict[str, str]] | None = None) -> None:
+        event: dict[str, Any] = {
             "t": "done", "seq": seq, "finish": reason,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
-        })
+        }
+        if tool_calls:
+            event["tool_calls"] = tool_calls
+        self._event(pending.req, event)
         self._acks.append(pending)
 
     def _error(self, pending: Pending, exc: RequestError, *, seq: int = 0,

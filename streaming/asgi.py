@@ -198,10 +198,14 @@ class LeanApp:
             else:
                 final = event
         reply = "".join(parts)
+        message: dict[str, Any] = {"role": "assistant", "content": reply}
+        if final.get("tool_calls"):
+            message = {"role": "assistant", "content": None,
+                       "tool_calls": _tool_calls(final["tool_calls"])}
         body = {
             "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
             "created": int(time.time()), "model": req.model, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
+            "choices": [{"index": 0, "message": message,
                          "finish_reason": _finish(final), "logprobs": None}],
             "usage": _usage(final),
         }
@@ -250,6 +254,10 @@ class LeanApp:
             elif event["t"] == "error":
                 await emit(event["seq"], error_from_event(event).body())
             elif event["t"] == "done":
+                if event.get("tool_calls"):
+                    calls = [{"index": i, **call}
+                             for i, call in enumerate(_tool_calls(event["tool_calls"]))]
+                    await emit(event["seq"], chunk({"tool_calls": calls}))
                 await emit(event["seq"], chunk({}, _finish(event)))
                 if req.stream_options is not None and req.stream_options.include_usage:
                     await emit(event["seq"], {**base, "choices": [], "usage": _usage(event)})
@@ -320,7 +328,12 @@ async def _with_heartbeats(events: AsyncIterator[dict[str, Any]],
 
 
 def _finish(final: dict[str, Any]) -> str:
-    return {"length": "length"}.get(final.get("finish", ""), "stop")
+    return {"length": "length", "tool_calls": "tool_calls"}.get(final.get("finish", ""), "stop")
+
+
+def _tool_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
 
 
 def _usage(final: dict[str, Any]) -> dict[str, int]:

@@ -10,6 +10,7 @@ model access and enqueue, so that REST, SSE, gRPC and WebSocket get them at once
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ from django.conf import settings
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
 from inference.spec import DeploymentSpec, Kind
+from inference.toolschema import TOOL_MARKER, SchemaError
+from inference.toolschema import validate as validate_schema
 from sluice.db import async_db
 from sluice.errors import (
     ApiError,
@@ -29,7 +32,12 @@ from sluice.errors import (
     Unauthenticated,
     Unavailable,
 )
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from streaming.schemas import (
+    ChatCompletionRequest,
+    EmbeddingRequest,
+    NamedToolChoice,
+    ToolDef,
+)
 from tenants.cache import authenticate_cached
 from tenants.conversations import conversation_append, conversation_history
 from tenants.principal import Principal
@@ -52,6 +60,56 @@ def _text(content: Any) -> str:
         return content
     parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
     return "".join(str(p) for p in parts)
+
+
+def _message(message: Any) -> dict[str, str]:
+    """An OpenAI message as role + text, tool traffic written the way the tool prompt
+    tells the model to write it."""
+    content = _text(message.content)
+    calls = getattr(message, "tool_calls", None) or []
+    if message.role == "assistant" and calls:
+        content += "".join(
+            f'{TOOL_MARKER}{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+            f'{c["function"].get("arguments") or "{}"}}}' for c in calls)
+    if message.role == "tool":
+        content = f"[result of {getattr(message, 'tool_call_id', 'the call')}] {content}"
+    return {"role": message.role, "content": content}
+
+
+def _tool_prompt(tools: list[ToolDef]) -> dict[str, str]:
+    listed = [{"name": t.function.name, "description": t.function.description or "",
+               "parameters": t.function.parameters or {}} for t in tools]
+    return {"role": "system", "content": (
+        "You can call functions. To call one, reply with " + TOOL_MARKER + " followed by "
+        'a JSON object {"name": <function name>, "arguments": <arguments>}. Functions: '
+        + json.dumps(listed))}
+
+
+def _tool_body(req: ChatCompletionRequest) -> dict[str, Any]:
+    """Validated tools and tool_choice for the worker ({} when no tool may be called)."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise BadRequest("tool_choice is set but no tools are given.", param="tool_choice")
+        return {}
+    if choice == "none":
+        return {}
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise BadRequest("Function names must be unique.", param="tools")
+    for i, tool in enumerate(req.tools):
+        try:
+            validate_schema(tool.function.parameters or {"type": "object", "properties": {}})
+        except SchemaError as exc:
+            raise BadRequest(f"Invalid schema for function '{tool.function.name}': {exc}",
+                             param=f"tools[{i}].function.parameters",
+                             code="invalid_function_parameters") from None
+    wanted = choice.function.name if isinstance(choice, NamedToolChoice) else choice or "auto"
+    if isinstance(choice, NamedToolChoice) and wanted not in names:
+        raise BadRequest(f"tool_choice names '{wanted}', which is not among the tools.",
+                         param="tool_choice")
+    return {"tools": [{"name": t.function.name, "parameters": t.function.parameters}
+                      for t in req.tools], "tool_choice": wanted}
 
 
 def error_from_event(event: dict[str, Any]) -> ApiError:
@@ -118,8 +176,13 @@ class Gateway:
                              f"{spec.max_context} tokens.", param="max_tokens",
                              code="max_tokens_too_large")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        tools = _tool_body(req)
+        messages = [_message(m) for m in req.messages]
+        if tools and req.tools:
+            messages.insert(0, _tool_prompt(req.tools))
         body: dict[str, Any] = {
-            "messages": [{"role": m.role, "content": _text(m.content)} for m in req.messages],
+            **tools,
+            "messages": messages,
             "max_tokens": max_tokens or min(1024, spec.max_context // 2),
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": req.top_p or 1.0,
@@ -133,7 +196,7 @@ class Gateway:
                                           timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S,
                                           idempotency_key=idempotency_key)
         return Submitted(principal, spec, handle, conversation_id,
-                         [{"role": m.role, "content": _text(m.content)} for m in req.messages])
+                         [_message(m) for m in req.messages])
 
     async def remember(self, sub: Submitted, reply: str) -> None:
         """Append the request's messages and the reply to its conversation."""

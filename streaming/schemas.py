@@ -20,6 +20,27 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDef(_Strict):
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -40,6 +61,9 @@ class ChatCompletionRequest(_Strict):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     metadata: dict[str, str] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Sluice extension (also the X-Sluice-Conversation-Id header): server-side history.
     conversation_id: ConversationId | None = None
 

@@ -102,3 +102,14 @@ def test_constrained_and_free_sequences_share_a_batch(tiny: CausalLMRuntime,
 def test_unsupported_schemas_are_refused(schema: Any, fragment: str) -> None:
     with pytest.raises(SchemaError, match=fragment):
         validate(schema)
+
+
+def test_numbers_stop_within_their_token_budget(tiny: CausalLMRuntime, vocab: VocabIndex) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "x": {"type": "number"}}}
+    params = SamplingParams(max_tokens=400, temperature=1.5, seed=3)
+    constraints = [JsonConstraint.for_schema(schema, vocab) for _ in range(8)]
+    for text in generate(tiny, constraints, params):
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        assert len(str(value["n"])) <= 13, "at most MAX_DIGIT_TOKENS digit tokens (+ sign)"

@@ -70,3 +70,16 @@ def live(transactional_db: None) -> Iterator[Live]:
         worker.stopping.set()
     for thread in threads:
         thread.join(10)
+
+
+@pytest.fixture
+def tiny(live: Live) -> Iterator[str]:
+    """A small-context chat model (toy weights) whose prompt counts show the history."""
+    spec = Deployment.objects.create(name="tiny", runtime="tiny_causal_lm", max_context=256,
+                                     max_batch_size=4).to_spec()
+    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
+    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
+    thread.start()
+    yield "tiny"
+    worker.stopping.set()
+    thread.join(10)

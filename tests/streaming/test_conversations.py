@@ -3,36 +3,16 @@ as context, and trimmed to the model's window by the stated policy."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-
 import openai
 import pytest
-import redis
-from django.conf import settings
 from openai.types.chat import ChatCompletion
 
-from inference.models import Deployment
-from inference.worker import Worker
 from tenants.models import Conversation
 from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def tiny(live: Live) -> Iterator[str]:
-    """A small-context chat model (toy weights) whose prompt counts show the history."""
-    spec = Deployment.objects.create(name="tiny", runtime="tiny_causal_lm", max_context=256,
-                                     max_batch_size=4).to_spec()
-    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
-    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
-    thread.start()
-    yield "tiny"
-    worker.stopping.set()
-    thread.join(10)
 
 
 def test_conversation_keeps_history_and_trims_it(live: Live, tiny: str) -> None:
