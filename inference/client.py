@@ -210,6 +210,14 @@ class InferenceClient:
         await self.redis.set(q.attached_key(tenant, rid), "1", ex=q.OUT_TTL_S)
         return True
 
+    async def remember_stream(self, tenant: str, conversation: str, rid: str) -> None:
+        await self.redis.set(q.conversation_stream_key(tenant, conversation), rid,
+                             ex=q.OUT_TTL_S)
+
+    async def latest_stream(self, tenant: str, conversation: str) -> str | None:
+        rid = await self.redis.get(q.conversation_stream_key(tenant, conversation))
+        return rid.decode() if rid else None
+
     async def cancel_unless_resumed(self, deployment: str, tenant: str, rid: str,
                                     grace_s: float) -> None:
         """Cancel after `grace_s` unless a client re-attached meanwhile (any gateway)."""

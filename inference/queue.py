@@ -18,6 +18,7 @@ deployment's queue keys, and a tenant's request keys, each in one Redis Cluster 
     sluice:{<tenant>}:done:<rid>       set once by the worker that finishes the request
     sluice:{<tenant>}:idem:<key>       idempotency key -> request id
     sluice:{<tenant>}:attached:<rid>   a client resumed this stream: do not cancel it
+    sluice:{<tenant>}:convlast:<conv>  the request id of a conversation's latest stream
     sluice:gw:<gateway id>             events for the requests one gateway process waits on,
                                        batched: one entry per worker step, [[rid, event]...]
 
@@ -87,6 +88,10 @@ def done_key(tenant: str, rid: str) -> str:
 
 def attached_key(tenant: str, rid: str) -> str:
     return f"sluice:{{{tenant}}}:attached:{rid}"
+
+
+def conversation_stream_key(tenant: str, conversation: str) -> str:
+    return f"sluice:{{{tenant}}}:convlast:{conversation}"
 
 
 def idem_key(tenant: str, key: str) -> str:

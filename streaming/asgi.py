@@ -130,6 +130,16 @@ class LeanApp:
         except ValidationError as exc:
             raise _validation_error(exc) from None
         resume = _parse_event_id(headers.get("last-event-id"))
+        if req.last_offset is not None:
+            if not (req.stream and req.conversation_id):
+                raise BadRequest("last_offset needs stream: true and a conversation_id.",
+                                 param="last_offset")
+            rid = await self.gateway.client.latest_stream(principal.tenant_slug,
+                                                          req.conversation_id)
+            if rid is None:
+                raise NotFound("That conversation has no resumable stream.",
+                               code="stream_not_found", param="conversation_id")
+            resume = (rid, req.last_offset)
         if req.stream and resume is not None:
             await self._resume(principal.tenant_slug, resume, req, send)
             return
@@ -143,6 +153,10 @@ class LeanApp:
                                  param="conversation_id") from None
         submitted = await self.gateway.chat(principal, req,
                                             idempotency_key=headers.get("idempotency-key"))
+        if req.stream and submitted.conversation_id is not None:
+            await self.gateway.client.remember_stream(principal.tenant_slug,
+                                                      submitted.conversation_id,
+                                                      submitted.handle.rid)
         watcher = asyncio.create_task(self._watch_disconnect(receive, submitted, req.stream))
         try:
             if req.stream:

@@ -66,6 +66,9 @@ class ChatCompletionRequest(_Strict):
     parallel_tool_calls: bool | None = None
     # Sluice extension (also the X-Sluice-Conversation-Id header): server-side history.
     conversation_id: ConversationId | None = None
+    # Sluice extension: with conversation_id and stream, resume that conversation's
+    # latest stream after this event sequence number (as Last-Event-ID does).
+    last_offset: Annotated[int, Field(ge=-1)] | None = None
 
 
 class EmbeddingRequest(_Strict):

@@ -113,3 +113,30 @@ def test_numbers_stop_within_their_token_budget(tiny: CausalLMRuntime, vocab: Vo
         value = json.loads(text)
         jsonschema.validate(value, schema)
         assert len(str(value["n"])) <= 13, "at most MAX_DIGIT_TOKENS digit tokens (+ sign)"
+
+
+def test_auto_mode_switches_to_a_constrained_call_after_the_marker(vocab: VocabIndex) -> None:
+    import torch
+
+    from inference.tools import ToolCallConstraint, parse_tools
+    from inference.toolschema import TOOL_MARKER
+
+    tools = parse_tools([{"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"]}}])
+    constraint = ToolCallConstraint.build(vocab, tools, "auto")
+    free = torch.randn(vocab.size)
+    for token in vocab.encode(TOOL_MARKER):
+        assert constraint.choose(free) is free, "undecided: the model writes freely"
+        constraint.advance(token)
+    assert constraint.mode == "call"
+    generator = torch.Generator().manual_seed(0)
+    while not constraint.call_complete:
+        choice = constraint.choose(torch.randn(vocab.size, generator=generator))
+        constraint.advance(choice if isinstance(choice, int) else int(choice.argmax()))
+    name, arguments = constraint.call()
+    assert name == "get_time" and json.loads(arguments)["zone"] in ("UTC", "CET")
+    text_reply = ToolCallConstraint.build(vocab, tools, "auto")
+    for token in vocab.encode("Hello there"):
+        text_reply.advance(token)
+    assert text_reply.done and not text_reply.call_complete, "plain text stays plain text"

@@ -3,6 +3,8 @@ as context, and trimmed to the model's window by the stated policy."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
@@ -53,3 +55,36 @@ def test_conversation_keeps_history_and_trims_it(live: Live, tiny: str) -> None:
             extra_body={"conversation_id": conversation})
     with pytest.raises(openai.BadRequestError):
         ask("x", conversation_id="not-a-conversation")
+
+
+def test_conversation_stream_resumes_from_last_offset(live: Live) -> None:
+    import httpx
+
+    key = make_org("alice", [Role.DEVELOPER]).keys[Role.DEVELOPER]
+    auth = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(timeout=30) as http:
+        conversation = http.post(live.base_url.replace("/v1", "/api/v1") + "/conversations",
+                                 json={}, headers=auth).json()["id"]
+        body = {"model": "slow-echo", "stream": True, "conversation_id": conversation,
+                "messages": [{"role": "user", "content": "pick up where I left " * 2}]}
+        url = f"{live.base_url}/chat/completions"
+        with http.stream("POST", url, json=body, headers=auth) as response:
+            ids, text = [], ""
+            for line in response.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(line[4:])
+                elif line.startswith("data: "):
+                    if '"content"' in line:
+                        text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                    if len(ids) >= 5:  # drop the connection after an event's data
+                        break
+        last_offset = int(ids[-1].split(":")[1])
+        rest = http.post(url, json={**body, "last_offset": last_offset}, headers=auth)
+        for line in rest.text.splitlines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["delta"].get("content") or ""
+        bad = http.post(url, json={**body, "stream": False, "last_offset": 2}, headers=auth)
+    assert text == "pick up where I left " * 2
+    assert bad.status_code == 400
