@@ -1,0 +1,127 @@
+"""Requests/s of Sluice's OpenAI path against a bare ASGI app, same server, same run.
+
+Both run under uvicorn with one worker process on loopback; wrk (Debian package `wrk`)
+drives them with the same connections and duration. Sluice's side is the full path a
+client takes today: bearer API key (cached), model lookup (cached), enqueue on Redis,
+one echo worker (no model compute), events back, JSON response.
+
+    .venv/bin/python tests/bench/bench_http.py [--connections 64] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "platform")]
+
+from sluice.localinfra import ensure_redis, free_port  # noqa: E402
+from sluice.processes import ProcessGroup  # noqa: E402
+
+WRK_LUA = """
+wrk.method = "POST"
+wrk.body = '{"model": "echo", "messages": [{"role": "user", "content": "hello"}]}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %s"
+"""
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer")
+
+
+def wrk(url: str, connections: int, seconds: int, script: str | None = None) -> dict[str, float]:
+    cmd = ["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--latency", url]
+    if script:
+        cmd[1:1] = ["-s", script]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+
+    def pct(p: str) -> float:
+        m = re.search(rf"\s{p}%\s+([\d.]+)(us|ms|s)", out)
+        if not m:
+            return float("nan")
+        return float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)]
+
+    return {"rps": rps, "p50": pct("50"), "p99": pct("99"),
+            "errors": float(errors.group(1)) if errors else 0.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--seconds", type=int, default=10)
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is needed: apt-get install wrk")
+    state = tempfile.mkdtemp(prefix="sluice-bench-")
+    redis_url, private = ensure_redis(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/11"))
+    env = {**os.environ, "SLUICE_STATE_DIR": state, "REDIS_URL": redis_url,
+           "DJANGO_SETTINGS_MODULE": "sluice.settings.base", "SLUICE_LOG_LEVEL": "WARNING"}
+    env.pop("DATABASE_URL", None)
+    group = ProcessGroup(env)
+    try:
+        seed = ("import django; django.setup(); from django.core.management import "
+                "call_command; call_command('migrate', verbosity=0); from tenants.services "
+                "import demo_seed; from inference.services import deployment_seed_defaults; "
+                "deployment_seed_defaults(); print(demo_seed().api_key)")
+        key = subprocess.run([sys.executable, "-c", seed], cwd=REPO, env=env, check=True,
+                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        bare_port, sluice_port = free_port(), free_port()
+        uvicorn = [sys.executable, "-m", "uvicorn", "--workers", "1", "--no-access-log",
+                   "--lifespan", "off", "--log-level", "warning", "--host", "127.0.0.1"]
+        group.start("bare", [*uvicorn, "--app-dir", str(REPO / "tests" / "bench"),
+                             "--port", str(bare_port), "bare_asgi:app"])
+        group.start("sluice", [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"])
+        group.start("worker", [sys.executable, str(REPO / "manage.py"), "runworker",
+                               "--deployment", "echo"])
+        wait_http(f"http://127.0.0.1:{bare_port}/")
+        wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
+        script = Path(state) / "post.lua"
+        script.write_text(WRK_LUA % key)
+        # warm-up: caches, connections, the worker's first batch
+        wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
+        bare = wrk(f"http://127.0.0.1:{bare_port}/", args.connections, args.seconds)
+        group.stop()  # the bare server's core goes back to the pipeline
+        group = ProcessGroup(env)
+        group.start("sluice", [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"])
+        group.start("worker", [sys.executable, str(REPO / "manage.py"), "runworker",
+                               "--deployment", "echo"])
+        wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
+        wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
+        full = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", args.connections,
+                   args.seconds, str(script))
+        print(json.dumps({"connections": args.connections, "seconds": args.seconds}))
+        print(f"{'server':28} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+        print(f"{'bare ASGI (uvicorn, 1 proc)':28} {bare['rps']:9.0f} {bare['p50']:8.2f} "
+              f"{bare['p99']:8.2f} {bare['errors']:8.0f}")
+        print(f"{'sluice /v1/chat/completions':28} {full['rps']:9.0f} {full['p50']:8.2f} "
+              f"{full['p99']:8.2f} {full['errors']:8.0f}")
+        print(f"ratio: {full['rps'] / bare['rps']:.1%} of bare ASGI")
+    finally:
+        group.stop()
+        if private:
+            private.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
