@@ -28,7 +28,6 @@ logger = logging.getLogger("sluice.streaming")
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-_HEARTBEAT_S = 15.0
 _JSON = [(b"content-type", b"application/json")]
 
 
@@ -257,7 +256,8 @@ class LeanApp:
         parts: list[str] = []
         if not replay:
             await emit("start", chunk({"role": "assistant", "content": ""}))
-        async for event in _with_heartbeats(_prepend(first, events), _HEARTBEAT_S):
+        async for event in _with_heartbeats(_prepend(first, events),
+                                            settings.SLUICE_SSE_HEARTBEAT_S):
             if event is None:
                 # A comment line keeps proxies from closing a silent stream.
                 await send({"type": "http.response.body", "body": b": keep-alive\n\n",

@@ -270,3 +270,32 @@ def test_revoked_key_stops_working_on_the_hot_path_within_seconds(
             break
         assert time.monotonic() - revoked_at < 3, "revocation must reach the cache quickly"
         time.sleep(0.1)
+
+
+def test_silent_streams_get_keep_alive_comments(live: Live, keys: dict[Role, str],
+                                                settings: Any) -> None:
+    import threading
+
+    import httpx
+
+    from inference.worker import Worker
+
+    settings.SLUICE_SSE_HEARTBEAT_S = 0.1
+    spec = Deployment.objects.create(name="glacial", runtime="echo",
+                                     echo_token_delay_ms=400).to_spec()
+    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
+    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
+    thread.start()
+    try:
+        with httpx.Client(timeout=30) as http:
+            response = http.post(f"{live.base_url}/chat/completions", headers={
+                "Authorization": f"Bearer {keys[Role.DEVELOPER]}"}, json={
+                "model": "glacial", "stream": True,
+                "messages": [{"role": "user", "content": "abc"}]})
+    finally:
+        worker.stopping.set()
+        thread.join(10)
+    lines = response.text.splitlines()
+    assert lines.count(": keep-alive") >= 2
+    assert _text(_sse(lines)) == "abc", "comments do not disturb the data"
+    assert [line for line in lines if line][-1] == "data: [DONE]"

@@ -11,4 +11,6 @@ SLUICE_MAX_INFERENCE_BODY_BYTES = env_int("SLUICE_MAX_INFERENCE_BODY_BYTES", 4 *
 # pick it up; after that it is cancelled (and billed only what was produced).
 SLUICE_STREAM_RESUME_GRACE_S = float(env_int("SLUICE_STREAM_RESUME_GRACE_MS", 10_000,
                                              minimum=0)) / 1000
+# A comment line on an SSE stream silent this long keeps proxies from closing it.
+SLUICE_SSE_HEARTBEAT_S = env_int("SLUICE_SSE_HEARTBEAT_MS", 15_000, minimum=10) / 1000
 SLUICE_REGISTRY_CACHE_TTL_S = env_int("SLUICE_REGISTRY_CACHE_TTL_S", 5, minimum=0)
