@@ -43,7 +43,9 @@ class RequestHandle:
             while not self.finished:
                 timeout = (self.deadline_ms - q.now_ms()) / 1000 + _GRACE_S
                 try:
-                    event = await asyncio.wait_for(self._queue.get(), max(timeout, 0.001))
+                    # asyncio.timeout, not wait_for: no extra task per event.
+                    async with asyncio.timeout(max(timeout, 0.001)):
+                        event = await self._queue.get()
                 except TimeoutError:
                     await self.cancel()
                     raise DeadlineExceeded("The request's deadline passed.") from None

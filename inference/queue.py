@@ -23,8 +23,9 @@ deployment's queue keys, and a tenant's request keys, each in one Redis Cluster 
                                        batched: one entry per worker step, [[rid, event]...]
 
 Enqueue and acknowledge are Lua scripts, so the counters (the bound the gateway enforces
-before enqueueing, and the set of tenants a worker reads from) never drift from the
-streams; a tenant's stream is deleted when its last request is acknowledged.
+before enqueueing, and the set of streams a worker reads from) never drift from the
+streams. An emptied stream is kept for a minute (idle workers block on it, so the
+tenant's next request wakes them at once), then removed by a worker.
 """
 
 from __future__ import annotations
@@ -157,19 +158,27 @@ redis.call('INCR', KEYS[4])
 return {1, redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))}
 """
 
-# Acknowledge a finished entry and release its counts, atomically with enqueue; the
-# stream goes when its last request does. KEYS as enqueue; ARGV: tenant, suffix, entry id.
+# Acknowledge a finished entry and release its counts, atomically with enqueue.
+# KEYS as enqueue; ARGV: tenant, suffix, entry id. An emptied stream stays (at count 0)
+# so that idle workers keep blocking on it: a tenant's next request wakes them at once.
 ACK_LUA = """
 if redis.call('XACK', KEYS[1], 'workers', ARGV[3]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[3])
 redis.call('DECR', KEYS[4])
-if redis.call('HINCRBY', KEYS[2], ARGV[2], -1) <= 0 then
-  redis.call('HDEL', KEYS[2], ARGV[2])
-  redis.call('DEL', KEYS[1])
-end
+redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
 if redis.call('HINCRBY', KEYS[3], ARGV[1], -1) <= 0 then
   redis.call('HDEL', KEYS[3], ARGV[1])
 end
+return 1
+"""
+
+# Forget a stream that is still empty (workers call it for streams idle a while).
+# KEYS: stream, streams hash. ARGV: suffix.
+CLEANUP_LUA = """
+if tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0') > 0 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('XLEN', KEYS[1]) > 0 then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[1])
 return 1
 """
 

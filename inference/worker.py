@@ -56,6 +56,7 @@ _EMBED_CHUNK = 64
 _RELEASE_IDLE_MS = 10**9  # "idle forever": the next reaper takes it at once
 _IDLE_POLL_S = 0.05  # how soon an idle worker notices a stream that did not exist
 _CANCEL_CHECK_S = 0.05  # how often cancellations are looked up (bounds their latency)
+_CLEANUP_S = 60.0  # an empty stream is forgotten after one to two of these
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Worker:
             else frozenset()
         self._vocab: Any = None  # a VocabIndex, built on the first tool call
         self._ack = self.redis.register_script(q.ACK_LUA)
+        self._cleanup = self.redis.register_script(q.CLEANUP_LUA)
         self.backlog: list[Pending] = []
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()
@@ -137,6 +139,8 @@ class Worker:
         self._next_heartbeat = 0.0
         self._next_reap = 0.0
         self._next_cancel_check = 0.0
+        self._next_cleanup = time.monotonic() + _CLEANUP_S
+        self._idle_seen: set[str] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-writer")
         self._writing: Future[None] | None = None
         self.batches = 0
@@ -193,6 +197,15 @@ class Worker:
     def _key(self, suffix: str) -> str:
         return q.stream_key(self.spec.name, suffix)
 
+    def _forget_empty_streams(self) -> None:
+        """Streams at zero for a whole cleanup period go (new requests recreate them)."""
+        counts = {_s(k): int(v) for k, v in self.redis.hgetall(
+            q.streams_key(self.spec.name)).items()}
+        for suffix in [s for s, n in counts.items() if n <= 0 and s in self._idle_seen]:
+            self._cleanup(keys=[self._key(suffix), q.streams_key(self.spec.name)],
+                          args=[suffix])
+        self._idle_seen = {s for s, n in counts.items() if n <= 0}
+
     def _streams(self) -> list[str]:
         """The suffixes of the streams that hold requests right now."""
         return [_s(s) for s in self.redis.hkeys(q.streams_key(self.spec.name))]
@@ -206,6 +219,9 @@ class Worker:
             self._refresh_claims()
             self._reap()
             self._next_reap = now + self.reclaim_after_ms / 3000
+        if now >= self._next_cleanup:
+            self._forget_empty_streams()
+            self._next_cleanup = now + _CLEANUP_S
         self._pull()
         if now >= self._next_cancel_check:
             self._cancellations()

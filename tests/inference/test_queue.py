@@ -264,3 +264,25 @@ def test_gateway_backfills_events_lost_on_its_own_stream(redis_url: str,
         assert [e["seq"] for e in result.events] == [0, 1, 2, 3]
 
     run(go, redis_url)
+
+
+def test_emptied_streams_stay_watched_then_are_forgotten(thread_worker: StartWorker,
+                                                         redis_url: str,
+                                                         rds: redis.Redis) -> None:
+    spec = echo()
+    worker = thread_worker(spec)
+    suffix = q.stream_suffix("t", 0)
+
+    async def once(client: InferenceClient) -> str:
+        return (await collect(await client.submit(spec, tenant="t", body=chat("hi")))).text
+
+    assert run(once, redis_url) == "hi"
+    # Empty but kept: idle workers block on it, so the next request wakes them at once.
+    assert rds.hget(q.streams_key(spec.name), suffix) == b"0"
+    assert rds.exists(q.stream_key(spec.name, suffix))
+    worker._forget_empty_streams()  # first pass: noticed idle
+    assert rds.exists(q.stream_key(spec.name, suffix))
+    worker._forget_empty_streams()  # still idle a period later: forgotten
+    assert not rds.exists(q.stream_key(spec.name, suffix))
+    assert not rds.hexists(q.streams_key(spec.name), suffix)
+    assert run(once, redis_url) == "hi", "a new request recreates the stream"
