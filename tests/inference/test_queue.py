@@ -154,6 +154,8 @@ def test_queue_is_bounded_and_tenant_share_is_enforced(redis_url: str,
         assert time.monotonic() - t0 < 0.5, "rejection is immediate, never a wait"
         assert full.value.status == 503 and full.value.headers["Retry-After"]
         assert int(rds.get(q.depth_key(spec.name))) == 4
+        stats = await client.queue_stats(spec.name)
+        assert stats["depth"] == 4 and 0 <= stats["oldest_age_ms"] < 10_000
 
     run(go, redis_url)
 
