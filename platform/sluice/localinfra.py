@@ -115,6 +115,9 @@ def start_redis(*, port: int | None = None, db: int = 0, binary: str | None = No
          "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # Its own session: a terminal's Ctrl-C must not stop Redis before the processes
+        # that use it have drained; whoever started it stops it, last.
+        start_new_session=True,
     )
     url = f"redis://127.0.0.1:{port}/{db}"
     started = Started(url=url, name=f"redis-server ({binary}) on port {port}")
