@@ -36,6 +36,7 @@ class RequestHandle:
         self._queue = events
         self.next_seq = 0
         self.finished = False
+        self.replayed = False  # an idempotent retry fed from the first call's events
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Events in order, each once; ends after the final `done` or `error` event."""
@@ -193,6 +194,7 @@ class InferenceClient:
         """A handle fed from the request's own stream (idempotent retry, resume)."""
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         handle = RequestHandle(self, spec, rid, tenant, deadline_ms, events)
+        handle.replayed = True
 
         async def pump() -> None:
             with contextlib.suppress(DeadlineExceeded):  # the handle raises its own
@@ -262,6 +264,14 @@ class InferenceClient:
             if first <= event["seq"] < end and event["t"] not in _FINAL:
                 out.append(event)
         return out
+
+    async def workers(self, deployment: str, *, max_age_s: float = 5.0
+                      ) -> dict[str, dict[str, Any]]:
+        """Live workers of a deployment: heartbeat JSON by worker id."""
+        now = time.time()
+        raw = await self.redis.hgetall(q.workers_key(deployment))
+        beats = {k.decode(): json.loads(v) for k, v in raw.items()}
+        return {k: v for k, v in beats.items() if now - v["ts"] <= max_age_s}
 
     async def queue_stats(self, deployment: str) -> dict[str, int]:
         """Queued-or-running count and the age of the oldest entry, in ms."""

@@ -14,6 +14,7 @@ deployment's queue keys, and a tenant's request keys, each in one Redis Cluster 
     sluice:q:{<deployment>}:cancel     set of cancelled request ids
     sluice:q:{<deployment>}:dead       dead-letter stream
     sluice:q:{<deployment>}:workers    hash worker id -> heartbeat JSON
+    sluice:q:{<deployment>}:guard      hash: the memory guard's thresholds (governance)
     sluice:{<tenant>}:out:<rid>        the request's event stream (TTL): resume source
     sluice:{<tenant>}:done:<rid>       set once by the worker that finishes the request
     sluice:{<tenant>}:idem:<key>       idempotency key -> request id
@@ -77,6 +78,16 @@ def dead_key(deployment: str) -> str:
 
 def workers_key(deployment: str) -> str:
     return f"{_base(deployment)}:workers"
+
+
+def guard_key(deployment: str) -> str:
+    """Hash of the memory guard's thresholds (high, low, hold_s), read by workers."""
+    return f"{_base(deployment)}:guard"
+
+
+def deployment_key(deployment: str, name: str) -> str:
+    """Another key in the deployment's slot (governance: breaker state, latencies)."""
+    return f"{_base(deployment)}:{name}"
 
 
 def out_key(tenant: str, rid: str) -> str:

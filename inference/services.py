@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from inference.models import Deployment
@@ -12,6 +11,7 @@ from inference.selectors import deployment_get
 from inference.spec import RuntimeName
 from inference.weights import MINILM, SMOLLM2
 from sluice.errors import Conflict, Unprocessable
+from sluice.validation import validate
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -22,11 +22,7 @@ EDITABLE = ("runtime", "weights", "device", "description", "max_batch_size", "ma
 
 
 def _validate(deployment: Deployment) -> None:
-    try:
-        deployment.full_clean(validate_unique=False)  # a duplicate is a 409, below
-    except ValidationError as exc:
-        field, messages = next(iter(exc.message_dict.items()))
-        raise Unprocessable(f"{field}: {' '.join(messages)}", param=field) from None
+    validate(deployment)  # a duplicate is a 409, below
     needs_weights = deployment.runtime in (RuntimeName.CAUSAL_LM, RuntimeName.ENCODER)
     if needs_weights and not deployment.weights:
         raise Unprocessable("weights: required for this runtime.", param="weights")

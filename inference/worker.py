@@ -37,6 +37,7 @@ import redis
 
 from inference import queue as q
 from inference.detokenize import Detokenizer
+from inference.memory import MemoryGuard
 from inference.runtimes import load_runtime
 from inference.runtimes.base import (
     ChatRuntime,
@@ -144,6 +145,7 @@ class Worker:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-writer")
         self._writing: Future[None] | None = None
         self.batches = 0
+        self.guard = MemoryGuard()
         # The request ids of the most recent admissions, for tests and debugging.
         self.admitted: deque[list[str]] = deque(maxlen=256)
 
@@ -263,6 +265,12 @@ class Worker:
     def _pull(self) -> None:
         room = self.window - len(self.backlog) - len(self.active)
         if room <= 0:
+            return
+        if not self.guard.in_rotation:
+            # Out of rotation (memory above the high-water mark): finish what runs,
+            # take nothing new; other workers (or a degraded gateway) serve meanwhile.
+            if not self.active and not self.backlog:
+                self.stopping.wait(_IDLE_POLL_S)
             return
         if self.active or self.backlog:
             # Mid-batch, read only when the backlog cannot fill the free slots: a round
@@ -640,12 +648,17 @@ class Worker:
         pipe.execute()
 
     def _heartbeat(self) -> None:
+        guard = {_s(k): _s(v) for k, v in self.redis.hgetall(q.guard_key(self.spec.name)).items()}
+        with contextlib.suppress(KeyError, ValueError):
+            self.guard.configure(high=float(guard["high"]), low=float(guard["low"]),
+                                 hold_s=float(guard["hold_s"]))
         used, total = self.runtime.memory()
+        in_rotation = self.guard.observe(used, total, time.monotonic())
         beat = {"ts": time.time(), "pid": os.getpid(), "kind": self.spec.kind.value,
                 "batch": len(self.active), "backlog": len(self.backlog),
                 "load": len(self.active) + len(self.backlog),
                 "max_batch": self.spec.max_batch_size, "mem_used": used, "mem_total": total,
-                "batches": self.batches}
+                "batches": self.batches, "in_rotation": in_rotation}
         key = q.workers_key(self.spec.name)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, self.id, json.dumps(beat))

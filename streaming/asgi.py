@@ -159,9 +159,10 @@ class LeanApp:
         watcher = asyncio.create_task(self._watch_disconnect(receive, submitted, req.stream))
         try:
             if req.stream:
-                await self._stream(submitted.handle.rid, submitted.handle.events(), req, send,
+                await self._stream(submitted.handle.rid, submitted.events(), req, send,
                                    before_done=lambda text: self.gateway.remember(submitted,
-                                                                                   text))
+                                                                                   text),
+                                   headers=submitted.headers)
             else:
                 await self._complete(submitted, req, send)
         finally:
@@ -203,7 +204,7 @@ class LeanApp:
     async def _complete(self, sub: Submitted, req: ChatCompletionRequest, send: Send) -> None:
         parts: list[str] = []
         final: dict[str, Any] = {}
-        async for event in sub.handle.events():
+        async for event in sub.events():
             if event["t"] == "delta":
                 parts.append(event["text"])
             elif event["t"] == "error":
@@ -226,11 +227,12 @@ class LeanApp:
             body["conversation_id"] = sub.conversation_id
         # Stored before the caller sees the reply: its next turn must find this one.
         await self.gateway.remember(sub, reply)
-        await _send_json(send, 200, body)
+        await _send_json(send, 200, body, sub.headers)
 
     async def _stream(self, rid: str, events: AsyncIterator[dict[str, Any]],
                       req: ChatCompletionRequest, send: Send, *, replay: bool = False,
-                      before_done: Callable[[str], Awaitable[None]] | None = None) -> None:
+                      before_done: Callable[[str], Awaitable[None]] | None = None,
+                      headers: dict[str, str] | None = None) -> None:
         """Send the events as SSE chunks; `before_done` gets the whole text before the
         final `[DONE]` (so a conversation's next turn can already see it)."""
         base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk",
@@ -241,7 +243,8 @@ class LeanApp:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-            (b"x-request-id", rid.encode())]})
+            (b"x-request-id", rid.encode()),
+            *((k.encode(), v.encode()) for k, v in (headers or {}).items())]})
 
         async def emit(seq: int | str, payload: Any) -> None:
             data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
@@ -283,7 +286,7 @@ class LeanApp:
     async def _embeddings(self, sub: Submitted, req: EmbeddingRequest, send: Send) -> None:
         vectors: list[list[float]] = []
         final: dict[str, Any] = {}
-        async for event in sub.handle.events():
+        async for event in sub.events():
             if event["t"] == "embedding":
                 vectors = event["data"]
             elif event["t"] == "error":
@@ -298,7 +301,8 @@ class LeanApp:
             data.append({"object": "embedding", "index": i, "embedding": value})
         tokens = final.get("usage", {}).get("prompt_tokens", 0)
         await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
-                                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                         sub.headers)
 
 
 def _parse_event_id(value: str | None) -> tuple[str, int] | None:

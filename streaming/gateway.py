@@ -1,21 +1,25 @@
 """The gateway pipeline, written once for every protocol adapter.
 
     authenticate (cached) -> RBAC (model.use) -> model access (allow-list, enabled,
-    kind) -> validate limits -> enqueue on the deployment's queue -> events back
+    kind) -> validate limits -> governance admission (rate limits, quota reservation,
+    load shedding, memory guard, circuit breaker) -> enqueue on the deployment's queue
+    -> events back (Submitted.events) -> governance settlement (real usage)
 
-Rate limits, quotas, breakers and audit (the governance issue) plug in here, between
-model access and enqueue, so that REST, SSE, gRPC and WebSocket get them at once.
+Audit (the governance issue's second half) plugs in beside the settlement, so that REST,
+SSE, gRPC and WebSocket get it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 
+from governance.admission import Admission, Governor
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
 from inference.spec import DeploymentSpec, Kind
@@ -43,14 +47,46 @@ from tenants.conversations import conversation_append, conversation_history
 from tenants.principal import Principal
 from tenants.roles import Action
 
+_FINAL = ("done", "error")
+_MESSAGE_OVERHEAD = 8  # chat-template tokens around one message, generously
+
 
 @dataclass
 class Submitted:
     principal: Principal
     spec: DeploymentSpec
     handle: RequestHandle
+    admission: Admission
     conversation_id: str | None = None
     messages: list[dict[str, str]] | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers the pipeline adds (x-ratelimit-*, degradation notes)."""
+        return self.admission.headers
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The call's events; settles its admission when they end (or, when the consumer
+        stops early, once the worker's final event arrives)."""
+        final: dict[str, Any] | None = None
+        try:
+            async for event in self.handle.events():
+                if event["t"] in _FINAL:
+                    final = event
+                yield event
+        except BaseException as exc:
+            self.admission.governor.finish_later(self.admission, final, exc, self.handle.rid,
+                                                 self.handle.deadline_ms,
+                                                 charge=not self.handle.replayed)
+            raise
+        await self.admission.finish(final, charge=not self.handle.replayed)
+
+
+def prompt_bound(texts: list[str], spec: DeploymentSpec) -> int:
+    """An upper bound of the prompt's tokens without the model's tokenizer: byte-level
+    BPE makes at most one token per UTF-8 byte, plus the template's own tokens."""
+    bound = sum(len(t.encode()) + _MESSAGE_OVERHEAD for t in texts) + 2 * _MESSAGE_OVERHEAD
+    return min(bound, spec.max_context)
 
 
 def _text(content: Any) -> str:
@@ -127,6 +163,7 @@ def error_from_event(event: dict[str, Any]) -> ApiError:
 class Gateway:
     def __init__(self) -> None:
         self._client: InferenceClient | None = None
+        self._governor: Governor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -136,13 +173,33 @@ class Gateway:
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
             self._client = InferenceClient(settings.REDIS_URL)
+            self._governor = Governor(self._client)
             self._loop = loop
         return self._client
 
+    @property
+    def governor(self) -> Governor:
+        client = self.client
+        assert self._governor is not None and self._governor.client is client  # noqa: S101
+        return self._governor
+
     async def close(self) -> None:
+        if self._governor is not None:
+            await self._governor.drain()
+            self._governor = None
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+    async def _submit(self, principal: Principal, spec: DeploymentSpec,
+                      body: dict[str, Any], admission: Admission, **kw: Any) -> RequestHandle:
+        try:
+            return await self.client.submit(spec, tenant=principal.tenant_slug, body=body,
+                                            timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S,
+                                            priority=principal.priority, **kw)
+        except BaseException:
+            await admission.release()
+            raise
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization or not authorization.lower().startswith("bearer "):
@@ -180,10 +237,16 @@ class Gateway:
         messages = [_message(m) for m in req.messages]
         if tools and req.tools:
             messages.insert(0, _tool_prompt(req.tools))
+        max_tokens = max_tokens or min(1024, spec.max_context // 2)
+        texts = [m["content"] for m in messages] + [m.get("content", "") for m in history]
+        admission = await self.governor.admit(
+            principal, spec, tokens=prompt_bound(texts, spec) + max_tokens)
+        if admission.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, admission.max_tokens_cap)
         body: dict[str, Any] = {
             **tools,
             "messages": messages,
-            "max_tokens": max_tokens or min(1024, spec.max_context // 2),
+            "max_tokens": max_tokens,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": req.top_p or 1.0,
             "stop": stop,
@@ -192,10 +255,9 @@ class Gateway:
             # token counts with the model's own tokenizer).
             "history": history,
         }
-        handle = await self.client.submit(spec, tenant=principal.tenant_slug, body=body,
-                                          timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S,
-                                          idempotency_key=idempotency_key)
-        return Submitted(principal, spec, handle, conversation_id,
+        handle = await self._submit(principal, spec, body, admission,
+                                    idempotency_key=idempotency_key)
+        return Submitted(principal, spec, handle, admission, conversation_id,
                          [_message(m) for m in req.messages])
 
     async def remember(self, sub: Submitted, reply: str) -> None:
@@ -213,7 +275,7 @@ class Gateway:
         inputs = [req.input] if isinstance(req.input, str) else req.input
         if any(not text for text in inputs):
             raise BadRequest("input must not contain empty strings.", param="input")
-        handle = await self.client.submit(spec, tenant=principal.tenant_slug,
-                                          body={"input": inputs},
-                                          timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
-        return Submitted(principal, spec, handle)
+        admission = await self.governor.admit(
+            principal, spec, tokens=sum(prompt_bound([t], spec) for t in inputs))
+        handle = await self._submit(principal, spec, {"input": inputs}, admission)
+        return Submitted(principal, spec, handle, admission)

@@ -127,6 +127,7 @@ def apikey_create(request: HttpRequest, data: ApiKeyCreateIn):
         role=data.role,
         expires_at=data.expires_at,
         allowed_models=data.allowed_models,
+        priority=data.priority,
     )
     out = ApiKeyOut.from_orm(created.key).model_dump()
     return Status(201, {**out, "key": created.secret})

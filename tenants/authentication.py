@@ -74,6 +74,8 @@ def authenticate_api_key(token: str) -> Principal:
         member_id=key.member_id,
         key_id=key.pk,
         allowed_models=_models(key.allowed_models),
+        key_prefix=key.prefix,
+        priority=key.priority,
     )
 
 
@@ -110,6 +112,7 @@ def authenticate_jwt(token: str) -> Principal:
     if tenant is None:
         raise Unauthenticated("This tenant is disabled.", code="tenant_disabled")
     member_id, key_id = claims.get("mid"), claims.get("kid_api")
+    key = None
     if key_id is not None:
         key = ApiKey.objects.filter(pk=key_id, tenant=tenant).first()
         if key is None or not key.is_usable():
@@ -128,4 +131,6 @@ def authenticate_jwt(token: str) -> Principal:
         member_id=member_id,
         key_id=key_id,
         allowed_models=_models(claims.get("models")),
+        key_prefix=key.prefix if key is not None else "",
+        priority=key.priority if key is not None else 0,
     )

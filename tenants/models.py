@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.conf import settings
-from django.core.validators import RegexValidator
+from django.core.validators import MaxValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 
@@ -73,6 +73,9 @@ class ApiKey(models.Model):
     )
     # None: every model the tenant may use; otherwise only these deployment names.
     allowed_models = models.JSONField(null=True, blank=True)
+    # 0: normal traffic; 1..9: priority traffic (queued ahead, keeps a reserved share of
+    # the room when a deployment sheds load). Only tenant admins may hand it out.
+    priority = models.PositiveSmallIntegerField(default=0, validators=[MaxValueValidator(9)])
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)

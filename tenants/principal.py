@@ -27,6 +27,8 @@ class Principal:
     key_id: int | None = None
     # None: any model the tenant may use. A key's allow-list narrows it.
     allowed_models: frozenset[str] | None = None
+    key_prefix: str = ""  # the API key's public prefix (usage records), "" for others
+    priority: int = 0  # the key's traffic priority, 0 = normal
 
     def can(self, action: Action) -> bool:
         return can(self.role, action)

@@ -34,7 +34,10 @@ class Action(StrEnum):
     CONVERSATION_MANAGE_ALL = "conversation.manage_all"  # every conversation of the tenant
     MODEL_LIST = "model.list"
     AUDIT_READ = "audit.read"
-    GOVERNANCE_MANAGE = "governance.manage"  # quotas, rate limits, breaker thresholds
+    # Read the tenant's limits, quotas and usage; set limits on its own API keys.
+    GOVERNANCE_MANAGE = "governance.manage"
+    # Every tenant's limits and quotas, the platform defaults, breaker thresholds.
+    GOVERNANCE_MANAGE_ANY = "governance.manage_any"
     DEPLOYMENT_MANAGE = "deployment.manage"
 
 
@@ -50,7 +53,7 @@ _TENANT_ADMIN = _DEVELOPER | _AUDITOR | {
 }
 _PLATFORM_ADMIN = _TENANT_ADMIN | {
     Action.TENANT_CREATE, Action.TENANT_LIST, Action.TENANT_READ_ANY, Action.TENANT_UPDATE,
-    Action.DEPLOYMENT_MANAGE,
+    Action.DEPLOYMENT_MANAGE, Action.GOVERNANCE_MANAGE_ANY,
 }
 
 PERMISSIONS: dict[Role, frozenset[Action]] = {

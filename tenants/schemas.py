@@ -87,6 +87,7 @@ class ApiKeyOut(Schema):
     role: Role
     created_by: str
     allowed_models: list[str] | None
+    priority: int
     expires_at: datetime | None
     revoked_at: datetime | None
     last_used_at: datetime | None
@@ -102,6 +103,7 @@ class ApiKeyCreateIn(StrictSchema):
     role: Role | None = None
     expires_at: datetime | None = None
     allowed_models: Annotated[list[ModelName], Field(max_length=100)] | None = None
+    priority: Annotated[int, Field(ge=0, le=9)] = 0
 
 
 class TokenIn(StrictSchema):

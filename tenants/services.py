@@ -150,8 +150,11 @@ def apikey_create(
     role: Role | None = None,
     expires_at: datetime | None = None,
     allowed_models: list[str] | None = None,
+    priority: int = 0,
 ) -> CreatedKey:
     require(actor, Action.APIKEY_MANAGE_ALL, Action.APIKEY_MANAGE_OWN)
+    if priority and not actor.can(Action.APIKEY_MANAGE_ALL):
+        raise PermissionDenied("Only tenant admins may create priority keys.", param="priority")
     role = role or actor.role
     _require_grant(actor, role)
     if expires_at is not None and expires_at <= timezone.now():
@@ -178,6 +181,7 @@ def apikey_create(
         member_id=actor.member_id,
         allowed_models=sorted(set(allowed_models)) if allowed_models is not None else None,
         expires_at=expires_at,
+        priority=priority,
     )
     return CreatedKey(key=key, secret=secret)
 

@@ -11,6 +11,7 @@ from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
+from governance.api import router as governance_router
 from inference.api import models_router
 from inference.api import router as inference_router
 from sluice.errors import (
@@ -49,6 +50,7 @@ api = NinjaAPI(
 )
 api.add_router("/api/v1/", tenants_router)
 api.add_router("/api/v1/", inference_router)
+api.add_router("/api/v1/", governance_router)
 api.add_router("/v1/auth/", auth_router)
 api.add_router("/v1/", models_router)
 

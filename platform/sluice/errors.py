@@ -22,15 +22,20 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code or self.default_code
         self.param = param
         self.headers = headers or {}
+        self.details = details  # machine-readable extras, beside OpenAI's four fields
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+        body = error_body(self.message, type=self.type, code=self.code, param=self.param)
+        if self.details:
+            body["error"].update(self.details)
+        return body
 
 
 def error_body(
@@ -95,6 +100,13 @@ class RateLimited(ApiError):
         headers.setdefault("Retry-After", str(max(1, round(retry_after_s))))
         super().__init__(message, headers=headers, **kw)
         self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(RateLimited):
+    """A tenant x model quota is used up (OpenAI's type for running out of quota)."""
+
+    type = "insufficient_quota"
+    default_code = "quota_exceeded"
 
 
 class Unavailable(ApiError):

@@ -118,6 +118,7 @@ LOGGING = {
 from sluice.settings.auth import *  # noqa: E402, F403
 from sluice.settings.celery import *  # noqa: E402, F403
 from sluice.settings.channels import *  # noqa: E402, F403
+from sluice.settings.governance import *  # noqa: E402, F403
 from sluice.settings.inference import *  # noqa: E402, F403
 from sluice.settings.redis import *  # noqa: E402, F403
 

@@ -13,3 +13,7 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_TIME_LIMIT = env_int("SLUICE_CELERY_TASK_TIME_LIMIT_S", 3600, minimum=1)
 CELERY_TASK_ALWAYS_EAGER = env_bool("SLUICE_CELERY_EAGER", False)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE = {
+    "usage-rollup": {"task": "governance.tasks.usage_rollup",
+                     "schedule": float(env_int("SLUICE_USAGE_ROLLUP_S", 60, minimum=5))},
+}

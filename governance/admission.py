@@ -1,0 +1,327 @@
+"""The governance steps of the gateway pipeline: admit before enqueue, settle after.
+
+    rate limits (token buckets) -> quota reservation -> load shedding, memory guard
+    -> circuit breaker  ==> Admission
+    ... the call runs ...
+    Admission.finish(final event): settle the quota with the real usage, correct the
+    token buckets, feed the breaker and the latency window, count usage for billing,
+    all in one pipelined round trip.
+
+Redis unreachable: rate limits follow each policy's `fail_open`; quotas fail closed
+(503) unless every applicable quota is a shadow; the breaker and shedding fail open (the
+queue itself then refuses). A step that refuses undoes the steps before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from secrets import token_hex
+from typing import Any
+
+from django.conf import settings
+from redis.exceptions import RedisError
+
+from governance import breaker, cache, quota, ratelimit, signals, usage
+from governance.models import BreakerPolicy, DegradeMode, Quota, RateLimitPolicy
+from inference.client import InferenceClient
+from inference.spec import DeploymentSpec
+from sluice.errors import ApiError, DeadlineExceeded, QuotaExceeded, RateLimited, Unavailable
+from sluice.ttlcache import AsyncTTLCache
+from tenants.principal import Principal
+
+logger = logging.getLogger("sluice.governance")
+_LOAD_TTL_S = 0.25  # how stale the queue/worker picture used for shedding may be
+_LATENCY_TTL_S = 1.0
+_CLOSED_TTL_S = 0.2  # a breaker seen closed is not asked again for this long
+_SETTLE_WAIT_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Load:
+    depth: int
+    oldest_age_ms: int
+    workers: int
+    in_rotation: int
+
+
+@dataclass
+class Admission:
+    governor: Governor
+    principal: Principal
+    spec: DeploymentSpec
+    tokens: int  # the reserved bound
+    id: str = field(default_factory=lambda: token_hex(8))
+    headers: dict[str, str] = field(default_factory=dict)
+    token_buckets: list[ratelimit.Bucket] = field(default_factory=list)
+    quotas: list[Quota] = field(default_factory=list)
+    policy: BreakerPolicy | None = None
+    probe: bool = False
+    max_tokens_cap: int | None = None
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+    async def release(self) -> None:
+        """Undo the admission: the call never reached a worker."""
+        await self.finish(None, charge=False)
+
+    async def finish(self, final: dict[str, Any] | None, *, error: BaseException | None = None,
+                     charge: bool = True) -> None:
+        if self.done:
+            return
+        self.done = True
+        await self.governor.settle(self, final, error=error, charge=charge)
+
+
+class Governor:
+    def __init__(self, client: InferenceClient) -> None:
+        self.client = client
+        redis = client.redis
+        self._buckets = redis.register_script(ratelimit.BUCKETS_LUA)
+        self._reserve = redis.register_script(quota.RESERVE_LUA)
+        self._settle = redis.register_script(quota.SETTLE_LUA)
+        self._admit = redis.register_script(breaker.ADMIT_LUA)
+        self._record = redis.register_script(breaker.RECORD_LUA)
+        self._latency: AsyncTTLCache[tuple[str, int], signals.LatencyStats] = \
+            AsyncTTLCache(max_entries=10_000)
+        self._load: AsyncTTLCache[str, Load] = AsyncTTLCache(max_entries=10_000)
+        self._closed_until: dict[str, float] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def redis(self) -> Any:
+        return self.client.redis
+
+    # -- admission -------------------------------------------------------------------
+    async def admit(self, principal: Principal, spec: DeploymentSpec, *,
+                    tokens: int) -> Admission:
+        policies = await cache.tenant_policies(principal.tenant_id)
+        adm = Admission(self, principal, spec, tokens)
+        limits = policies.limits_for(key_id=principal.key_id, model=spec.name)
+        if limits:
+            await self._rate_limit(adm, limits)
+        try:
+            quotas = policies.quotas_for(spec.name)
+            if quotas:
+                await self._reserve_quota(adm, quotas)
+            adm.policy = await cache.breaker_policy(spec.name)
+            await self._shed(adm, adm.policy)
+            await self._breaker(adm, adm.policy)
+        except BaseException:
+            await adm.release()
+            raise
+        return adm
+
+    async def latency(self, deployment: str, window_s: int) -> signals.LatencyStats:
+        return await self._latency.get(
+            (deployment, window_s),
+            lambda: signals.latency_stats(self.redis, deployment, window_s), _LATENCY_TTL_S)
+
+    async def factor(self, policy: RateLimitPolicy, deployment: str) -> float:
+        if not policy.adaptive:
+            return 1.0
+        stats = await self.latency(deployment, policy.window_s)
+        return ratelimit.adaptive_factor(policy, stats.qps, stats.p99_ms)
+
+    async def _rate_limit(self, adm: Admission,
+                          limits: list[tuple[RateLimitPolicy, str]]) -> None:
+        tenant = adm.principal.tenant_slug
+        buckets: list[ratelimit.Bucket] = []
+        try:
+            for policy, subject in limits:
+                factor = await self.factor(policy, adm.spec.name)
+                buckets += ratelimit.buckets_for(policy, tenant=tenant, subject=subject,
+                                                 factor=factor)
+            costs = [1 if b.kind == "requests" else adm.tokens for b in buckets]
+            reply = await self._buckets(keys=[b.key for b in buckets],
+                                        args=ratelimit.args_for(buckets, costs, "check"))
+        except RedisError:
+            if all(policy.fail_open for policy, _ in limits):
+                logger.warning("rate limiting unavailable (Redis); admitting (fail open)")
+                adm.headers["x-ratelimit-status"] = "unavailable"
+                return
+            raise Unavailable("Rate limiting is unavailable; try again shortly.",
+                              code="rate_limit_unavailable",
+                              headers={"Retry-After": "1"}) from None
+        verdict = ratelimit.verdict(buckets, reply)
+        adm.headers.update(verdict.headers())
+        if not verdict.allowed:
+            short = next(s for s, c in zip(verdict.states, costs, strict=True)
+                         if s.remaining < min(c, s.bucket.capacity))
+            kind = short.bucket.kind
+            raise RateLimited(
+                f"Rate limit reached for {kind} per minute on model '{adm.spec.name}': "
+                f"limit {int(short.bucket.per_minute)}, burst {int(short.bucket.capacity)}, "
+                f"remaining {max(0, short.remaining)}. Try again in "
+                f"{ratelimit.duration(verdict.wait_s)}.",
+                retry_after_s=verdict.wait_s, code=f"rate_limit_{kind}",
+                headers={**verdict.headers(),
+                         "Retry-After": str(max(1, math.ceil(verdict.wait_s)))})
+        adm.token_buckets = [b for b in buckets if b.kind == "tokens"]
+
+    async def _reserve_quota(self, adm: Admission, quotas: list[Quota]) -> None:
+        hold = settings.SLUICE_REQUEST_TIMEOUT_S + 30
+        try:
+            reply = await self._reserve(
+                keys=quota.keys_for(adm.principal.tenant_slug, quotas),
+                args=quota.reserve_args(adm.id, hold, quotas, adm.tokens))
+        except RedisError:
+            if all(q.shadow for q in quotas):
+                return
+            raise Unavailable("Quota accounting is unavailable; refusing rather than "
+                              "risking overspend. Try again shortly.",
+                              code="quota_unavailable", headers={"Retry-After": "1"}) from None
+        if reply[0] == 0:
+            refused = quota.refusal(quotas, reply)
+            wait = (refused.resets_at - time.time()) if refused.resets_at else 1.0
+            details = {"quota": {
+                "id": refused.quota.pk, "model": refused.quota.model or None,
+                "metric": refused.metric, "period": refused.quota.period,
+                "window": refused.quota.window, "limit": refused.limit, "used": refused.used,
+                "resets_at": (datetime.fromtimestamp(refused.resets_at, UTC).isoformat()
+                              if refused.resets_at else None)}}
+            raise QuotaExceeded(refused.message(adm.spec.name), retry_after_s=max(1.0, wait),
+                                details=details)
+        adm.quotas = quotas
+        for hit, metric in quota.shadow_hits(quotas, reply):
+            logger.info("shadow quota %s would refuse (%s) for tenant %s", hit.pk, metric,
+                        adm.principal.tenant_slug)
+            adm.headers["x-sluice-quota-shadow"] = f"{hit.pk}:{metric}"
+
+    async def load(self, deployment: str) -> Load:
+        async def fetch() -> Load:
+            stats = await self.client.queue_stats(deployment)
+            workers = await self.client.workers(deployment)
+            return Load(depth=stats["depth"], oldest_age_ms=stats["oldest_age_ms"],
+                        workers=len(workers),
+                        in_rotation=sum(1 for w in workers.values()
+                                        if w.get("in_rotation", True)))
+        return await self._load.get(deployment, fetch, _LOAD_TTL_S)
+
+    async def _shed(self, adm: Admission, policy: BreakerPolicy) -> None:
+        try:
+            load = await self.load(adm.spec.name)
+        except RedisError:
+            return
+        # Priority traffic may use the whole room; the rest is shed at (1 - share) of it.
+        room = 1.0 if adm.principal.priority > 0 else 1.0 - policy.priority_share
+        name = adm.spec.name
+        if policy.shed_queue_depth and load.depth >= policy.shed_queue_depth * room:
+            raise Unavailable(f"Model '{name}' is shedding load: {load.depth} requests are "
+                              "queued. Try again shortly.", code="load_shed",
+                              headers={"Retry-After": "1"})
+        if policy.shed_oldest_age_ms and load.oldest_age_ms >= policy.shed_oldest_age_ms * room:
+            raise Unavailable(f"Model '{name}' is shedding load: its oldest queued request "
+                              f"waited {load.oldest_age_ms} ms. Try again shortly.",
+                              code="load_shed", headers={"Retry-After": "1"})
+        if load.workers and not load.in_rotation:
+            if policy.degrade_mode == DegradeMode.REJECT:
+                raise Unavailable(f"Model '{name}' is out of device memory on every worker. "
+                                  "Try again shortly.", code="memory_pressure",
+                                  headers={"Retry-After": str(max(1, math.ceil(
+                                      policy.memory_hold_s)))})
+            adm.max_tokens_cap = policy.degraded_max_tokens
+            adm.headers["x-sluice-degraded"] = "memory"
+
+    async def _breaker(self, adm: Admission, policy: BreakerPolicy) -> None:
+        name = adm.spec.name
+        now = time.monotonic()
+        if self._closed_until.get(name, 0.0) > now:
+            return
+        try:
+            verdict, retry_ms = await self._admit(keys=breaker.keys(name),
+                                                  args=breaker.admit_args(adm.id, policy))
+        except RedisError:
+            return
+        if verdict == 1:
+            self._closed_until[name] = now + _CLOSED_TTL_S
+        elif verdict == 2:
+            adm.probe = True
+        else:
+            raise Unavailable(f"Model '{name}' is temporarily unavailable: its circuit "
+                              "breaker is open after repeated failures.", code="circuit_open",
+                              headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))})
+
+    # -- settlement ------------------------------------------------------------------
+    def finish_later(self, adm: Admission, final: dict[str, Any] | None,
+                     error: BaseException | None, rid: str, deadline_ms: int, *,
+                     charge: bool = True) -> None:
+        """The consumer stopped before the call ended (client gone, stream left for a
+        resume): settle when the worker's final event arrives (a cancel makes it come
+        within milliseconds), or at the deadline."""
+        async def run() -> None:
+            event = final
+            if event is None and charge and not isinstance(error, DeadlineExceeded):
+                timeout = max(0.0, deadline_ms / 1000 - time.time()) + _SETTLE_WAIT_GRACE_S
+                with contextlib.suppress(ApiError, RedisError):
+                    async for item in self.client.replay(adm.principal.tenant_slug, rid,
+                                                         after_seq=2**62, timeout_s=timeout):
+                        event = item
+            await adm.finish(event, error=error, charge=charge)
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def settle(self, adm: Admission, final: dict[str, Any] | None, *,
+                     error: BaseException | None, charge: bool) -> None:
+        reported = (final or {}).get("usage") or {}
+        prompt = int(reported.get("prompt_tokens", 0))
+        completion = int(reported.get("completion_tokens", 0))
+        status = int(final.get("status", 500)) if final and final["t"] == "error" else 0
+        if not charge:
+            outcome = breaker.Outcome.IGNORED
+        elif final is None:
+            # A deadline is the deployment's failure; a call we never saw end is not.
+            outcome = (breaker.Outcome.FAILURE if isinstance(error, DeadlineExceeded)
+                       else breaker.Outcome.IGNORED)
+        elif status >= 500:
+            outcome = breaker.Outcome.FAILURE
+        elif status >= 400 or final.get("finish") == "cancelled":
+            outcome = breaker.Outcome.IGNORED
+        else:
+            outcome = breaker.Outcome.SUCCESS
+        # The tenant pays for what was made, except when the platform failed.
+        billable = charge and final is not None and status < 500
+        tokens = prompt + completion if billable else 0
+        latency_ms = (time.monotonic() - adm.started) * 1000
+        tenant, name = adm.principal.tenant_slug, adm.spec.name
+        pipe = self.redis.pipeline(transaction=False)
+        if adm.quotas:
+            await self._settle(keys=quota.keys_for(tenant, adm.quotas),
+                               args=quota.settle_args(adm.id, adm.quotas,
+                                                      requests=int(billable), tokens=tokens),
+                               client=pipe)
+        if adm.token_buckets:
+            # The estimate was debited up front: book the difference (a refund, mostly).
+            costs = [tokens - adm.tokens] * len(adm.token_buckets)
+            await self._buckets(keys=[b.key for b in adm.token_buckets],
+                                args=ratelimit.args_for(adm.token_buckets, costs, "force"),
+                                client=pipe)
+        policy = adm.policy
+        if policy is not None and (adm.probe or outcome != breaker.Outcome.IGNORED):
+            await self._record(keys=breaker.keys(name), args=breaker.record_args(
+                adm.id if adm.probe else "", outcome, latency_ms, policy), client=pipe)
+        if outcome != breaker.Outcome.IGNORED:
+            signals.record_latency(pipe, name, latency_ms)
+        if billable:
+            usage.count(pipe, tenant=tenant, model=name, key_prefix=adm.principal.key_prefix,
+                        prompt=prompt, completion=completion)
+        try:
+            replies = await pipe.execute()
+        except RedisError:
+            # Reservations expire on their own; the usage of this call is lost.
+            logger.warning("settling call %s failed (Redis)", adm.id, exc_info=True)
+            return
+        if policy is not None and b"open" in [r for r in replies if isinstance(r, bytes)]:
+            self._closed_until.pop(name, None)
+
+    async def drain(self) -> None:
+        """Wait for pending settlements (shutdown, tests)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)

@@ -1,0 +1,133 @@
+"""Management API for governance: rate limits, quotas, circuit breakers, usage.
+Handlers only parse, call a selector or service, and serialize."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime
+from typing import Any
+
+from django.http import HttpRequest
+from ninja import Router, Status
+from ninja.pagination import LimitOffsetPagination, paginate
+
+from governance import live, selectors, services
+from governance.models import BreakerPolicy, Quota
+from governance.schemas import (
+    BreakerFields,
+    BreakerOut,
+    QuotaCreateIn,
+    QuotaDetailOut,
+    QuotaFields,
+    QuotaOut,
+    RateLimitCreateIn,
+    RateLimitDetailOut,
+    RateLimitFields,
+    RateLimitOut,
+    UsageOut,
+)
+from tenants.api import actor_of
+
+router = Router(tags=["governance"])
+
+
+# -- rate limits ---------------------------------------------------------------------
+@router.get("/governance/rate-limits", response=list[RateLimitOut])
+@paginate(LimitOffsetPagination)
+def ratelimit_list(request: HttpRequest, tenant_id: int | None = None):
+    return selectors.ratelimit_list(actor=actor_of(request), tenant_id=tenant_id)
+
+
+@router.post("/governance/rate-limits", response={201: RateLimitOut})
+def ratelimit_create(request: HttpRequest, data: RateLimitCreateIn):
+    return Status(201, services.ratelimit_create(actor=actor_of(request),
+                                                 **data.model_dump(exclude_unset=True)))
+
+
+@router.get("/governance/rate-limits/{int:policy_id}", response=RateLimitDetailOut)
+def ratelimit_get(request: HttpRequest, policy_id: int):
+    policy = selectors.ratelimit_get(actor=actor_of(request), policy_id=policy_id)
+    return {**RateLimitOut.from_orm(policy).model_dump(),
+            "effective": live.effective_rates(policy)}
+
+
+@router.patch("/governance/rate-limits/{int:policy_id}", response=RateLimitOut)
+def ratelimit_update(request: HttpRequest, policy_id: int, data: RateLimitFields):
+    return services.ratelimit_update(actor=actor_of(request), policy_id=policy_id,
+                                     **data.model_dump(exclude_unset=True))
+
+
+@router.delete("/governance/rate-limits/{int:policy_id}", response={204: None})
+def ratelimit_delete(request: HttpRequest, policy_id: int):
+    services.ratelimit_delete(actor=actor_of(request), policy_id=policy_id)
+    return Status(204, None)
+
+
+# -- quotas --------------------------------------------------------------------------
+def _quota_detail(quota: Quota) -> dict[str, Any]:
+    use = live.quota_use(quota)
+    return {**QuotaOut.from_orm(quota).model_dump(), "usage": {
+        "requests": use.requests, "tokens": use.tokens,
+        "open_reservations": use.open_reservations, "reserved_tokens": use.reserved_tokens,
+        "resets_at": datetime.fromtimestamp(use.resets_at, UTC)}}
+
+
+@router.get("/governance/quotas", response=list[QuotaOut])
+@paginate(LimitOffsetPagination)
+def quota_list(request: HttpRequest, tenant_id: int | None = None):
+    return selectors.quota_list(actor=actor_of(request), tenant_id=tenant_id)
+
+
+@router.post("/governance/quotas", response={201: QuotaOut})
+def quota_create(request: HttpRequest, data: QuotaCreateIn):
+    return Status(201, services.quota_create(actor=actor_of(request),
+                                             **data.model_dump(exclude_unset=True)))
+
+
+@router.get("/governance/quotas/{int:quota_id}", response=QuotaDetailOut)
+def quota_get(request: HttpRequest, quota_id: int):
+    return _quota_detail(selectors.quota_get(actor=actor_of(request), quota_id=quota_id))
+
+
+@router.patch("/governance/quotas/{int:quota_id}", response=QuotaOut)
+def quota_update(request: HttpRequest, quota_id: int, data: QuotaFields):
+    return services.quota_update(actor=actor_of(request), quota_id=quota_id,
+                                 **data.model_dump(exclude_unset=True))
+
+
+@router.delete("/governance/quotas/{int:quota_id}", response={204: None})
+def quota_delete(request: HttpRequest, quota_id: int):
+    services.quota_delete(actor=actor_of(request), quota_id=quota_id)
+    return Status(204, None)
+
+
+# -- breakers ------------------------------------------------------------------------
+def _breaker(policy: BreakerPolicy) -> dict[str, Any]:
+    fields = {f: getattr(policy, f) for f in services.BREAKER_FIELDS}
+    return {**fields, "deployment": policy.deployment.name, "live": live.breaker_state(policy)}
+
+
+@router.get("/governance/breakers/{name}", response=BreakerOut)
+def breaker_get(request: HttpRequest, name: str):
+    return _breaker(selectors.breaker_get(actor=actor_of(request), deployment=name))
+
+
+@router.put("/governance/breakers/{name}", response=BreakerOut)
+def breaker_update(request: HttpRequest, name: str, data: BreakerFields):
+    return _breaker(services.breaker_update(actor=actor_of(request), deployment=name,
+                                            **data.model_dump(exclude_unset=True)))
+
+
+@router.post("/governance/breakers/{name}/reset", response=BreakerOut)
+def breaker_reset(request: HttpRequest, name: str):
+    policy = selectors.breaker_get(actor=actor_of(request), deployment=name)
+    live.breaker_reset(policy)
+    return _breaker(policy)
+
+
+# -- usage ---------------------------------------------------------------------------
+@router.get("/governance/usage", response=list[UsageOut])
+@paginate(LimitOffsetPagination)
+def usage_list(request: HttpRequest, tenant_id: int | None = None, model: str | None = None,
+               since: date | None = None, until: date | None = None):
+    return selectors.usage_list(actor=actor_of(request), tenant_id=tenant_id, model=model,
+                                since=since, until=until)

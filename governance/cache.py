@@ -1,0 +1,109 @@
+"""Governance policies for the hot path, cached in-process.
+
+A tenant's rate limits (its own and the platform defaults) and quotas, and each
+deployment's breaker policy, are read once per SLUICE_POLICY_CACHE_TTL_S (default 5 s);
+an edit bumps an epoch in Redis on commit, and every gateway process drops its cache
+within about a second of that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+
+from governance.breaker import default_policy
+from governance.models import BreakerPolicy, Quota, RateLimitPolicy, RateLimitScope
+from inference.models import Deployment
+from sluice.db import async_db
+from sluice.epoch import Epoch
+from sluice.ttlcache import AsyncTTLCache
+
+EPOCH_KEY = "sluice:gov:epoch"
+
+
+@dataclass(frozen=True)
+class TenantPolicies:
+    rate_limits: tuple[RateLimitPolicy, ...]
+    quotas: tuple[Quota, ...]
+
+    def limits_for(self, *, key_id: int | None, model: str
+                   ) -> list[tuple[RateLimitPolicy, str]]:
+        """The one policy per scope that applies, with the subject its buckets count:
+        the most specific wins (a tenant's own over the default; a named key or model
+        over "each key" / "each model")."""
+        out: list[tuple[RateLimitPolicy, str]] = []
+
+        def best(candidates: list[tuple[int, RateLimitPolicy]]) -> RateLimitPolicy | None:
+            return min(candidates, key=lambda c: (c[0], c[1].pk))[1] if candidates else None
+
+        tenant = best([(p.tenant_id is None, p) for p in self.rate_limits
+                       if p.scope == RateLimitScope.TENANT])
+        if tenant is not None:
+            out.append((tenant, "t"))
+        if key_id is not None:
+            keyed = best([(2 * (p.tenant_id is None) + (p.api_key_id is None), p)
+                          for p in self.rate_limits if p.scope == RateLimitScope.API_KEY
+                          and p.api_key_id in (None, key_id)])
+            if keyed is not None:
+                out.append((keyed, f"k{key_id}"))
+        per_model = best([(2 * (p.tenant_id is None) + (not p.model), p)
+                          for p in self.rate_limits if p.scope == RateLimitScope.MODEL
+                          and p.model in ("", model)])
+        if per_model is not None:
+            out.append((per_model, f"m:{model}"))
+        return out
+
+    def quotas_for(self, model: str) -> list[Quota]:
+        return [q for q in self.quotas if q.model in ("", model)]
+
+
+_tenants: AsyncTTLCache[int, TenantPolicies] = AsyncTTLCache(max_entries=100_000)
+_breakers: AsyncTTLCache[str, BreakerPolicy] = AsyncTTLCache(max_entries=10_000)
+_epoch = Epoch(EPOCH_KEY)
+
+
+def load_tenant(tenant_id: int) -> TenantPolicies:
+    limits = RateLimitPolicy.objects.filter(Q(tenant_id=tenant_id) | Q(tenant__isnull=True))
+    return TenantPolicies(rate_limits=tuple(limits), quotas=tuple(
+        Quota.objects.filter(tenant_id=tenant_id)))
+
+
+def load_breaker(deployment: str) -> BreakerPolicy:
+    row = BreakerPolicy.objects.filter(deployment__name=deployment).first()
+    if row is not None:
+        return row
+    dep = Deployment.objects.filter(name=deployment).only("pk").first()
+    return default_policy(dep.pk if dep is not None else 0)
+
+
+async def _fresh() -> None:
+    if await _epoch.moved():
+        _tenants.clear()
+        _breakers.clear()
+
+
+async def tenant_policies(tenant_id: int) -> TenantPolicies:
+    await _fresh()
+    return await _tenants.get(tenant_id, lambda: async_db(load_tenant)(tenant_id),
+                              float(settings.SLUICE_POLICY_CACHE_TTL_S))
+
+
+async def breaker_policy(deployment: str) -> BreakerPolicy:
+    await _fresh()
+    return await _breakers.get(deployment, lambda: async_db(load_breaker)(deployment),
+                               float(settings.SLUICE_POLICY_CACHE_TTL_S))
+
+
+def invalidate() -> None:
+    """Call from a service that changed a policy; takes effect on commit."""
+    _epoch.bump_on_commit()
+    transaction.on_commit(clear)
+
+
+def clear() -> None:
+    _tenants.clear()
+    _breakers.clear()
+    _epoch.reset()

@@ -1,0 +1,200 @@
+"""Governance policies (how much) and usage records (how much was used).
+
+Rows here are the persistent truth that admins edit; the live counters (token buckets,
+quota windows, breaker state) live in Redis and are keyed by these rows' ids. Validation
+that spans fields (low < high, a limit present) is in `clean()`, which every service
+calls before saving.
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.utils import timezone
+
+from inference.models import Deployment
+from tenants.models import ApiKey, Tenant
+
+_POSITIVE = [MinValueValidator(1)]
+_FRACTION = [MinValueValidator(0.0), MaxValueValidator(1.0)]
+
+
+class RateLimitScope(models.TextChoices):
+    TENANT = "tenant", "All of a tenant's traffic"
+    API_KEY = "api_key", "Each API key"
+    MODEL = "model", "Each tenant x model"
+
+
+class RateLimitPolicy(models.Model):
+    """A token bucket per scope: requests and tokens per minute, with a burst capacity.
+
+    `tenant` None makes it the platform default for every tenant; a tenant's own policy
+    of the same scope replaces the default. For scope api_key, `api_key` None applies to
+    each key, a set key only to that one. For scope model, an empty `model` applies to
+    each model separately, a named one only to that model.
+    """
+
+    name = models.CharField(max_length=100, blank=True, default="")
+    scope = models.CharField(max_length=16, choices=RateLimitScope.choices)
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.CASCADE,
+                               related_name="rate_limits")
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.CASCADE,
+                                related_name="rate_limits")
+    model = models.CharField(max_length=100, blank=True, default="")
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True,
+                                                      validators=_POSITIVE)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True,
+                                                    validators=_POSITIVE)
+    # Bucket capacity: the most admitted at once. None: a tenth of a minute's rate.
+    burst_requests = models.PositiveIntegerField(null=True, blank=True, validators=_POSITIVE)
+    burst_tokens = models.PositiveIntegerField(null=True, blank=True, validators=_POSITIVE)
+    # Adaptive refill: rate = base x clamp(QPS / qps_ref, qps_min, qps_max)
+    #                             x max(1 - p99_slope x (P99_ms - p99_target_ms), floor)
+    adaptive = models.BooleanField(default=False)
+    qps_ref = models.FloatField(default=1000.0, validators=[MinValueValidator(0.001)])
+    qps_min = models.FloatField(default=0.5, validators=[MinValueValidator(0.0)])
+    qps_max = models.FloatField(default=2.0, validators=[MinValueValidator(0.0)])
+    p99_target_ms = models.FloatField(default=200.0, validators=[MinValueValidator(0.0)])
+    p99_slope = models.FloatField(default=0.01, validators=[MinValueValidator(0.0)])
+    floor = models.FloatField(default=0.3, validators=_FRACTION)
+    window_s = models.PositiveIntegerField(default=60, validators=[MinValueValidator(1),
+                                                                   MaxValueValidator(3600)])
+    # Redis unreachable: admit (True) or refuse with 503 (False).
+    fail_open = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return self.name or f"{self.scope} limit #{self.pk}"
+
+    def clean(self) -> None:
+        if self.requests_per_minute is None and self.tokens_per_minute is None:
+            raise ValidationError("Set requests_per_minute, tokens_per_minute or both.")
+        if self.qps_min > self.qps_max:
+            raise ValidationError("qps_min must not exceed qps_max.")
+        if self.api_key_id is not None and self.scope != RateLimitScope.API_KEY:
+            raise ValidationError("api_key is only for scope 'api_key'.")
+        if self.model and self.scope != RateLimitScope.MODEL:
+            raise ValidationError("model is only for scope 'model'.")
+        if self.api_key is not None and self.api_key.tenant_id != self.tenant_id:
+            raise ValidationError("The API key belongs to another tenant.")
+
+
+class QuotaPeriod(models.TextChoices):
+    MINUTE = "minute", "Minute"
+    DAY = "day", "Day"
+    MONTH = "month", "Month"
+
+
+class QuotaWindow(models.TextChoices):
+    CALENDAR = "calendar", "Calendar (resets at the period's start, UTC)"
+    ROLLING = "rolling", "Rolling (the last period, in 60 slots)"
+
+
+class Quota(models.Model):
+    """How much a tenant may use of a model (or of all models, `model` empty) per period.
+
+    Tokens are reserved before a call (prompt bound + max_tokens) and settled with the
+    real usage after, so concurrent calls cannot overshoot. Shadow quotas count and
+    report but never refuse.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="quotas")
+    model = models.CharField(max_length=100, blank=True, default="")
+    period = models.CharField(max_length=8, choices=QuotaPeriod.choices,
+                              default=QuotaPeriod.DAY)
+    window = models.CharField(max_length=8, choices=QuotaWindow.choices,
+                              default=QuotaWindow.CALENDAR)
+    max_requests = models.PositiveBigIntegerField(null=True, blank=True, validators=_POSITIVE)
+    max_tokens = models.PositiveBigIntegerField(null=True, blank=True, validators=_POSITIVE)
+    max_concurrent = models.PositiveIntegerField(null=True, blank=True, validators=_POSITIVE)
+    shadow = models.BooleanField(default=False)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.model or '*'} per {self.period}"
+
+    def clean(self) -> None:
+        if self.max_requests is None and self.max_tokens is None and self.max_concurrent is None:
+            raise ValidationError("Set max_requests, max_tokens, max_concurrent or a mix.")
+
+
+class WindowKind(models.TextChoices):
+    COUNT = "count", "The last N calls"
+    TIME = "time", "The calls of the last N seconds"
+
+
+class DegradeMode(models.TextChoices):
+    SHORTEN = "shorten", "Cap max_tokens"
+    REJECT = "reject", "Refuse with 503"
+
+
+class BreakerPolicy(models.Model):
+    """Circuit breaker, memory guard and load shedding for one deployment."""
+
+    deployment = models.OneToOneField(Deployment, on_delete=models.CASCADE,
+                                      related_name="breaker")
+    window_kind = models.CharField(max_length=8, choices=WindowKind.choices,
+                                   default=WindowKind.COUNT)
+    window_size = models.PositiveIntegerField(  # calls, or seconds
+        default=100, validators=[MinValueValidator(1), MaxValueValidator(10_000)])
+    min_calls = models.PositiveIntegerField(default=20, validators=_POSITIVE)
+    failure_rate = models.FloatField(default=0.5, validators=_FRACTION)  # opens at >=
+    slow_call_ms = models.PositiveIntegerField(default=30_000, validators=_POSITIVE)
+    slow_call_rate = models.FloatField(default=1.0, validators=_FRACTION)  # opens at >=
+    open_wait_s = models.FloatField(default=30.0, validators=[MinValueValidator(0.01)])
+    half_open_probes = models.PositiveIntegerField(default=3, validators=[
+        MinValueValidator(1), MaxValueValidator(1000)])
+    probe_timeout_s = models.FloatField(default=60.0, validators=[MinValueValidator(0.01)])
+    # Device memory guard (workers read it from Redis on every heartbeat).
+    memory_high = models.FloatField(default=0.92, validators=_FRACTION)
+    memory_low = models.FloatField(default=0.85, validators=_FRACTION)
+    memory_hold_s = models.FloatField(default=10.0, validators=[MinValueValidator(0.0)])
+    degrade_mode = models.CharField(max_length=8, choices=DegradeMode.choices,
+                                    default=DegradeMode.SHORTEN)
+    degraded_max_tokens = models.PositiveIntegerField(default=64, validators=_POSITIVE)
+    # Load shedding: None turns a signal off. Priority traffic (key priority > 0) keeps
+    # `priority_share` of the room: normal traffic is shed at (1 - share) x the limit.
+    shed_queue_depth = models.PositiveIntegerField(null=True, blank=True, validators=_POSITIVE)
+    shed_oldest_age_ms = models.PositiveIntegerField(null=True, blank=True,
+                                                     validators=_POSITIVE)
+    priority_share = models.FloatField(default=0.2, validators=_FRACTION)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"breaker of {self.deployment_id}"
+
+    def clean(self) -> None:
+        if self.memory_low >= self.memory_high:
+            raise ValidationError("memory_low must be below memory_high.")
+        if self.min_calls > self.window_size and self.window_kind == WindowKind.COUNT:
+            raise ValidationError("min_calls cannot exceed a count window's size.")
+
+
+class UsageRecord(models.Model):
+    """Daily usage per tenant x model x key, rolled up from Redis counters (billing)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage")
+    model = models.CharField(max_length=100)
+    # The key's public prefix ("" for JWT/OIDC callers): stays readable after deletion.
+    key_prefix = models.CharField(max_length=16, blank=True, default="")
+    day = models.DateField()
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-day", "tenant_id", "model"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "model", "key_prefix", "day"],
+                                               name="usage_unique_day")]
+        indexes = [models.Index(fields=["tenant", "day"])]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.model}/{self.key_prefix or '-'} on {self.day}"

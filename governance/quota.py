@@ -1,0 +1,259 @@
+"""Tenant x model quotas: reserve before the call, settle with real usage after.
+
+One Redis script reserves against every quota that applies to a call, all or nothing,
+with Redis' clock. A reservation holds the call's token bound (prompt bound + max_tokens)
+and one request until it is settled (real usage replaces it) or released (cancelled
+before any work, or refused further down the pipeline); a reservation nobody settles
+(a gateway that died) expires after the request's deadline. So concurrent calls see each
+other's reservations and cannot overshoot a limit.
+
+Per quota, three keys under the tenant's hash tag:
+    sluice:{t}:qt:<id>:u   usage: fields r:<slot> and t:<slot> (requests and tokens)
+    sluice:{t}:qt:<id>:r   open reservations: rid -> reserved tokens
+    sluice:{t}:qt:<id>:x   reservation expiries: rid scored by its deadline
+Calendar windows use one slot per period (UTC minute, day or month); rolling windows
+sixty slots of a sixtieth of the period, so "the last day" moves in 24-minute steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from governance.models import Quota, QuotaPeriod, QuotaWindow
+
+PERIOD_S = {QuotaPeriod.MINUTE: 60, QuotaPeriod.DAY: 86_400, QuotaPeriod.MONTH: 0}
+ROLLING_MONTH_S = 30 * 86_400
+_ROLLING_SLOTS = 60
+
+_PRELUDE = """
+-- ARGV[1]: "" (Redis' clock, what the gateway always sends) or seconds (tests)
+local now = tonumber(ARGV[1])
+if not now then now = tonumber(redis.call('TIME')[1]) end
+local function month_bounds(s)
+  -- days since the epoch -> civil date (H. Hinnant's algorithm), UTC
+  local days = math.floor(s / 86400)
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+                          - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400 + (m <= 2 and 1 or 0)
+  local lengths = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31}
+  local len = lengths[m]
+  if m == 2 and ((y % 4 == 0 and y % 100 ~= 0) or y % 400 == 0) then len = 29 end
+  local start = (days - d + 1) * 86400
+  return start, start + len * 86400
+end
+-- -> current slot, first slot in the window, reset time (s)
+local function window(len, rolling)
+  if rolling == 1 then
+    local slot_len = len / 60
+    local slot = math.floor(now / slot_len)
+    return slot, slot - 59, (slot + 1) * slot_len
+  end
+  if len == 0 then
+    local start, stop = month_bounds(now)
+    return start, start, stop
+  end
+  local start = math.floor(now / len) * len
+  return start, start, start + len
+end
+-- -> requests and tokens used in the window; drops fields that left it
+local function used(key, first)
+  local r, tk = 0, 0
+  local fields = redis.call('HGETALL', key)
+  for i = 1, #fields, 2 do
+    local f = fields[i]
+    local slot = tonumber(string.sub(f, 3))
+    if slot < first then
+      redis.call('HDEL', key, f)
+    elseif string.sub(f, 1, 1) == 'r' then
+      r = r + tonumber(fields[i + 1])
+    else
+      tk = tk + tonumber(fields[i + 1])
+    end
+  end
+  return r, tk
+end
+-- -> open reservations (count, tokens), after dropping expired ones
+local function held(rkey, xkey)
+  local dead = redis.call('ZRANGEBYSCORE', xkey, '-inf', now)
+  for _, rid in ipairs(dead) do redis.call('HDEL', rkey, rid) end
+  if #dead > 0 then redis.call('ZREMRANGEBYSCORE', xkey, '-inf', now) end
+  local n, tk = 0, 0
+  for _, v in ipairs(redis.call('HVALS', rkey)) do n = n + 1; tk = tk + tonumber(v) end
+  return n, tk
+end
+"""
+
+# KEYS: 3 per quota. ARGV: clock, rid, hold seconds, then per quota 7 values: period length
+# (0 = calendar month), rolling (0/1), max requests, max tokens, max concurrent (-1 =
+# none), shadow (0/1), reserved tokens.
+# Returns {1, shadow hits as "i:metric"...} or {0, quota index, metric, limit, used, reset}.
+RESERVE_LUA = _PRELUDE + """
+local rid, hold = ARGV[2], tonumber(ARGV[3])
+local shadows = {}
+for q = 0, #KEYS / 3 - 1 do
+  local a = 4 + q * 7
+  local len, rolling = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local max_r, max_t, max_c = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local shadow, want = tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+  local slot, first, reset = window(len, rolling)
+  local r, tk = used(KEYS[3 * q + 1], first)
+  local n, held_t = held(KEYS[3 * q + 2], KEYS[3 * q + 3])
+  local metric, limit, have = nil, 0, 0
+  if max_c >= 0 and n + 1 > max_c then metric, limit, have = 'concurrent', max_c, n
+  elseif max_r >= 0 and r + n + 1 > max_r then metric, limit, have = 'requests', max_r, r + n
+  elseif max_t >= 0 and tk + held_t + want > max_t then
+    metric, limit, have = 'tokens', max_t, tk + held_t
+  end
+  if metric then
+    if shadow == 0 then return {0, q, metric, limit, have, math.ceil(reset)} end
+    shadows[#shadows + 1] = q .. ':' .. metric
+  end
+end
+for q = 0, #KEYS / 3 - 1 do
+  local want = ARGV[4 + q * 7 + 6]
+  redis.call('HSET', KEYS[3 * q + 2], rid, want)
+  redis.call('ZADD', KEYS[3 * q + 3], now + hold, rid)
+  redis.call('EXPIRE', KEYS[3 * q + 2], math.ceil(hold) + 60)
+  redis.call('EXPIRE', KEYS[3 * q + 3], math.ceil(hold) + 60)
+end
+return {1, unpack(shadows)}
+"""
+
+# KEYS: 3 per quota. ARGV: clock, rid, requests to charge (0/1), tokens to charge, then
+# per quota: period length, rolling. Drops the reservation and books the real usage.
+SETTLE_LUA = _PRELUDE + """
+local rid, req, tok = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+for q = 0, #KEYS / 3 - 1 do
+  local len, rolling = tonumber(ARGV[5 + q * 2]), tonumber(ARGV[6 + q * 2])
+  redis.call('HDEL', KEYS[3 * q + 2], rid)
+  redis.call('ZREM', KEYS[3 * q + 3], rid)
+  if req > 0 or tok > 0 then
+    local slot = window(len, rolling)
+    redis.call('HINCRBY', KEYS[3 * q + 1], 'r:' .. slot, req)
+    redis.call('HINCRBY', KEYS[3 * q + 1], 't:' .. slot, tok)
+    local keep = (len == 0 and 32 * 86400 or len) * 2 + 3600
+    redis.call('EXPIRE', KEYS[3 * q + 1], keep)
+  end
+end
+return 1
+"""
+
+# KEYS: 3 per quota. ARGV: clock, then per quota: period length, rolling.
+# Returns per quota {requests used, tokens used, open reservations, reserved tokens, reset}.
+PEEK_LUA = _PRELUDE + """
+local out = {}
+for q = 0, #KEYS / 3 - 1 do
+  local len, rolling = tonumber(ARGV[2 + q * 2]), tonumber(ARGV[3 + q * 2])
+  local slot, first, reset = window(len, rolling)
+  local r, tk = used(KEYS[3 * q + 1], first)
+  local n, held_t = held(KEYS[3 * q + 2], KEYS[3 * q + 3])
+  out[#out + 1] = {r, tk, n, held_t, math.ceil(reset)}
+end
+return out
+"""
+
+
+def period_len(quota: Quota) -> int:
+    if quota.window == QuotaWindow.ROLLING:
+        return PERIOD_S[QuotaPeriod(quota.period)] or ROLLING_MONTH_S
+    return PERIOD_S[QuotaPeriod(quota.period)]
+
+
+def keys_for(tenant: str, quotas: list[Quota]) -> list[str]:
+    out = []
+    for quota in quotas:
+        base = f"sluice:{{{tenant}}}:qt:{quota.pk}"
+        out += [f"{base}:u", f"{base}:r", f"{base}:x"]
+    return out
+
+
+def shape_args(quotas: list[Quota]) -> list[Any]:
+    """Each quota's period length and rolling flag (settle and peek take these)."""
+    out: list[Any] = []
+    for quota in quotas:
+        out += [period_len(quota), int(quota.window == QuotaWindow.ROLLING)]
+    return out
+
+
+def clock_arg(clock: float | None) -> str:
+    return "" if clock is None else repr(float(clock))
+
+
+def reserve_args(rid: str, hold_s: float, quotas: list[Quota], tokens: int,
+                 clock: float | None = None) -> list[Any]:
+    out: list[Any] = [clock_arg(clock), rid, repr(float(hold_s))]
+    for quota in quotas:
+        out += [period_len(quota), int(quota.window == QuotaWindow.ROLLING),
+                _limit(quota.max_requests), _limit(quota.max_tokens),
+                _limit(quota.max_concurrent), int(quota.shadow), tokens]
+    return out
+
+
+def _limit(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+def settle_args(rid: str, quotas: list[Quota], *, requests: int, tokens: int,
+                clock: float | None = None) -> list[Any]:
+    return [clock_arg(clock), rid, requests, tokens, *shape_args(quotas)]
+
+
+def peek_args(quotas: list[Quota], clock: float | None = None) -> list[Any]:
+    return [clock_arg(clock), *shape_args(quotas)]
+
+
+@dataclass(frozen=True)
+class QuotaUse:
+    requests: int
+    tokens: int
+    open_reservations: int
+    reserved_tokens: int
+    resets_at: int
+
+    @classmethod
+    def from_reply(cls, row: list[Any]) -> QuotaUse:
+        return cls(*(int(x) for x in row))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    quota: Quota
+    metric: str  # "requests" | "tokens" | "concurrent"
+    limit: int
+    used: int
+    resets_at: int | None  # epoch seconds; None for concurrency
+
+    def message(self, model: str) -> str:
+        what = {"requests": "requests", "tokens": "tokens",
+                "concurrent": "concurrent requests"}[self.metric]
+        scope = f"model '{model}'" if self.quota.model else "all models"
+        if self.metric == "concurrent":
+            return (f"Quota exceeded: at most {self.limit} {what} at once for {scope}; "
+                    f"{self.used} are running.")
+        when = datetime.fromtimestamp(self.resets_at or 0, UTC).isoformat()
+        return (f"Quota exceeded: {what} per {self.quota.period} for {scope} is "
+                f"{self.limit}; {self.used} used or reserved. It resets at {when}.")
+
+
+def refusal(quotas: list[Quota], reply: list[Any]) -> Refusal:
+    metric = reply[2].decode() if isinstance(reply[2], bytes) else str(reply[2])
+    return Refusal(quota=quotas[int(reply[1])], metric=metric, limit=int(reply[3]),
+                   used=int(reply[4]),
+                   resets_at=None if metric == "concurrent" else int(reply[5]))
+
+
+def shadow_hits(quotas: list[Quota], reply: list[Any]) -> list[tuple[Quota, str]]:
+    out = []
+    for raw in reply[1:]:
+        index, _, metric = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(":")
+        out.append((quotas[int(index)], metric))
+    return out

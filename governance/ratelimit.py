@@ -1,0 +1,163 @@
+"""Token-bucket rate limiting in one atomic Redis script.
+
+Every bucket of a request (tenant, API key, tenant x model; requests and tokens) is
+checked and debited in a single EVALSHA, all or nothing, with the time taken from Redis
+(`TIME`), so any number of gateway processes share one exact view and no caller's clock
+matters. A bucket holds at most `capacity` (the burst) and refills at `rate` per second:
+over any interval T a bucket admits at most capacity + rate x T, so a 100/min limit with
+a burst of 10 admits at most 110 in a minute, and the fixed-window boundary trick (100 at
+59.9 s, 100 more at 60.1 s) gets the burst, not a second minute.
+
+A request costing more than a bucket's capacity (a large token estimate) waits for a full
+bucket and then goes into debt, which the refill pays back: large requests are slowed,
+never starved. Token buckets are debited the estimate up front and corrected with the real
+usage afterwards (`force` mode).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from governance.models import RateLimitPolicy
+
+# KEYS: buckets. ARGV[1]: "check" (all or nothing) or "force" (debit regardless);
+# ARGV[2]: "" (Redis' clock: what the gateway always sends) or a time in seconds (tests
+# drive the clock); then per bucket: rate per second, capacity, cost.
+# Returns {allowed, wait_ms, remaining_1, full_in_ms_1, remaining_2, full_in_ms_2, ...}.
+BUCKETS_LUA = """
+local now = tonumber(ARGV[2])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local force = ARGV[1] == 'force'
+local levels, wait, denied = {}, 0, false
+for i, key in ipairs(KEYS) do
+  local rate, cap, cost = tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
+  local h = redis.call('HMGET', key, 'v', 't')
+  local level = cap
+  if h[1] then
+    level = math.min(cap, tonumber(h[1]) + math.max(0, now - tonumber(h[2])) * rate)
+  end
+  levels[i] = level
+  local need = math.min(cost, cap)
+  if not force and level < need then
+    denied = true
+    wait = math.max(wait, (need - level) / rate)
+  end
+end
+local out = {denied and 0 or 1, math.ceil(wait * 1000)}
+for i, key in ipairs(KEYS) do
+  local rate, cap, cost = tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
+  local level = levels[i]
+  if not denied then
+    level = math.min(cap, level - cost)
+    redis.call('HSET', key, 'v', tostring(level), 't', tostring(now))
+    redis.call('PEXPIRE', key, math.ceil((cap - level) / rate * 1000) + 1000)
+  end
+  out[#out + 1] = math.floor(level)
+  out[#out + 1] = math.ceil(math.max(0, cap - level) / rate * 1000)
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    key: str
+    kind: str  # "requests" | "tokens"
+    per_minute: float  # the effective limit (after the adaptive factor)
+    capacity: float
+
+    @property
+    def rate_per_s(self) -> float:
+        return max(self.per_minute / 60.0, 1e-9)
+
+
+@dataclass(frozen=True)
+class BucketState:
+    bucket: Bucket
+    remaining: int
+    full_in_ms: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    wait_s: float
+    states: list[BucketState]
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers, from the tightest bucket of each kind."""
+        out: dict[str, str] = {}
+        for kind in ("requests", "tokens"):
+            mine = [s for s in self.states if s.bucket.kind == kind]
+            if not mine:
+                continue
+            tight = min(mine, key=lambda s: s.remaining)
+            out[f"x-ratelimit-limit-{kind}"] = str(int(tight.bucket.per_minute))
+            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, tight.remaining))
+            out[f"x-ratelimit-reset-{kind}"] = duration(tight.full_in_ms / 1000)
+        return out
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset format: "20ms", "1.5s", "6m0s"."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{int(rest)}s"
+
+
+def default_burst(per_minute: float) -> float:
+    return max(1.0, math.ceil(per_minute / 10))
+
+
+def bucket_key(tenant: str, policy_id: int, kind: str, subject: str) -> str:
+    return f"sluice:{{{tenant}}}:rl:{policy_id}:{kind[0]}:{subject}"
+
+
+def buckets_for(policy: RateLimitPolicy, *, tenant: str, subject: str,
+                factor: float) -> list[Bucket]:
+    """The request and token buckets one policy puts on one subject (tenant, key id or
+    model name), with the refill scaled by the adaptive factor."""
+    out = []
+    for kind, rate, burst in (("requests", policy.requests_per_minute, policy.burst_requests),
+                              ("tokens", policy.tokens_per_minute, policy.burst_tokens)):
+        if rate is None:
+            continue
+        out.append(Bucket(key=bucket_key(tenant, policy.pk, kind, subject), kind=kind,
+                          per_minute=rate * factor,
+                          capacity=float(burst if burst is not None else default_burst(rate))))
+    return out
+
+
+def adaptive_factor(policy: RateLimitPolicy, qps: float, p99_ms: float | None) -> float:
+    """clamp(QPS / qps_ref, qps_min, qps_max) x max(1 - slope x (P99 - target), floor).
+
+    Without latency samples the latency term is 1 (nothing to react to yet)."""
+    if not policy.adaptive:
+        return 1.0
+    load = min(max(qps / policy.qps_ref, policy.qps_min), policy.qps_max)
+    if p99_ms is None:
+        return load
+    return load * max(1.0 - policy.p99_slope * (p99_ms - policy.p99_target_ms), policy.floor)
+
+
+def args_for(buckets: list[Bucket], costs: Sequence[float], mode: str,
+             clock: float | None = None) -> list[Any]:
+    args: list[Any] = [mode, "" if clock is None else repr(clock)]
+    for bucket, cost in zip(buckets, costs, strict=True):
+        args += [repr(bucket.rate_per_s), repr(bucket.capacity), repr(float(cost))]
+    return args
+
+
+def verdict(buckets: list[Bucket], reply: list[int]) -> Verdict:
+    states = [BucketState(b, int(reply[2 + 2 * i]), int(reply[3 + 2 * i]))
+              for i, b in enumerate(buckets)]
+    return Verdict(bool(reply[0]), int(reply[1]) / 1000, states)

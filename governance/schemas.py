@@ -1,0 +1,166 @@
+"""Management API shapes for rate limits, quotas, breakers and usage."""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+from typing import Annotated, Any
+
+from ninja import Schema
+from pydantic import Field, StringConstraints
+
+from governance.models import (
+    DegradeMode,
+    QuotaPeriod,
+    QuotaWindow,
+    RateLimitScope,
+    WindowKind,
+)
+from sluice.schemas import StrictSchema
+
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Positive = Annotated[int, Field(ge=1)]
+ModelName = Annotated[str, StringConstraints(max_length=100, pattern=r"^[A-Za-z0-9._-]*$")]
+
+
+class RateLimitFields(StrictSchema):
+    name: Annotated[str, StringConstraints(max_length=100)] | None = None
+    model: ModelName | None = None
+    requests_per_minute: Positive | None = None
+    tokens_per_minute: Positive | None = None
+    burst_requests: Positive | None = None
+    burst_tokens: Positive | None = None
+    adaptive: bool | None = None
+    qps_ref: Annotated[float, Field(gt=0)] | None = None
+    qps_min: Annotated[float, Field(ge=0)] | None = None
+    qps_max: Annotated[float, Field(ge=0)] | None = None
+    p99_target_ms: Annotated[float, Field(ge=0)] | None = None
+    p99_slope: Annotated[float, Field(ge=0)] | None = None
+    floor: Fraction | None = None
+    window_s: Annotated[int, Field(ge=1, le=3600)] | None = None
+    fail_open: bool | None = None
+
+
+class RateLimitCreateIn(RateLimitFields):
+    scope: RateLimitScope
+    tenant_id: int | None = None  # None: the platform default (platform admins)
+    api_key_id: int | None = None
+
+
+class RateLimitOut(Schema):
+    id: int
+    name: str
+    scope: RateLimitScope
+    tenant_id: int | None
+    api_key_id: int | None
+    model: str
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    burst_requests: int | None
+    burst_tokens: int | None
+    adaptive: bool
+    qps_ref: float
+    qps_min: float
+    qps_max: float
+    p99_target_ms: float
+    p99_slope: float
+    floor: float
+    window_s: int
+    fail_open: bool
+    created_at: datetime
+
+
+class RateLimitDetailOut(RateLimitOut):
+    effective: list[dict[str, Any]] = Field(
+        description="Per model: the adaptive factor now, its inputs and the limits it gives.")
+
+
+class QuotaFields(StrictSchema):
+    model: ModelName | None = None
+    period: QuotaPeriod | None = None
+    window: QuotaWindow | None = None
+    max_requests: Positive | None = None
+    max_tokens: Positive | None = None
+    max_concurrent: Positive | None = None
+    shadow: bool | None = None
+
+
+class QuotaCreateIn(QuotaFields):
+    tenant_id: int
+
+
+class QuotaOut(Schema):
+    id: int
+    tenant_id: int
+    model: str
+    period: QuotaPeriod
+    window: QuotaWindow
+    max_requests: int | None
+    max_tokens: int | None
+    max_concurrent: int | None
+    shadow: bool
+    created_at: datetime
+
+
+class QuotaUseOut(Schema):
+    requests: int
+    tokens: int
+    open_reservations: int
+    reserved_tokens: int
+    resets_at: datetime
+
+
+class QuotaDetailOut(QuotaOut):
+    usage: QuotaUseOut
+
+
+class BreakerFields(StrictSchema):
+    window_kind: WindowKind | None = None
+    window_size: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    min_calls: Positive | None = None
+    failure_rate: Fraction | None = None
+    slow_call_ms: Positive | None = None
+    slow_call_rate: Fraction | None = None
+    open_wait_s: Annotated[float, Field(gt=0)] | None = None
+    half_open_probes: Annotated[int, Field(ge=1, le=1000)] | None = None
+    probe_timeout_s: Annotated[float, Field(gt=0)] | None = None
+    memory_high: Fraction | None = None
+    memory_low: Fraction | None = None
+    memory_hold_s: Annotated[float, Field(ge=0)] | None = None
+    degrade_mode: DegradeMode | None = None
+    degraded_max_tokens: Positive | None = None
+    shed_queue_depth: Positive | None = None
+    shed_oldest_age_ms: Positive | None = None
+    priority_share: Fraction | None = None
+
+
+class BreakerOut(Schema):
+    deployment: str
+    window_kind: WindowKind
+    window_size: int
+    min_calls: int
+    failure_rate: float
+    slow_call_ms: int
+    slow_call_rate: float
+    open_wait_s: float
+    half_open_probes: int
+    probe_timeout_s: float
+    memory_high: float
+    memory_low: float
+    memory_hold_s: float
+    degrade_mode: DegradeMode
+    degraded_max_tokens: int
+    shed_queue_depth: int | None
+    shed_oldest_age_ms: int | None
+    priority_share: float
+    live: dict[str, Any]
+
+
+class UsageOut(Schema):
+    tenant_id: int
+    model: str
+    key_prefix: str
+    day: date
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    updated_at: datetime

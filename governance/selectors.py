@@ -1,0 +1,87 @@
+"""Reads of governance policies and usage, scoped by the caller.
+
+Platform admins (governance.manage_any) see everything; tenant admins
+(governance.manage) see their tenant's policies, the platform defaults that apply to it,
+and its usage; auditors see usage.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+
+from django.db.models import Q, QuerySet
+
+from governance.models import BreakerPolicy, Quota, RateLimitPolicy, UsageRecord
+from inference.models import Deployment
+from sluice.errors import NotFound
+from tenants.principal import Principal
+from tenants.roles import Action
+from tenants.selectors import require
+
+
+def _any(actor: Principal) -> bool:
+    return actor.can(Action.GOVERNANCE_MANAGE_ANY)
+
+
+def ratelimit_list(*, actor: Principal, tenant_id: int | None = None
+                   ) -> QuerySet[RateLimitPolicy]:
+    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY)
+    rows = RateLimitPolicy.objects.select_related("api_key").order_by("id")
+    if not _any(actor):
+        rows = rows.filter(Q(tenant_id=actor.tenant_id) | Q(tenant__isnull=True))
+    if tenant_id is not None:
+        rows = rows.filter(tenant_id=tenant_id)
+    return rows
+
+
+def ratelimit_get(*, actor: Principal, policy_id: int) -> RateLimitPolicy:
+    row = ratelimit_list(actor=actor).filter(pk=policy_id).first()
+    if row is None:
+        raise NotFound("No such rate limit.")
+    return row
+
+
+def quota_list(*, actor: Principal, tenant_id: int | None = None) -> QuerySet[Quota]:
+    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY)
+    rows = Quota.objects.select_related("tenant").order_by("id")
+    if not _any(actor):
+        rows = rows.filter(tenant_id=actor.tenant_id)
+    if tenant_id is not None:
+        rows = rows.filter(tenant_id=tenant_id)
+    return rows
+
+
+def quota_get(*, actor: Principal, quota_id: int) -> Quota:
+    row = quota_list(actor=actor).filter(pk=quota_id).first()
+    if row is None:
+        raise NotFound("No such quota.")
+    return row
+
+
+def breaker_get(*, actor: Principal, deployment: str) -> BreakerPolicy:
+    """The deployment's policy (its defaults, unsaved, when it has no row yet)."""
+    require(actor, Action.GOVERNANCE_MANAGE_ANY)
+    dep = Deployment.objects.filter(name=deployment).first()
+    if dep is None:
+        raise NotFound(f"No deployment named '{deployment}'.")
+    row = BreakerPolicy.objects.filter(deployment=dep).first()
+    return row if row is not None else BreakerPolicy(deployment=dep)
+
+
+def usage_list(*, actor: Principal, tenant_id: int | None = None, model: str | None = None,
+               since: date | None = None, until: date | None = None
+               ) -> QuerySet[UsageRecord]:
+    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY, Action.AUDIT_READ)
+    rows = UsageRecord.objects.select_related("tenant").order_by("-day", "tenant_id", "model",
+                                                                 "key_prefix")
+    if not _any(actor):
+        rows = rows.filter(tenant_id=actor.tenant_id)
+    if tenant_id is not None:
+        rows = rows.filter(tenant_id=tenant_id)
+    if model:
+        rows = rows.filter(model=model)
+    if since is not None:
+        rows = rows.filter(day__gte=since)
+    if until is not None:
+        rows = rows.filter(day__lte=until)
+    return rows

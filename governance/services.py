@@ -1,0 +1,152 @@
+"""Writes to governance policies. Every change is validated (422 naming the field),
+reaches every gateway within about a second (cache epoch), and, for breaker policies,
+hands the memory guard's thresholds to the deployment's workers through Redis.
+
+Who may write: platform admins anything; tenant admins only rate limits of scope
+api_key on their own tenant (limits they put on their own keys).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from governance import cache, selectors
+from governance.models import BreakerPolicy, Quota, RateLimitPolicy, RateLimitScope
+from inference.queue import guard_key
+from sluice.errors import NotFound, PermissionDenied, Unprocessable
+from sluice.redis import sync_redis
+from sluice.validation import validate
+from tenants.models import ApiKey, Tenant
+from tenants.principal import Principal
+from tenants.roles import Action
+from tenants.selectors import require
+
+RATELIMIT_FIELDS = ("name", "scope", "model", "requests_per_minute", "tokens_per_minute",
+                    "burst_requests", "burst_tokens", "adaptive", "qps_ref", "qps_min",
+                    "qps_max", "p99_target_ms", "p99_slope", "floor", "window_s", "fail_open")
+QUOTA_FIELDS = ("model", "period", "window", "max_requests", "max_tokens", "max_concurrent",
+                "shadow")
+BREAKER_FIELDS = ("window_kind", "window_size", "min_calls", "failure_rate", "slow_call_ms",
+                  "slow_call_rate", "open_wait_s", "half_open_probes", "probe_timeout_s",
+                  "memory_high", "memory_low", "memory_hold_s", "degrade_mode",
+                  "degraded_max_tokens", "shed_queue_depth", "shed_oldest_age_ms",
+                  "priority_share")
+
+
+def _tenant(tenant_id: int | None) -> Tenant | None:
+    if tenant_id is None:
+        return None
+    tenant = Tenant.objects.filter(pk=tenant_id).first()
+    if tenant is None:
+        raise NotFound("No such tenant.", param="tenant_id")
+    return tenant
+
+
+def _may_write_limit(actor: Principal, policy: RateLimitPolicy) -> None:
+    if actor.can(Action.GOVERNANCE_MANAGE_ANY):
+        return
+    require(actor, Action.GOVERNANCE_MANAGE)
+    if policy.tenant_id != actor.tenant_id or policy.scope != RateLimitScope.API_KEY:
+        raise PermissionDenied("Tenant admins may only set limits on their own API keys; "
+                               "tenant and model limits are set by platform admins.")
+
+
+def _apply(row: Any, fields: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    for key, value in fields.items():
+        if key in allowed:
+            setattr(row, key, value)
+
+
+@transaction.atomic
+def ratelimit_create(*, actor: Principal, tenant_id: int | None = None,
+                     api_key_id: int | None = None, **fields: Any) -> RateLimitPolicy:
+    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY)
+    if not actor.can(Action.GOVERNANCE_MANAGE_ANY):
+        tenant_id = actor.tenant_id if tenant_id is None else tenant_id
+    policy = RateLimitPolicy(tenant=_tenant(tenant_id))
+    if api_key_id is not None:
+        if tenant_id is None:
+            raise Unprocessable("api_key_id needs the key's tenant_id.", param="tenant_id")
+        key = ApiKey.objects.filter(pk=api_key_id, tenant_id=tenant_id).first()
+        if key is None:
+            raise NotFound("No such API key in that tenant.", param="api_key_id")
+        policy.api_key = key
+    _apply(policy, fields, RATELIMIT_FIELDS)
+    _may_write_limit(actor, policy)
+    validate(policy)
+    policy.save()
+    cache.invalidate()
+    return policy
+
+
+@transaction.atomic
+def ratelimit_update(*, actor: Principal, policy_id: int, **fields: Any) -> RateLimitPolicy:
+    policy = selectors.ratelimit_get(actor=actor, policy_id=policy_id)
+    _may_write_limit(actor, policy)
+    _apply(policy, fields, tuple(f for f in RATELIMIT_FIELDS if f != "scope"))
+    validate(policy)
+    policy.save()
+    cache.invalidate()
+    return policy
+
+
+@transaction.atomic
+def ratelimit_delete(*, actor: Principal, policy_id: int) -> None:
+    policy = selectors.ratelimit_get(actor=actor, policy_id=policy_id)
+    _may_write_limit(actor, policy)
+    policy.delete()
+    cache.invalidate()
+
+
+@transaction.atomic
+def quota_create(*, actor: Principal, tenant_id: int, **fields: Any) -> Quota:
+    require(actor, Action.GOVERNANCE_MANAGE_ANY)
+    tenant = _tenant(tenant_id)
+    quota = Quota(tenant=tenant)
+    _apply(quota, fields, QUOTA_FIELDS)
+    validate(quota)
+    quota.save()
+    cache.invalidate()
+    return quota
+
+
+@transaction.atomic
+def quota_update(*, actor: Principal, quota_id: int, **fields: Any) -> Quota:
+    require(actor, Action.GOVERNANCE_MANAGE_ANY)
+    quota = selectors.quota_get(actor=actor, quota_id=quota_id)
+    # The period and window shape the Redis counters: changing them starts afresh.
+    _apply(quota, fields, QUOTA_FIELDS)
+    validate(quota)
+    quota.save()
+    cache.invalidate()
+    return quota
+
+
+@transaction.atomic
+def quota_delete(*, actor: Principal, quota_id: int) -> None:
+    require(actor, Action.GOVERNANCE_MANAGE_ANY)
+    selectors.quota_get(actor=actor, quota_id=quota_id).delete()
+    cache.invalidate()
+
+
+@transaction.atomic
+def breaker_update(*, actor: Principal, deployment: str, **fields: Any) -> BreakerPolicy:
+    require(actor, Action.GOVERNANCE_MANAGE_ANY)
+    policy = selectors.breaker_get(actor=actor, deployment=deployment)
+    _apply(policy, fields, BREAKER_FIELDS)
+    policy.updated_at = timezone.now()
+    validate(policy, exclude=["deployment"])
+    policy.save()
+    cache.invalidate()
+    transaction.on_commit(lambda: publish_guard(policy))
+    return policy
+
+
+def publish_guard(policy: BreakerPolicy) -> None:
+    """Hand the memory guard's thresholds to the deployment's workers."""
+    sync_redis().hset(guard_key(policy.deployment.name), mapping={
+        "high": repr(policy.memory_high), "low": repr(policy.memory_low),
+        "hold_s": repr(policy.memory_hold_s)})

@@ -1,0 +1,95 @@
+"""What gateways measure about a deployment, for the adaptive rate limits.
+
+Every finished call adds its latency to a log-bucketed histogram (10% wide buckets from
+1 ms) in a Redis hash per five-second slot, in the deployment's slot:
+`sluice:q:{<dep>}:lat:<slot>` field b<bucket> -> count. Reading a window merges its
+complete slots: QPS is the calls per second and P99 the upper edge of the bucket that
+holds the 99th percentile (so it errs high by at most 10%). Slots expire after an hour.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from inference.queue import deployment_key
+
+SLOT_S = 5
+_GROWTH = 1.1
+_BUCKETS = 200  # 1.1 ** 199 ms is over five hours
+_KEEP_S = 3600 + 2 * SLOT_S
+
+
+def bucket_of(ms: float) -> int:
+    if ms <= 1:
+        return 0
+    return min(_BUCKETS - 1, math.ceil(math.log(ms) / math.log(_GROWTH)))
+
+
+def upper_ms(bucket: int) -> float:
+    return float(_GROWTH ** bucket)
+
+
+def latency_key(deployment: str, slot: int) -> str:
+    return deployment_key(deployment, f"lat:{slot}")
+
+
+def record_latency(pipe: Any, deployment: str, ms: float) -> None:
+    """Queue the commands that count one call's latency on a pipeline."""
+    key = latency_key(deployment, int(time.time()) // SLOT_S)
+    pipe.hincrby(key, f"b{bucket_of(ms)}", 1)
+    pipe.expire(key, _KEEP_S)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    qps: float
+    p99_ms: float | None  # None without samples
+    samples: int
+
+
+def percentile(histogram: dict[int, int], fraction: float) -> float | None:
+    total = sum(histogram.values())
+    if total == 0:
+        return None
+    seen, wanted = 0, fraction * total
+    for bucket in sorted(histogram):
+        seen += histogram[bucket]
+        if seen >= wanted:
+            return upper_ms(bucket)
+    return upper_ms(max(histogram))
+
+
+def _window(redis: Any, deployment: str, window_s: int) -> tuple[Any, int]:
+    """A pipeline reading the complete five-second slots of the last `window_s` seconds."""
+    slots = max(1, math.ceil(window_s / SLOT_S))
+    current = int(time.time()) // SLOT_S
+    pipe = redis.pipeline(transaction=False)
+    for slot in range(current - slots, current):
+        pipe.hgetall(latency_key(deployment, slot))
+    return pipe, slots
+
+
+async def latency_stats(redis: Any, deployment: str, window_s: int) -> LatencyStats:
+    """QPS and P99 over the last `window_s` seconds (async Redis: the gateway)."""
+    pipe, slots = _window(redis, deployment, window_s)
+    return _stats(await pipe.execute(), slots)
+
+
+def latency_stats_sync(redis: Any, deployment: str, window_s: int) -> LatencyStats:
+    """The same with a blocking client (management API)."""
+    pipe, slots = _window(redis, deployment, window_s)
+    return _stats(pipe.execute(), slots)
+
+
+def _stats(replies: list[dict[bytes, bytes]], slots: int) -> LatencyStats:
+    histogram: dict[int, int] = {}
+    for reply in replies:
+        for field, count in reply.items():
+            bucket = int(field[1:])
+            histogram[bucket] = histogram.get(bucket, 0) + int(count)
+    samples = sum(histogram.values())
+    return LatencyStats(qps=samples / (slots * SLOT_S), p99_ms=percentile(histogram, 0.99),
+                        samples=samples)

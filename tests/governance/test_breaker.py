@@ -1,0 +1,135 @@
+"""The breaker scripts' state machine with Redis' own clock (short waits), and the
+worker-side memory guard's hysteresis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from governance import breaker
+from governance.breaker import Outcome, Snapshot, State
+from governance.models import BreakerPolicy
+from inference.memory import MemoryGuard
+
+DEP = "brk"
+
+
+def policy(**kw: object) -> BreakerPolicy:
+    base: dict[str, object] = {"window_kind": "count", "window_size": 10, "min_calls": 4,
+                               "failure_rate": 0.5, "slow_call_ms": 1000,
+                               "slow_call_rate": 1.0, "open_wait_s": 0.3,
+                               "half_open_probes": 2, "probe_timeout_s": 0.4}
+    base.update(kw)
+    return BreakerPolicy(**base)
+
+
+def admit(rds: redis.Redis, p: BreakerPolicy, probe_id: str = "x") -> int:
+    verdict, _ = rds.eval(breaker.ADMIT_LUA, 4, *breaker.keys(DEP),
+                          *breaker.admit_args(probe_id, p))
+    return int(verdict)
+
+
+def record(rds: redis.Redis, p: BreakerPolicy, outcome: Outcome, ms: float = 10,
+           probe_id: str = "") -> str:
+    state = rds.eval(breaker.RECORD_LUA, 4, *breaker.keys(DEP),
+                     *breaker.record_args(probe_id, outcome, ms, p))
+    return state.decode()
+
+
+def snap(rds: redis.Redis, p: BreakerPolicy) -> Snapshot:
+    return Snapshot.from_reply(rds.eval(breaker.PEEK_LUA, 4, *breaker.keys(DEP),
+                                        *breaker.peek_args(p)))
+
+
+def test_min_volume_is_respected(rds: redis.Redis) -> None:
+    p = policy()
+    for _ in range(3):
+        assert record(rds, p, Outcome.FAILURE) == "closed"  # 3 of 3 failed, but 3 < 4 calls
+    assert record(rds, p, Outcome.FAILURE) == "open"
+
+
+def test_closed_open_half_open_closed(rds: redis.Redis) -> None:
+    p = policy()
+    for outcome in (Outcome.SUCCESS, Outcome.SUCCESS, Outcome.FAILURE):
+        record(rds, p, outcome)
+    assert admit(rds, p) == 1
+    assert record(rds, p, Outcome.FAILURE) == "open"  # 2 of 4 >= 50 %
+    assert admit(rds, p) == 0
+    s = snap(rds, p)
+    assert s.state == State.OPEN and s.reason == "failure rate" and s.times_opened == 1
+    time.sleep(0.35)
+    assert admit(rds, p, "p1") == 2  # half open: a probe
+    assert admit(rds, p, "p2") == 2
+    assert admit(rds, p, "p3") == 0  # only two probes
+    assert record(rds, p, Outcome.SUCCESS, probe_id="p1") == "half_open"
+    assert record(rds, p, Outcome.SUCCESS, probe_id="p2") == "closed"
+    assert admit(rds, p) == 1
+    assert snap(rds, p).calls == 0  # the window starts afresh
+
+
+def test_failed_probe_reopens(rds: redis.Redis) -> None:
+    p = policy(min_calls=1, window_size=1)
+    assert record(rds, p, Outcome.FAILURE) == "open"
+    time.sleep(0.35)
+    assert admit(rds, p, "p1") == 2
+    assert record(rds, p, Outcome.FAILURE, probe_id="p1") == "open"
+    assert admit(rds, p) == 0
+    assert snap(rds, p).times_opened == 2
+
+
+def test_probe_that_never_reports_reopens(rds: redis.Redis) -> None:
+    p = policy(min_calls=1, window_size=1)
+    record(rds, p, Outcome.FAILURE)
+    time.sleep(0.35)
+    assert admit(rds, p, "silent") == 2
+    time.sleep(0.45)  # past probe_timeout_s
+    assert admit(rds, p, "next") == 0
+    assert snap(rds, p).reason == "probe timed out"
+
+
+def test_slow_calls_open_and_callers_4xx_never_count(rds: redis.Redis) -> None:
+    p = policy(slow_call_rate=0.5, failure_rate=1.0)
+    for _ in range(10):
+        assert record(rds, p, Outcome.IGNORED) == "closed"
+    assert snap(rds, p).calls == 0
+    record(rds, p, Outcome.SUCCESS, ms=5)
+    record(rds, p, Outcome.SUCCESS, ms=5)
+    record(rds, p, Outcome.SUCCESS, ms=2000)
+    assert record(rds, p, Outcome.SUCCESS, ms=2000) == "open"
+    assert snap(rds, p).reason == "slow-call rate"
+
+
+def test_time_window(rds: redis.Redis) -> None:
+    p = policy(window_kind="time", window_size=1, min_calls=2)
+    record(rds, p, Outcome.FAILURE)
+    time.sleep(1.1)  # the first failure leaves the one-second window
+    assert record(rds, p, Outcome.SUCCESS) == "closed"
+    assert snap(rds, p).calls == 1
+    assert record(rds, p, Outcome.FAILURE) == "open"
+
+
+def test_results_of_calls_admitted_before_opening_are_ignored(rds: redis.Redis) -> None:
+    p = policy(min_calls=1, window_size=1)
+    record(rds, p, Outcome.FAILURE)
+    assert record(rds, p, Outcome.SUCCESS) == "open"
+
+
+@pytest.mark.parametrize("hold", [0.0, 5.0])
+def test_memory_guard_hysteresis(hold: float) -> None:
+    g = MemoryGuard(high=0.9, low=0.8, hold_s=hold)
+    assert g.observe(85, 100, 0.0)  # between the marks, still in rotation
+    assert not g.observe(92, 100, 1.0)  # above high: out
+    assert not g.observe(85, 100, 2.0)  # below high but above low: still out
+    assert not g.observe(70, 100, 3.0)  # below low: the hold starts
+    if hold:
+        assert not g.observe(70, 100, 7.9)
+        assert not g.observe(81, 100, 8.0)  # back above low: the hold restarts
+        assert not g.observe(70, 100, 9.0)
+        assert not g.observe(70, 100, 13.9)
+        assert g.observe(70, 100, 14.0)
+    else:
+        assert g.observe(70, 100, 3.0)
+    g.configure(high=0.5, low=0.6, hold_s=1)  # garbled (low > high): ignored
+    assert (g.high, g.low) == (0.9, 0.8)
