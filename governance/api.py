@@ -1,7 +1,8 @@
 """Management API for governance: rate limits, quotas, circuit breakers, usage.
 Handlers only parse, call a selector or service, and serialize."""
+# No `from __future__ import annotations` here: ninja resolves the query parameters'
+# annotations (dates) at import time.
 
-from __future__ import annotations
 
 from datetime import UTC, date, datetime
 from typing import Any

@@ -1,6 +1,8 @@
 """The device-memory guard: a worker above the high-water mark of used memory leaves the
 rotation (it stops pulling new requests; running ones finish) until its memory has stayed
-below the low-water mark for `hold_s` seconds.
+below the low-water mark for `hold_s` seconds. When every worker of a deployment is out,
+the gateways degrade (cap max_tokens, or refuse with 503, per the breaker policy) and the
+workers keep serving at a quarter of their batch size.
 
 The thresholds are per deployment, in `sluice:q:{<dep>}:guard` (governance writes them);
 a worker reads them with every heartbeat, so an edit applies within about a second.

@@ -146,6 +146,7 @@ class Worker:
         self._writing: Future[None] | None = None
         self.batches = 0
         self.guard = MemoryGuard()
+        self._others_in_rotation = False
         # The request ids of the most recent admissions, for tests and debugging.
         self.admitted: deque[list[str]] = deque(maxlen=256)
 
@@ -267,11 +268,16 @@ class Worker:
         if room <= 0:
             return
         if not self.guard.in_rotation:
-            # Out of rotation (memory above the high-water mark): finish what runs,
-            # take nothing new; other workers (or a degraded gateway) serve meanwhile.
-            if not self.active and not self.backlog:
-                self.stopping.wait(_IDLE_POLL_S)
-            return
+            # Out of rotation (memory above the high-water mark): finish what runs and
+            # take nothing new while another worker is in rotation. When none is, the
+            # gateways degrade (shorter max_tokens) and this worker serves at a quarter
+            # of its batch, rather than leaving the queue to time out.
+            room = min(room, max(1, self.spec.max_batch_size // 4) - len(self.active)
+                       - len(self.backlog))
+            if self._others_in_rotation or room <= 0:
+                if not self.active and not self.backlog:
+                    self.stopping.wait(_IDLE_POLL_S)
+                return
         if self.active or self.backlog:
             # Mid-batch, read only when the backlog cannot fill the free slots: a round
             # trip per decode step would cost more than the step on small models.
@@ -663,7 +669,12 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, self.id, json.dumps(beat))
         pipe.expire(key, 60)
-        pipe.execute()
+        pipe.hgetall(key)
+        *_, beats = pipe.execute()
+        now = time.time()
+        others = [json.loads(v) for k, v in beats.items() if _s(k) != self.id]
+        self._others_in_rotation = any(now - b["ts"] <= 5 and b.get("in_rotation", True)
+                                       for b in others)
 
 
 def _s(value: bytes | str) -> str:

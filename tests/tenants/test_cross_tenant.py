@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from django.forms.models import model_to_dict
 
+from governance.models import Quota, RateLimitPolicy
 from tenants.conversations import conversation_create
 from tenants.models import ApiKey, Conversation, Member, Tenant
 from tenants.roles import Role
@@ -24,6 +25,8 @@ def snapshot() -> dict[str, list[dict[str, Any]]]:
         "members": [model_to_dict(m) for m in Member.objects.order_by("pk")],
         "keys": [model_to_dict(k, exclude=["last_used_at"])
                  for k in ApiKey.objects.order_by("pk")],
+        "limits": [model_to_dict(r) for r in RateLimitPolicy.objects.order_by("pk")],
+        "quotas": [model_to_dict(q) for q in Quota.objects.order_by("pk")],
     }
 
 
@@ -39,7 +42,24 @@ CASES: list[tuple[str, str, Target, Any]] = [
     ("DELETE", "key", lambda b: f"/api/v1/keys/{b.key_rows[Role.DEVELOPER].pk}", None),
     ("GET", "conversation", lambda b: f"/api/v1/conversations/{_conversation(b)}", None),
     ("DELETE", "conversation", lambda b: f"/api/v1/conversations/{_conversation(b)}", None),
+    ("GET", "rate limit", lambda b: f"/api/v1/governance/rate-limits/{_limit(b)}", None),
+    ("PATCH", "rate limit", lambda b: f"/api/v1/governance/rate-limits/{_limit(b)}",
+     {"requests_per_minute": 100_000}),
+    ("DELETE", "rate limit", lambda b: f"/api/v1/governance/rate-limits/{_limit(b)}", None),
+    ("GET", "quota", lambda b: f"/api/v1/governance/quotas/{_quota(b)}", None),
 ]
+
+
+def _limit(org: Org) -> int:
+    """A limit bob's admin put on bob's keys."""
+    row = RateLimitPolicy.objects.filter(tenant=org.tenant).first()
+    return (row or RateLimitPolicy.objects.create(scope="api_key", tenant=org.tenant,
+                                                  requests_per_minute=5)).pk
+
+
+def _quota(org: Org) -> int:
+    row = Quota.objects.filter(tenant=org.tenant).first()
+    return (row or Quota.objects.create(tenant=org.tenant, max_requests=5)).pk
 
 
 def _conversation(org: Org) -> str:

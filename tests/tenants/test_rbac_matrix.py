@@ -14,6 +14,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.urls import get_resolver
 
+from governance.models import Quota, RateLimitPolicy
 from inference.models import Deployment
 from tenants.conversations import conversation_create
 from tenants.models import Member
@@ -49,6 +50,13 @@ class Ctx:
 
     def fresh_key_id(self) -> int:
         return apikey_create(actor=principal_for(self.member), name="target").key.pk
+
+    def fresh_limit(self) -> int:
+        return RateLimitPolicy.objects.create(scope="api_key", tenant=self.org.tenant,
+                                              requests_per_minute=10).pk
+
+    def fresh_quota(self) -> int:
+        return Quota.objects.create(tenant=self.org.tenant, max_requests=10).pk
 
 
 @dataclass
@@ -131,6 +139,55 @@ MATRIX: dict[str, Row] = {
                                if c.role != AUD else "/api/v1/conversations/conv_x", None,
                                {PA: 204, TA: 204, DEV: 204, AUD: 403},
                                "api/v1/conversations/<conversation_id>"),
+    "rate limit list": Row("GET", lambda c: "/api/v1/governance/rate-limits", None,
+                           {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                           "api/v1/governance/rate-limits"),
+    # A tenant admin may limit the tenant's own keys; tenant-wide limits are the platform's.
+    "rate limit create": Row("POST", lambda c: "/api/v1/governance/rate-limits",
+                             lambda c: {"scope": "api_key", "requests_per_minute": 10},
+                             {PA: 201, TA: 201, DEV: 403, AUD: 403},
+                             "api/v1/governance/rate-limits"),
+    "rate limit get": Row("GET", lambda c: f"/api/v1/governance/rate-limits/{c.fresh_limit()}",
+                          None, {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                          "api/v1/governance/rate-limits/<int:policy_id>"),
+    "rate limit update": Row("PATCH",
+                             lambda c: f"/api/v1/governance/rate-limits/{c.fresh_limit()}",
+                             lambda c: {"requests_per_minute": 20},
+                             {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                             "api/v1/governance/rate-limits/<int:policy_id>"),
+    "rate limit delete": Row("DELETE",
+                             lambda c: f"/api/v1/governance/rate-limits/{c.fresh_limit()}",
+                             None, {PA: 204, TA: 204, DEV: 403, AUD: 403},
+                             "api/v1/governance/rate-limits/<int:policy_id>"),
+    "quota list": Row("GET", lambda c: "/api/v1/governance/quotas", None,
+                      {PA: 200, TA: 200, DEV: 403, AUD: 403}, "api/v1/governance/quotas"),
+    "quota create": Row("POST", lambda c: "/api/v1/governance/quotas",
+                        lambda c: {"tenant_id": c.org.tenant.pk, "max_requests": 5},
+                        {PA: 201, TA: 403, DEV: 403, AUD: 403}, "api/v1/governance/quotas"),
+    "quota get": Row("GET", lambda c: f"/api/v1/governance/quotas/{c.fresh_quota()}", None,
+                     {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                     "api/v1/governance/quotas/<int:quota_id>"),
+    "quota update": Row("PATCH", lambda c: f"/api/v1/governance/quotas/{c.fresh_quota()}",
+                        lambda c: {"max_requests": 50},
+                        {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                        "api/v1/governance/quotas/<int:quota_id>"),
+    "quota delete": Row("DELETE", lambda c: f"/api/v1/governance/quotas/{c.fresh_quota()}",
+                        None, {PA: 204, TA: 403, DEV: 403, AUD: 403},
+                        "api/v1/governance/quotas/<int:quota_id>"),
+    "breaker get": Row("GET", lambda c: f"/api/v1/governance/breakers/{c.deployment()}", None,
+                       {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                       "api/v1/governance/breakers/<name>"),
+    "breaker update": Row("PUT", lambda c: f"/api/v1/governance/breakers/{c.deployment()}",
+                          lambda c: {"failure_rate": 0.4},
+                          {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                          "api/v1/governance/breakers/<name>"),
+    "breaker reset": Row("POST",
+                         lambda c: f"/api/v1/governance/breakers/{c.deployment()}/reset",
+                         None, {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                         "api/v1/governance/breakers/<name>/reset"),
+    # Auditors read usage (billing review); developers do not.
+    "usage list": Row("GET", lambda c: "/api/v1/governance/usage", None,
+                      {PA: 200, TA: 200, DEV: 403, AUD: 200}, "api/v1/governance/usage"),
 }
 
 CASES = [(name, role) for name in MATRIX for role in (PA, TA, DEV, AUD)]

@@ -1,0 +1,366 @@
+"""Governance through the real pipeline: a live Sluice (uvicorn + workers), the official
+openai SDK and httpx as clients, a second gateway process where sharing matters."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+
+from governance import live as live_state
+from governance import usage
+from governance.admission import Governor
+from governance.models import BreakerPolicy, Quota, RateLimitPolicy, UsageRecord
+from governance.services import publish_guard
+from inference.client import InferenceClient
+from inference.models import Deployment
+from inference.spec import DeploymentSpec
+from sluice.errors import Unavailable
+from sluice.localinfra import free_port
+from tenants.models import ApiKey
+from tenants.roles import Role
+from tests.conftest import Org, make_org, principal_for
+from tests.streaming.conftest import Live
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def org(live: Live) -> Org:
+    return make_org("alice", [Role.TENANT_ADMIN, Role.DEVELOPER])
+
+
+def sdk(live: Live, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=30)
+
+
+def chat_body(text: str = "hello world!", model: str = "echo", **kw: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **kw}
+
+
+async def fire(urls: list[str], key: str, n: int, body: dict[str, Any],
+               concurrency: int = 50) -> list[httpx.Response]:
+    """n POSTs spread over the gateways, `concurrency` at a time."""
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency * len(urls))
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        async def one(i: int) -> httpx.Response:
+            async with gate:
+                return await client.post(f"{urls[i % len(urls)]}/chat/completions", json=body,
+                                         headers={"Authorization": f"Bearer {key}"})
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def wait_for(check: Any, timeout: float = 10.0, every: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+# -- rate limits ---------------------------------------------------------------------
+def test_rate_limit_headers_and_429_for_the_sdk(live: Live, org: Org) -> None:
+    RateLimitPolicy.objects.create(scope="tenant", tenant=org.tenant, requests_per_minute=60,
+                                   burst_requests=2, tokens_per_minute=100_000)
+    client = sdk(live, org.keys[Role.DEVELOPER])
+    raw = client.chat.completions.with_raw_response.create(**chat_body())
+    assert raw.headers["x-ratelimit-limit-requests"] == "60"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+    assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
+    assert raw.parse().choices[0].message.content == "hello world!"
+    client.chat.completions.create(**chat_body())
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(**chat_body())
+    err = caught.value
+    assert err.status_code == 429 and err.code == "rate_limit_requests"
+    assert 1 <= int(err.response.headers["retry-after"]) <= 2
+    assert err.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "requests per minute" in err.message
+
+
+def test_each_key_has_its_own_bucket(live: Live, org: Org) -> None:
+    RateLimitPolicy.objects.create(scope="api_key", tenant=org.tenant, requests_per_minute=60,
+                                   burst_requests=1)
+    dev = sdk(live, org.keys[Role.DEVELOPER])
+    admin = sdk(live, org.keys[Role.TENANT_ADMIN])
+    dev.chat.completions.create(**chat_body())
+    with pytest.raises(openai.RateLimitError):
+        dev.chat.completions.create(**chat_body())
+    admin.chat.completions.create(**chat_body())  # another key, another bucket
+
+
+def _gateway_process(port: int) -> subprocess.Popen[bytes]:
+    db = connection.settings_dict
+    url = (f"postgresql://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST'] or '127.0.0.1'}"
+           f":{db['PORT'] or 5432}/{db['NAME']}")
+    env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": settings.REDIS_URL,
+           "DJANGO_SETTINGS_MODULE": "sluice.settings.test"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "sluice.asgi:application", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning", "--lifespan", "off"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.fixture
+def second_gateway(live: Live) -> Iterator[str]:
+    if connection.vendor != "postgresql":
+        pytest.skip("a second process needs a shared database")
+    port = free_port()
+    proc = _gateway_process(port)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+
+    assert wait_for(up, timeout=60, every=0.2)
+    assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+    yield f"{base}/v1"
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_two_gateway_processes_share_one_exact_limit(live: Live, org: Org,
+                                                     second_gateway: str) -> None:
+    """A 100/min limit with a burst of 10, hammered through two gateway processes:
+    at most 100 + burst per minute pass, never 200."""
+    RateLimitPolicy.objects.create(scope="tenant", tenant=org.tenant, requests_per_minute=100,
+                                   burst_requests=10)
+    started = time.monotonic()
+    responses = asyncio.run(fire([live.base_url, second_gateway], org.keys[Role.DEVELOPER],
+                                 300, chat_body(), concurrency=30))
+    elapsed = time.monotonic() - started
+    codes = [r.status_code for r in responses]
+    admitted = codes.count(200)
+    assert set(codes) <= {200, 429}
+    assert 10 <= admitted <= 10 + int(100 * elapsed / 60) + 1, (admitted, elapsed)
+    # both processes admitted and refused some: the bucket really is shared
+    for gateway in (responses[0::2], responses[1::2]):
+        assert {r.status_code for r in gateway} == {200, 429}
+    assert all(r.headers.get("x-ratelimit-limit-requests") == "100" for r in responses)
+    print(f"two gateways: {admitted} of 300 admitted in {elapsed:.2f} s")
+
+
+def test_adaptive_rate_is_visible_and_applied(live: Live, org: Org) -> None:
+    policy = RateLimitPolicy.objects.create(scope="model", tenant=org.tenant, model="echo",
+                                            requests_per_minute=600, adaptive=True)
+    # No traffic yet: QPS 0 -> clamp(0/1000, 0.5, 2.0) = 0.5, no P99 -> x1.
+    raw = sdk(live, org.keys[Role.DEVELOPER]).chat.completions.with_raw_response.create(
+        **chat_body())
+    assert raw.headers["x-ratelimit-limit-requests"] == "300"
+    effective = live_state.effective_rates(policy)
+    assert effective[0]["model"] == "echo" and effective[0]["factor"] == 0.5
+    assert effective[0]["requests_per_minute"] == 300
+
+
+def test_rate_limit_without_redis_follows_fail_open(live: Live, org: Org) -> None:
+    spec = DeploymentSpec.from_json(Deployment.objects.get(name="echo").to_spec().to_json())
+    principal = principal_for(org.members[Role.DEVELOPER])
+    policy = RateLimitPolicy.objects.create(scope="tenant", tenant=org.tenant,
+                                            requests_per_minute=10, fail_open=True)
+
+    async def admit() -> Any:
+        client = InferenceClient("redis://127.0.0.1:1/0")  # nothing listens there
+        try:
+            return await Governor(client).admit(principal, spec, tokens=10)
+        finally:
+            await client.close()
+
+    from governance import cache as policy_cache
+    policy_cache.clear()
+    admitted = asyncio.run(admit())
+    assert admitted.headers["x-ratelimit-status"] == "unavailable"
+    policy.fail_open = False
+    policy.save()
+    policy_cache.clear()
+    with pytest.raises(Unavailable) as caught:
+        asyncio.run(admit())
+    assert caught.value.code == "rate_limit_unavailable"
+    policy.delete()
+    Quota.objects.create(tenant=org.tenant, max_tokens=1000, shadow=True)
+    policy_cache.clear()
+    asyncio.run(admit())  # shadow quotas never refuse, not even blind
+    Quota.objects.create(tenant=org.tenant, max_tokens=1000)
+    policy_cache.clear()
+    with pytest.raises(Unavailable) as caught:
+        asyncio.run(admit())
+    assert caught.value.code == "quota_unavailable"  # quotas fail closed
+
+
+# -- quotas --------------------------------------------------------------------------
+def test_200_concurrent_calls_never_overspend_a_token_quota(live: Live, org: Org) -> None:
+    quota = Quota.objects.create(tenant=org.tenant, model="echo", max_tokens=2000)
+    responses = asyncio.run(fire([live.base_url], org.keys[Role.DEVELOPER], 200,
+                                 chat_body("hello world!", max_tokens=12), concurrency=200))
+    ok = [r.json() for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(ok) + len(refused) == 200
+    spent = sum(r["usage"]["total_tokens"] for r in ok)
+    assert 0 < spent <= 2000
+    assert refused and refused[0].json()["error"]["type"] == "insufficient_quota"
+    use = wait_for(lambda: (u := live_state.quota_use(quota)).open_reservations == 0 and u)
+    assert use and use.tokens == spent and use.requests == len(ok)
+
+
+def test_quota_refusal_says_which_quota_and_when_it_resets(live: Live, org: Org) -> None:
+    quota = Quota.objects.create(tenant=org.tenant, model="echo", period="minute",
+                                 max_requests=1)
+    client = sdk(live, org.keys[Role.DEVELOPER])
+    client.chat.completions.create(**chat_body())
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(**chat_body())
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "quota_exceeded" and body["type"] == "insufficient_quota"
+    assert body["quota"]["id"] == quota.pk and body["quota"]["metric"] == "requests"
+    assert body["quota"]["limit"] == 1 and body["quota"]["resets_at"]
+    assert "requests per minute for model 'echo' is 1" in body["message"]
+    assert 1 <= int(caught.value.response.headers["retry-after"]) <= 60
+    sdk(live, org.keys[Role.DEVELOPER]).embeddings.create(model="minilm", input="other model")
+
+
+def test_shadow_quota_counts_but_admits(live: Live, org: Org) -> None:
+    quota = Quota.objects.create(tenant=org.tenant, max_requests=1, shadow=True)
+    client = sdk(live, org.keys[Role.DEVELOPER])
+    client.chat.completions.create(**chat_body())
+    raw = client.chat.completions.with_raw_response.create(**chat_body())
+    assert raw.headers["x-sluice-quota-shadow"] == f"{quota.pk}:requests"
+    assert wait_for(lambda: live_state.quota_use(quota).requests == 2)
+
+
+def test_cancelled_stream_releases_its_reservation(live: Live, org: Org,
+                                                   settings: Any) -> None:
+    settings.SLUICE_STREAM_RESUME_GRACE_S = 0.2
+    quota = Quota.objects.create(tenant=org.tenant, model="slow-echo", max_concurrent=1,
+                                 max_tokens=100_000)
+    text = "x" * 300  # 300 tokens at 50 ms each: 15 s if nobody cancels
+    key = org.keys[Role.DEVELOPER]
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{live.base_url}/chat/completions",
+            json=chat_body(text, model="slow-echo", stream=True),
+            headers={"Authorization": f"Bearer {key}"}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        got = [line for _, line in zip(range(6), lines, strict=False)]
+        assert any(line.startswith("data:") for line in got)
+        assert live_state.quota_use(quota).open_reservations == 1
+    # the client left: after the resume grace the generation is cancelled and settled
+    use = wait_for(lambda: (u := live_state.quota_use(quota)).open_reservations == 0 and u,
+                   timeout=10)
+    assert use, "the reservation was not released"
+    assert 0 < use.tokens < 300 + 300  # billed what was made, not the whole reservation
+    sdk(live, key).chat.completions.create(**chat_body(model="slow-echo"))  # not 429
+
+
+# -- breakers, memory, shedding ------------------------------------------------------
+def _breaker(name: str, **fields: Any) -> BreakerPolicy:
+    dep = Deployment.objects.get(name=name)
+    row, _ = BreakerPolicy.objects.update_or_create(deployment=dep, defaults=fields)
+    from governance import cache as policy_cache
+    policy_cache.clear()
+    return row
+
+
+def test_open_breaker_refuses_then_a_probe_closes_it(live: Live, org: Org) -> None:
+    from governance import breaker
+    from governance.breaker import Outcome
+    policy = _breaker("echo", min_calls=1, window_size=1, open_wait_s=0.5, half_open_probes=1)
+    r = redis.Redis.from_url(settings.REDIS_URL)
+    r.eval(breaker.RECORD_LUA, 4, *breaker.keys("echo"),
+           *breaker.record_args("", Outcome.FAILURE, 10, policy))
+    time.sleep(0.25)  # gateways re-ask a breaker they saw closed after 0.2 s
+    client = sdk(live, org.keys[Role.DEVELOPER])
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**chat_body())
+    assert caught.value.status_code == 503 and caught.value.code == "circuit_open"
+    assert caught.value.response.headers["retry-after"] == "1"
+    time.sleep(0.5)
+    client.chat.completions.create(**chat_body())  # the probe, and it succeeds
+    assert live_state.breaker_state(policy)["state"] == "closed"
+    client.chat.completions.create(**chat_body())
+
+
+def _rotation(name: str) -> list[bool]:
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    from inference.worker import heartbeats
+    return [b.get("in_rotation", True) for b in heartbeats(client, name).values()]
+
+
+def test_memory_guard_takes_workers_out_and_gateways_degrade(live: Live, org: Org) -> None:
+    policy = _breaker("echo", memory_high=0.0002, memory_low=0.0001, memory_hold_s=0,
+                      degrade_mode="shorten", degraded_max_tokens=3)
+    publish_guard(policy)
+    assert wait_for(lambda: _rotation("echo") == [False], timeout=5)
+    time.sleep(0.3)  # the gateways' picture of the workers is at most 0.25 s old
+    client = sdk(live, org.keys[Role.DEVELOPER])
+    raw = client.chat.completions.with_raw_response.create(**chat_body("a longer prompt"))
+    assert raw.headers["x-sluice-degraded"] == "memory"
+    reply = raw.parse()
+    assert reply.choices[0].message.content == "a l" and reply.choices[0].finish_reason == "length"
+    _breaker("echo", degrade_mode="reject", memory_hold_s=3)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**chat_body())
+    assert caught.value.status_code == 503 and caught.value.code == "memory_pressure"
+    assert caught.value.response.headers["retry-after"] == "3"
+    publish_guard(_breaker("echo", memory_high=0.99, memory_low=0.98, memory_hold_s=0))
+    assert wait_for(lambda: _rotation("echo") == [True], timeout=5)
+    time.sleep(0.3)
+    assert client.chat.completions.create(**chat_body()).choices[0].message.content == \
+        "hello world!"
+
+
+def test_load_shedding_keeps_room_for_priority_traffic(live: Live, org: Org) -> None:
+    _breaker("slow-echo", shed_queue_depth=2, priority_share=0.5)
+    tenant_admin = principal_for(org.members[Role.TENANT_ADMIN])
+    from tenants.services import apikey_create
+    vip = apikey_create(actor=tenant_admin, name="vip", priority=5).secret
+    key = org.keys[Role.DEVELOPER]
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{live.base_url}/chat/completions",
+            json=chat_body("y" * 100, model="slow-echo", stream=True),
+            headers={"Authorization": f"Bearer {key}"}) as response:
+        assert response.status_code == 200
+        time.sleep(0.3)  # depth 1 is now in every gateway's picture
+        normal = client.post(f"{live.base_url}/chat/completions",
+                             json=chat_body("n", model="slow-echo"),
+                             headers={"Authorization": f"Bearer {key}"})
+        assert normal.status_code == 503 and normal.json()["error"]["code"] == "load_shed"
+        priority = client.post(f"{live.base_url}/chat/completions",
+                               json=chat_body("p", model="slow-echo"),
+                               headers={"Authorization": f"Bearer {vip}"})
+        assert priority.status_code == 200, priority.text
+    assert ApiKey.objects.get(prefix=vip.split("-")[2]).priority == 5
+
+
+# -- usage ---------------------------------------------------------------------------
+def test_usage_is_counted_and_rolled_up_idempotently(live: Live, org: Org) -> None:
+    client = sdk(live, org.keys[Role.DEVELOPER])
+    for text in ("one", "three"):
+        client.chat.completions.create(**chat_body(text))
+    client.embeddings.create(model="minilm", input=["a b c"])
+    assert usage.rollup() >= 2
+    assert usage.rollup() >= 2  # again: the same totals, not doubled
+    rows = {r.model: r for r in UsageRecord.objects.filter(tenant=org.tenant)}
+    assert rows["echo"].requests == 2
+    assert rows["echo"].prompt_tokens == len("one") + len("three")
+    assert rows["echo"].completion_tokens == len("one") + len("three")
+    assert rows["echo"].key_prefix == ApiKey.objects.get(
+        tenant=org.tenant, role=Role.DEVELOPER).prefix
+    assert rows["minilm"].requests == 1 and rows["minilm"].prompt_tokens > 0
