@@ -2,8 +2,11 @@
 
 Both run under uvicorn with one worker process on loopback; wrk (Debian package `wrk`)
 drives them with the same connections and duration. Sluice's side is the full path a
-client takes today: bearer API key (cached), model lookup (cached), enqueue on Redis,
-one echo worker (no model compute), events back, JSON response.
+client takes today: bearer API key (cached), model lookup (cached), governance admission,
+enqueue on Redis, one echo worker (no model compute), events back, settlement, JSON
+response. It is measured twice: with no policies (breaker and shedding checks only), and
+"governed": a tenant rate limit, a per-model rate limit and a daily token quota (limits
+far above what the run reaches), so every request runs the bucket and quota scripts.
 
     .venv/bin/python tests/bench/bench_http.py [--connections 64] [--seconds 10]
 """
@@ -109,13 +112,34 @@ def main() -> None:
         wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
         full = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", args.connections,
                    args.seconds, str(script))
+        policies = ("import django; django.setup(); from governance.models import Quota, "
+                    "RateLimitPolicy as R; from tenants.models import Tenant; "
+                    "t = Tenant.objects.get(slug='demo'); "
+                    "R.objects.create(scope='tenant', tenant=t, requests_per_minute=10**8, "
+                    "tokens_per_minute=10**10); R.objects.create(scope='model', tenant=t, "
+                    "requests_per_minute=10**8, adaptive=True, qps_ref=1); "
+                    "Quota.objects.create(tenant=t, max_tokens=10**12)")
+        subprocess.run([sys.executable, "-c", policies], cwd=REPO, env=env, check=True)
+        group.stop()  # a fresh process: no cached "no policies" for the demo tenant
+        group = ProcessGroup(env)
+        group.start("sluice", [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"])
+        group.start("worker", [sys.executable, str(REPO / "manage.py"), "runworker",
+                               "--deployment", "echo"])
+        wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
+        wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
+        governed = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions",
+                       args.connections, args.seconds, str(script))
         print(json.dumps({"connections": args.connections, "seconds": args.seconds}))
-        print(f"{'server':28} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
-        print(f"{'bare ASGI (uvicorn, 1 proc)':28} {bare['rps']:9.0f} {bare['p50']:8.2f} "
-              f"{bare['p99']:8.2f} {bare['errors']:8.0f}")
-        print(f"{'sluice /v1/chat/completions':28} {full['rps']:9.0f} {full['p50']:8.2f} "
-              f"{full['p99']:8.2f} {full['errors']:8.0f}")
-        print(f"ratio: {full['rps'] / bare['rps']:.1%} of bare ASGI")
+        print(f"{'server':34} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+        rows = [("bare ASGI (uvicorn, 1 proc)", bare),
+                ("sluice /v1/chat, no policies", full),
+                ("sluice /v1/chat, governed", governed)]
+        for label, r in rows:
+            print(f"{label:34} {r['rps']:9.0f} {r['p50']:8.2f} {r['p99']:8.2f} "
+                  f"{r['errors']:8.0f}")
+        print(f"ratio: {full['rps'] / bare['rps']:.1%} of bare ASGI without policies, "
+              f"{governed['rps'] / bare['rps']:.1%} governed "
+              f"(governance costs {1 - governed['rps'] / full['rps']:.0%})")
     finally:
         group.stop()
         if private:
