@@ -4,8 +4,8 @@
     -> circuit breaker  ==> Admission
     ... the call runs ...
     Admission.finish(final event): settle the quota with the real usage, correct the
-    token buckets, feed the breaker and the latency window, count usage for billing,
-    all in one pipelined round trip.
+    token buckets, feed the breaker and the latency window, count usage for billing;
+    the recorder writes all of it off the response path (recorder.py).
 
 Redis unreachable: rate limits follow each policy's `fail_open`; quotas fail closed
 (503) unless every applicable quota is a shadow; the breaker and shedding fail open (the
@@ -27,11 +27,13 @@ from typing import Any
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from governance import breaker, cache, quota, ratelimit, signals, usage
+from governance import breaker, cache, quota, ratelimit, signals
 from governance.models import BreakerPolicy, DegradeMode, Quota, RateLimitPolicy
+from governance.recorder import Recorder
 from inference.client import InferenceClient
 from inference.spec import DeploymentSpec
 from sluice.errors import ApiError, DeadlineExceeded, QuotaExceeded, RateLimited, Unavailable
+from sluice.redis import ScriptBatch
 from sluice.ttlcache import AsyncTTLCache
 from tenants.principal import Principal
 
@@ -75,23 +77,20 @@ class Admission:
         if self.done:
             return
         self.done = True
-        await self.governor.settle(self, final, error=error, charge=charge)
+        self.governor.settle(self, final, error=error, charge=charge)
 
 
 class Governor:
     def __init__(self, client: InferenceClient) -> None:
         self.client = client
         redis = client.redis
-        self._buckets = redis.register_script(ratelimit.BUCKETS_LUA)
-        self._reserve = redis.register_script(quota.RESERVE_LUA)
-        self._settle = redis.register_script(quota.SETTLE_LUA)
         self._admit = redis.register_script(breaker.ADMIT_LUA)
-        self._record = redis.register_script(breaker.RECORD_LUA)
         self._latency: AsyncTTLCache[tuple[str, int], signals.LatencyStats] = \
             AsyncTTLCache(max_entries=10_000)
         self._load: AsyncTTLCache[str, Load] = AsyncTTLCache(max_entries=10_000)
         self._closed_until: dict[str, float] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.recorder = Recorder(redis, self._opened)
 
     @property
     def redis(self) -> Any:
@@ -103,12 +102,10 @@ class Governor:
         policies = await cache.tenant_policies(principal.tenant_id)
         adm = Admission(self, principal, spec, tokens)
         limits = policies.limits_for(key_id=principal.key_id, model=spec.name)
-        if limits:
-            await self._rate_limit(adm, limits)
+        quotas = policies.quotas_for(spec.name)
         try:
-            quotas = policies.quotas_for(spec.name)
-            if quotas:
-                await self._reserve_quota(adm, quotas)
+            if limits or quotas:
+                await self._limits_and_quotas(adm, limits, quotas)
             adm.policy = await cache.breaker_policy(spec.name)
             await self._shed(adm, adm.policy)
             await self._breaker(adm, adm.policy)
@@ -128,8 +125,11 @@ class Governor:
         stats = await self.latency(deployment, policy.window_s)
         return ratelimit.adaptive_factor(policy, stats.qps, stats.p99_ms)
 
-    async def _rate_limit(self, adm: Admission,
-                          limits: list[tuple[RateLimitPolicy, str]]) -> None:
+    async def _limits_and_quotas(self, adm: Admission,
+                                 limits: list[tuple[RateLimitPolicy, str]],
+                                 quotas: list[Quota]) -> None:
+        """The token buckets and the quota reservation in one round trip (both scripts
+        touch only the tenant's slot). A refusal by one undoes the other on release."""
         tenant = adm.principal.tenant_slug
         buckets: list[ratelimit.Bucket] = []
         try:
@@ -138,16 +138,41 @@ class Governor:
                 buckets += ratelimit.buckets_for(policy, tenant=tenant, subject=subject,
                                                  factor=factor)
             costs = [1 if b.kind == "requests" else adm.tokens for b in buckets]
-            reply = await self._buckets(keys=[b.key for b in buckets],
-                                        args=ratelimit.args_for(buckets, costs, "check"))
+            batch = ScriptBatch(self.redis)
+            if buckets:
+                batch.script(ratelimit.BUCKETS_LUA, [b.key for b in buckets],
+                             ratelimit.args_for(buckets, costs, "check"))
+            if quotas:
+                hold = settings.SLUICE_REQUEST_TIMEOUT_S + 30
+                batch.script(quota.RESERVE_LUA, quota.keys_for(tenant, quotas),
+                             quota.reserve_args(adm.id, hold, quotas, adm.tokens))
+            replies = await batch.run_async()
         except RedisError:
-            if all(policy.fail_open for policy, _ in limits):
-                logger.warning("rate limiting unavailable (Redis); admitting (fail open)")
-                adm.headers["x-ratelimit-status"] = "unavailable"
-                return
+            self._without_redis(adm, limits, quotas)
+            return
+        if quotas and replies[-1][0] == 1:
+            adm.quotas = quotas  # reserved: a refusal below releases it
+        if buckets:
+            self._check_limits(adm, buckets, costs, replies[0])
+        if quotas:
+            self._check_quota(adm, quotas, replies[-1])
+
+    @staticmethod
+    def _without_redis(adm: Admission, limits: list[tuple[RateLimitPolicy, str]],
+                       quotas: list[Quota]) -> None:
+        if not all(q.shadow for q in quotas):
+            raise Unavailable("Quota accounting is unavailable; refusing rather than "
+                              "risking overspend. Try again shortly.",
+                              code="quota_unavailable", headers={"Retry-After": "1"})
+        if not all(policy.fail_open for policy, _ in limits):
             raise Unavailable("Rate limiting is unavailable; try again shortly.",
-                              code="rate_limit_unavailable",
-                              headers={"Retry-After": "1"}) from None
+                              code="rate_limit_unavailable", headers={"Retry-After": "1"})
+        logger.warning("rate limits and quotas unavailable (Redis); admitting (fail open)")
+        adm.headers["x-ratelimit-status"] = "unavailable"
+
+    @staticmethod
+    def _check_limits(adm: Admission, buckets: list[ratelimit.Bucket], costs: list[int],
+                      reply: list[int]) -> None:
         verdict = ratelimit.verdict(buckets, reply)
         adm.headers.update(verdict.headers())
         if not verdict.allowed:
@@ -164,18 +189,8 @@ class Governor:
                          "Retry-After": str(max(1, math.ceil(verdict.wait_s)))})
         adm.token_buckets = [b for b in buckets if b.kind == "tokens"]
 
-    async def _reserve_quota(self, adm: Admission, quotas: list[Quota]) -> None:
-        hold = settings.SLUICE_REQUEST_TIMEOUT_S + 30
-        try:
-            reply = await self._reserve(
-                keys=quota.keys_for(adm.principal.tenant_slug, quotas),
-                args=quota.reserve_args(adm.id, hold, quotas, adm.tokens))
-        except RedisError:
-            if all(q.shadow for q in quotas):
-                return
-            raise Unavailable("Quota accounting is unavailable; refusing rather than "
-                              "risking overspend. Try again shortly.",
-                              code="quota_unavailable", headers={"Retry-After": "1"}) from None
+    @staticmethod
+    def _check_quota(adm: Admission, quotas: list[Quota], reply: list[Any]) -> None:
         if reply[0] == 0:
             refused = quota.refusal(quotas, reply)
             wait = (refused.resets_at - time.time()) if refused.resets_at else 1.0
@@ -187,7 +202,6 @@ class Governor:
                               if refused.resets_at else None)}}
             raise QuotaExceeded(refused.message(adm.spec.name), retry_after_s=max(1.0, wait),
                                 details=details)
-        adm.quotas = quotas
         for hit, metric in quota.shadow_hits(quotas, reply):
             logger.info("shadow quota %s would refuse (%s) for tenant %s", hit.pk, metric,
                         adm.principal.tenant_slug)
@@ -268,8 +282,9 @@ class Governor:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def settle(self, adm: Admission, final: dict[str, Any] | None, *,
-                     error: BaseException | None, charge: bool) -> None:
+    def settle(self, adm: Admission, final: dict[str, Any] | None, *,
+               error: BaseException | None, charge: bool) -> None:
+        """Queue the call's settlement (written by the recorder, off the response path)."""
         reported = (final or {}).get("usage") or {}
         prompt = int(reported.get("prompt_tokens", 0))
         completion = int(reported.get("completion_tokens", 0))
@@ -291,37 +306,37 @@ class Governor:
         tokens = prompt + completion if billable else 0
         latency_ms = (time.monotonic() - adm.started) * 1000
         tenant, name = adm.principal.tenant_slug, adm.spec.name
-        pipe = self.redis.pipeline(transaction=False)
+        rec = self.recorder
         if adm.quotas:
-            await self._settle(keys=quota.keys_for(tenant, adm.quotas),
-                               args=quota.settle_args(adm.id, adm.quotas,
-                                                      requests=int(billable), tokens=tokens),
-                               client=pipe)
+            rec.write(quota.SETTLE_LUA, quota.keys_for(tenant, adm.quotas),
+                      quota.settle_args(adm.id, adm.quotas, requests=int(billable),
+                                        tokens=tokens))
         if adm.token_buckets:
             # The estimate was debited up front: book the difference (a refund, mostly).
             costs = [tokens - adm.tokens] * len(adm.token_buckets)
-            await self._buckets(keys=[b.key for b in adm.token_buckets],
-                                args=ratelimit.args_for(adm.token_buckets, costs, "force"),
-                                client=pipe)
+            rec.write(ratelimit.BUCKETS_LUA, [b.key for b in adm.token_buckets],
+                      ratelimit.args_for(adm.token_buckets, costs, "force"))
         policy = adm.policy
-        if policy is not None and (adm.probe or outcome != breaker.Outcome.IGNORED):
-            await self._record(keys=breaker.keys(name), args=breaker.record_args(
-                adm.id if adm.probe else "", outcome, latency_ms, policy), client=pipe)
+        if policy is not None and adm.probe:
+            rec.write(breaker.RECORD_LUA, breaker.keys(name),
+                      breaker.record_args(adm.id, [(outcome, latency_ms)], policy))
+        elif policy is not None and outcome != breaker.Outcome.IGNORED:
+            rec.outcome(name, policy, outcome, latency_ms)
         if outcome != breaker.Outcome.IGNORED:
-            signals.record_latency(pipe, name, latency_ms)
+            rec.latency(name, latency_ms)
         if billable:
-            usage.count(pipe, tenant=tenant, model=name, key_prefix=adm.principal.key_prefix,
-                        prompt=prompt, completion=completion)
-        try:
-            replies = await pipe.execute()
-        except RedisError:
-            # Reservations expire on their own; the usage of this call is lost.
-            logger.warning("settling call %s failed (Redis)", adm.id, exc_info=True)
-            return
-        if policy is not None and b"open" in [r for r in replies if isinstance(r, bytes)]:
-            self._closed_until.pop(name, None)
+            rec.count_usage(tenant=tenant, model=name, key_prefix=adm.principal.key_prefix,
+                            prompt=prompt, completion=completion)
+
+    def _opened(self, deployment: str) -> None:
+        self._closed_until.pop(deployment, None)
 
     async def drain(self) -> None:
-        """Wait for pending settlements (shutdown, tests)."""
+        """Settle what is still open and write everything pending (shutdown, tests)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self.recorder.flush()
+
+    async def close(self) -> None:
+        await self.drain()
+        await self.recorder.close()

@@ -40,11 +40,16 @@ class Outcome(StrEnum):
 _PRELUDE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function reset_window()
+  redis.call('HSET', KEYS[1], 'c', 0, 'f', 0, 's', 0)
+  redis.call('DEL', KEYS[2], KEYS[3])
+end
 local function open(reason)
   redis.call('HSET', KEYS[1], 'state', 'open', 'opened_at', tostring(now), 'ok', 0,
              'reason', reason)
   redis.call('HINCRBY', KEYS[1], 'opened', 1)
-  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+  reset_window()
+  redis.call('DEL', KEYS[4])
 end
 """
 
@@ -75,63 +80,76 @@ redis.call('PEXPIRE', KEYS[4], math.ceil((ptimeout + wait) * 1000) + 60000)
 return {2, 0}
 """
 
-# KEYS: br, brw, brt, brp. ARGV: probe id ("" = not a probe), outcome (ok/fail/ignore),
-# latency ms, slow_call_ms, window kind (count/time), window size, min calls,
-# failure rate, slow-call rate, probes.
+# KEYS: br, brw, brt, brp. ARGV: probe id ("" = not probes), slow_call_ms, window kind
+# (count/time), window size, min calls, failure rate, slow-call rate, probes, then
+# outcome (ok/fail/ignore) and latency ms for each call: gateways send the outcomes of
+# many calls at once; a probe's alone. Count windows keep running totals (O(1) a call).
 # Returns the state after recording.
 RECORD_LUA = _PRELUDE + """
-local id, outcome, ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local slow_ms, kind, size = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local min_calls, fail_rate, slow_rate = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local probes = tonumber(ARGV[10])
+local id, slow_ms, kind, size = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local min_calls, fail_rate, slow_rate = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local probes = tonumber(ARGV[8])
 local state = redis.call('HGET', KEYS[1], 'state') or 'closed'
-local bad = outcome == 'fail'
-local slow = outcome ~= 'ignore' and ms >= slow_ms
 if id ~= '' then
+  local outcome, ms = ARGV[9], tonumber(ARGV[10])
   if state ~= 'half_open' or redis.call('ZREM', KEYS[4], id) == 0 then return state end
   if outcome == 'ignore' then return state end
-  if bad or slow then open(bad and 'probe failed' or 'probe slow'); return 'open' end
+  if outcome == 'fail' or ms >= slow_ms then
+    open(outcome == 'fail' and 'probe failed' or 'probe slow')
+    return 'open'
+  end
   if redis.call('HINCRBY', KEYS[1], 'ok', 1) >= probes then
     redis.call('HSET', KEYS[1], 'state', 'closed', 'ok', 0)
-    redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+    reset_window()
+    redis.call('DEL', KEYS[4])
     return 'closed'
   end
   return state
 end
-if state ~= 'closed' or outcome == 'ignore' then return state end
-local calls, fails, slows = 0, 0, 0
-local mark = (bad and 'f' or 'o') .. (slow and 's' or '-')
-if kind == 'count' then
-  redis.call('LPUSH', KEYS[2], mark)
-  redis.call('LTRIM', KEYS[2], 0, size - 1)
-  redis.call('EXPIRE', KEYS[2], 86400)
-  for _, m in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
-    calls = calls + 1
-    if string.sub(m, 1, 1) == 'f' then fails = fails + 1 end
-    if string.sub(m, 2, 2) == 's' then slows = slows + 1 end
-  end
-else
-  local sec = math.floor(now)
-  redis.call('HINCRBY', KEYS[3], 'c:' .. sec, 1)
-  if bad then redis.call('HINCRBY', KEYS[3], 'f:' .. sec, 1) end
-  if slow then redis.call('HINCRBY', KEYS[3], 's:' .. sec, 1) end
-  redis.call('EXPIRE', KEYS[3], size + 60)
-  local fields = redis.call('HGETALL', KEYS[3])
-  for i = 1, #fields, 2 do
-    local f = fields[i]
-    if tonumber(string.sub(f, 3)) <= sec - size then
-      redis.call('HDEL', KEYS[3], f)
+if state ~= 'closed' then return state end
+local sec = math.floor(now)
+for i = 9, #ARGV, 2 do
+  local outcome, ms = ARGV[i], tonumber(ARGV[i + 1])
+  if outcome ~= 'ignore' then
+    local bad, slow = outcome == 'fail', ms >= slow_ms
+    local calls, fails, slows
+    if kind == 'count' then
+      redis.call('LPUSH', KEYS[2], (bad and 'f' or 'o') .. (slow and 's' or '-'))
+      calls = redis.call('HINCRBY', KEYS[1], 'c', 1)
+      fails = redis.call('HINCRBY', KEYS[1], 'f', bad and 1 or 0)
+      slows = redis.call('HINCRBY', KEYS[1], 's', slow and 1 or 0)
+      if calls > size then
+        local old = redis.call('RPOP', KEYS[2])
+        calls = redis.call('HINCRBY', KEYS[1], 'c', -1)
+        if string.sub(old, 1, 1) == 'f' then fails = redis.call('HINCRBY', KEYS[1], 'f', -1) end
+        if string.sub(old, 2, 2) == 's' then slows = redis.call('HINCRBY', KEYS[1], 's', -1) end
+      end
     else
-      local n, p = tonumber(fields[i + 1]), string.sub(f, 1, 1)
-      if p == 'c' then calls = calls + n elseif p == 'f' then fails = fails + n
-      else slows = slows + n end
+      redis.call('HINCRBY', KEYS[3], 'c:' .. sec, 1)
+      if bad then redis.call('HINCRBY', KEYS[3], 'f:' .. sec, 1) end
+      if slow then redis.call('HINCRBY', KEYS[3], 's:' .. sec, 1) end
+      calls, fails, slows = 0, 0, 0
+      local fields = redis.call('HGETALL', KEYS[3])
+      for j = 1, #fields, 2 do
+        local f = fields[j]
+        if tonumber(string.sub(f, 3)) <= sec - size then
+          redis.call('HDEL', KEYS[3], f)
+        else
+          local n, p = tonumber(fields[j + 1]), string.sub(f, 1, 1)
+          if p == 'c' then calls = calls + n elseif p == 'f' then fails = fails + n
+          else slows = slows + n end
+        end
+      end
+    end
+    if calls >= min_calls then
+      if fails / calls >= fail_rate then open('failure rate'); return 'open' end
+      if slows / calls >= slow_rate then open('slow-call rate'); return 'open' end
     end
   end
 end
-if calls >= min_calls then
-  if fails / calls >= fail_rate then open('failure rate'); return 'open' end
-  if slows / calls >= slow_rate then open('slow-call rate'); return 'open' end
-end
+redis.call('EXPIRE', KEYS[1], 86400 * 7)
+redis.call('EXPIRE', KEYS[2], 86400)
+redis.call('EXPIRE', KEYS[3], size + 60)
 return 'closed'
 """
 
@@ -140,15 +158,10 @@ return 'closed'
 PEEK_LUA = """
 local t = redis.call('TIME')
 local sec = tonumber(t[1])
-local s = redis.call('HMGET', KEYS[1], 'state', 'opened_at', 'reason', 'opened')
-local calls, fails, slows = 0, 0, 0
-if ARGV[1] == 'count' then
-  for _, m in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
-    calls = calls + 1
-    if string.sub(m, 1, 1) == 'f' then fails = fails + 1 end
-    if string.sub(m, 2, 2) == 's' then slows = slows + 1 end
-  end
-else
+local s = redis.call('HMGET', KEYS[1], 'state', 'opened_at', 'reason', 'opened', 'c', 'f', 's')
+local calls, fails, slows = tonumber(s[5] or '0'), tonumber(s[6] or '0'), tonumber(s[7] or '0')
+if ARGV[1] ~= 'count' then
+  calls, fails, slows = 0, 0, 0
   local fields = redis.call('HGETALL', KEYS[3])
   for i = 1, #fields, 2 do
     local f = fields[i]
@@ -172,11 +185,15 @@ def admit_args(probe_id: str, policy: BreakerPolicy) -> list[Any]:
             repr(policy.probe_timeout_s)]
 
 
-def record_args(probe_id: str, outcome: Outcome, latency_ms: float,
+def record_args(probe_id: str, calls: list[tuple[Outcome, float]],
                 policy: BreakerPolicy) -> list[Any]:
-    return [probe_id, outcome.value, repr(float(latency_ms)), policy.slow_call_ms,
-            policy.window_kind, policy.window_size, policy.min_calls,
-            repr(policy.failure_rate), repr(policy.slow_call_rate), policy.half_open_probes]
+    """ARGV for RECORD_LUA: a probe's one call, or a batch of ordinary calls."""
+    args: list[Any] = [probe_id, policy.slow_call_ms, policy.window_kind, policy.window_size,
+                       policy.min_calls, repr(policy.failure_rate),
+                       repr(policy.slow_call_rate), policy.half_open_probes]
+    for outcome, latency_ms in calls:
+        args += [outcome.value, repr(float(latency_ms))]
+    return args
 
 
 def peek_args(policy: BreakerPolicy) -> list[Any]:

@@ -9,7 +9,7 @@ other's reservations and cannot overshoot a limit.
 
 Per quota, three keys under the tenant's hash tag:
     sluice:{t}:qt:<id>:u   usage: fields r:<slot> and t:<slot> (requests and tokens)
-    sluice:{t}:qt:<id>:r   open reservations: rid -> reserved tokens
+    sluice:{t}:qt:<id>:r   open reservations: rid -> reserved tokens; #n, #t their totals
     sluice:{t}:qt:<id>:x   reservation expiries: rid scored by its deadline
 Calendar windows use one slot per period (UTC minute, day or month); rolling windows
 sixty slots of a sixtieth of the period, so "the last day" moves in 24-minute steps.
@@ -81,14 +81,22 @@ local function used(key, first)
   end
   return r, tk
 end
+-- drop one open reservation; the running totals (#n, #t) follow
+local function unhold(rkey, rid)
+  local v = redis.call('HGET', rkey, rid)
+  if v then
+    redis.call('HDEL', rkey, rid)
+    redis.call('HINCRBY', rkey, '#n', -1)
+    redis.call('HINCRBY', rkey, '#t', 0 - tonumber(v))
+  end
+end
 -- -> open reservations (count, tokens), after dropping expired ones
 local function held(rkey, xkey)
   local dead = redis.call('ZRANGEBYSCORE', xkey, '-inf', now)
-  for _, rid in ipairs(dead) do redis.call('HDEL', rkey, rid) end
+  for _, rid in ipairs(dead) do unhold(rkey, rid) end
   if #dead > 0 then redis.call('ZREMRANGEBYSCORE', xkey, '-inf', now) end
-  local n, tk = 0, 0
-  for _, v in ipairs(redis.call('HVALS', rkey)) do n = n + 1; tk = tk + tonumber(v) end
-  return n, tk
+  local h = redis.call('HMGET', rkey, '#n', '#t')
+  return tonumber(h[1] or '0'), tonumber(h[2] or '0')
 end
 """
 
@@ -120,7 +128,10 @@ for q = 0, #KEYS / 3 - 1 do
 end
 for q = 0, #KEYS / 3 - 1 do
   local want = ARGV[4 + q * 7 + 6]
-  redis.call('HSET', KEYS[3 * q + 2], rid, want)
+  if redis.call('HSETNX', KEYS[3 * q + 2], rid, want) == 1 then
+    redis.call('HINCRBY', KEYS[3 * q + 2], '#n', 1)
+    redis.call('HINCRBY', KEYS[3 * q + 2], '#t', want)
+  end
   redis.call('ZADD', KEYS[3 * q + 3], now + hold, rid)
   redis.call('EXPIRE', KEYS[3 * q + 2], math.ceil(hold) + 60)
   redis.call('EXPIRE', KEYS[3 * q + 3], math.ceil(hold) + 60)
@@ -134,7 +145,7 @@ SETTLE_LUA = _PRELUDE + """
 local rid, req, tok = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 for q = 0, #KEYS / 3 - 1 do
   local len, rolling = tonumber(ARGV[5 + q * 2]), tonumber(ARGV[6 + q * 2])
-  redis.call('HDEL', KEYS[3 * q + 2], rid)
+  unhold(KEYS[3 * q + 2], rid)
   redis.call('ZREM', KEYS[3 * q + 3], rid)
   if req > 0 or tok > 0 then
     local slot = window(len, rolling)

@@ -1,7 +1,8 @@
 """What gateways measure about a deployment, for the adaptive rate limits.
 
-Every finished call adds its latency to a log-bucketed histogram (10% wide buckets from
-1 ms) in a Redis hash per five-second slot, in the deployment's slot:
+Finished calls add their latencies (summed per gateway, see recorder.py) to a
+log-bucketed histogram (10% wide buckets from 1 ms) in a Redis hash per five-second slot,
+in the deployment's slot:
 `sluice:q:{<dep>}:lat:<slot>` field b<bucket> -> count. Reading a window merges its
 complete slots: QPS is the calls per second and P99 the upper edge of the bucket that
 holds the 99th percentile (so it errs high by at most 10%). Slots expire after an hour.
@@ -36,10 +37,11 @@ def latency_key(deployment: str, slot: int) -> str:
     return deployment_key(deployment, f"lat:{slot}")
 
 
-def record_latency(pipe: Any, deployment: str, ms: float) -> None:
-    """Queue the commands that count one call's latency on a pipeline."""
+def record_latencies(pipe: Any, deployment: str, histogram: dict[int, int]) -> None:
+    """Queue the commands that add a histogram of calls' latencies on a pipeline."""
     key = latency_key(deployment, int(time.time()) // SLOT_S)
-    pipe.hincrby(key, f"b{bucket_of(ms)}", 1)
+    for bucket, count in histogram.items():
+        pipe.hincrby(key, f"b{bucket}", count)
     pipe.expire(key, _KEEP_S)
 
 

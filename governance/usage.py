@@ -30,12 +30,12 @@ def usage_index_key(day: str) -> str:
     return f"sluice:usage:tenants:{day}"
 
 
-def count(pipe: Any, *, tenant: str, model: str, key_prefix: str, prompt: int,
-          completion: int) -> None:
-    """Queue the commands that count one call on a pipeline."""
+def count(pipe: Any, *, tenant: str, model: str, key_prefix: str, requests: int,
+          prompt: int, completion: int) -> None:
+    """Queue the commands that add calls' usage on a pipeline."""
     day = datetime.now(UTC).date().isoformat()
     key, field = usage_key(tenant, day), f"{model}|{key_prefix}|"
-    pipe.hincrby(key, field + "r", 1)
+    pipe.hincrby(key, field + "r", requests)
     pipe.hincrby(key, field + "p", prompt)
     pipe.hincrby(key, field + "c", completion)
     pipe.expire(key, USAGE_TTL_S)

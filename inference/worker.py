@@ -48,6 +48,7 @@ from inference.runtimes.base import (
 )
 from inference.scheduler import pick
 from inference.spec import DeploymentSpec
+from sluice.redis import ScriptBatch
 
 if TYPE_CHECKING:
     from inference.tools import ToolCallConstraint
@@ -129,7 +130,6 @@ class Worker:
         self._eos = self.runtime.eos_token_ids if isinstance(self.runtime, ChatRuntime) \
             else frozenset()
         self._vocab: Any = None  # a VocabIndex, built on the first tool call
-        self._ack = self.redis.register_script(q.ACK_LUA)
         self._cleanup = self.redis.register_script(q.CLEANUP_LUA)
         self.backlog: list[Pending] = []
         self.active: dict[str, Active] = {}
@@ -629,7 +629,8 @@ class Worker:
             for req, _ in finals:
                 pipe.set(q.done_key(req.tenant, req.rid), self.id, nx=True, ex=q.OUT_TTL_S)
             owned = {req.rid for (req, _), won in zip(finals, pipe.execute(), strict=True) if won}
-        pipe = self.redis.pipeline(transaction=False)
+        batch = ScriptBatch(self.redis)
+        pipe = batch.pipe
         # Events first, acks after: a crash in between leaves the entry pending, and the
         # next delivery resumes from (or just acknowledges) what was written.
         by_gateway: dict[str, list[str]] = {}
@@ -648,10 +649,10 @@ class Worker:
             pipe.xadd(q.gateway_key(gateway), {"b": "[" + ",".join(items) + "]"},
                       maxlen=q.GATEWAY_STREAM_MAXLEN, approximate=True)
         for pending in acks:
-            self._ack(keys=q.queue_keys(self.spec.name, pending.stream),
-                      args=[pending.req.tenant, pending.stream, pending.msg_id], client=pipe)
+            batch.script(q.ACK_LUA, q.queue_keys(self.spec.name, pending.stream),
+                         [pending.req.tenant, pending.stream, pending.msg_id])
             pipe.srem(q.cancel_key(self.spec.name), pending.req.rid)
-        pipe.execute()
+        batch.run()
 
     def _heartbeat(self) -> None:
         guard = {_s(k): _s(v) for k, v in self.redis.hgetall(q.guard_key(self.spec.name)).items()}

@@ -185,7 +185,7 @@ class Gateway:
 
     async def close(self) -> None:
         if self._governor is not None:
-            await self._governor.drain()
+            await self._governor.close()
             self._governor = None
         if self._client is not None:
             await self._client.close()

@@ -34,7 +34,7 @@ def admit(rds: redis.Redis, p: BreakerPolicy, probe_id: str = "x") -> int:
 def record(rds: redis.Redis, p: BreakerPolicy, outcome: Outcome, ms: float = 10,
            probe_id: str = "") -> str:
     state = rds.eval(breaker.RECORD_LUA, 4, *breaker.keys(DEP),
-                     *breaker.record_args(probe_id, outcome, ms, p))
+                     *breaker.record_args(probe_id, [(outcome, ms)], p))
     return state.decode()
 
 
@@ -108,6 +108,24 @@ def test_time_window(rds: redis.Redis) -> None:
     assert record(rds, p, Outcome.SUCCESS) == "closed"
     assert snap(rds, p).calls == 1
     assert record(rds, p, Outcome.FAILURE) == "open"
+
+
+def test_a_batch_of_outcomes_opens_mid_batch_and_the_count_window_slides(
+        rds: redis.Redis) -> None:
+    p = policy(window_size=4, min_calls=4)
+    batch = [(Outcome.SUCCESS, 1.0)] * 6 + [(Outcome.FAILURE, 1.0)] * 2
+    state = rds.eval(breaker.RECORD_LUA, 4, *breaker.keys(DEP),
+                     *breaker.record_args("", batch, p))
+    assert state == b"open"  # the last four calls: 2 of 4 failed
+    rds.delete(*breaker.keys(DEP))
+    p = policy(window_size=4, min_calls=4, failure_rate=0.75)
+    for outcome in [Outcome.FAILURE] * 2 + [Outcome.SUCCESS] * 3:
+        assert record(rds, p, outcome) == "closed"
+    s = snap(rds, p)
+    assert (s.calls, s.failures) == (4, 1)  # the first failure left the window
+    assert record(rds, p, Outcome.FAILURE) == "closed"  # S S S F: the old F slid out
+    assert record(rds, p, Outcome.FAILURE) == "closed"  # S S F F
+    assert record(rds, p, Outcome.FAILURE) == "open"  # S F F F: 3 of 4
 
 
 def test_results_of_calls_admitted_before_opening_are_ignored(rds: redis.Redis) -> None:

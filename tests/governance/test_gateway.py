@@ -151,9 +151,10 @@ def test_two_gateway_processes_share_one_exact_limit(live: Live, org: Org,
     admitted = codes.count(200)
     assert set(codes) <= {200, 429}
     assert 10 <= admitted <= 10 + int(100 * elapsed / 60) + 1, (admitted, elapsed)
-    # both processes admitted and refused some: the bucket really is shared
+    # Both processes consulted the bucket (and refused): with a bucket each they would
+    # have admitted a burst each, over the bound above.
     for gateway in (responses[0::2], responses[1::2]):
-        assert {r.status_code for r in gateway} == {200, 429}
+        assert 429 in {r.status_code for r in gateway}
     assert all(r.headers.get("x-ratelimit-limit-requests") == "100" for r in responses)
     print(f"two gateways: {admitted} of 300 admitted in {elapsed:.2f} s")
 
@@ -284,7 +285,7 @@ def test_open_breaker_refuses_then_a_probe_closes_it(live: Live, org: Org) -> No
     policy = _breaker("echo", min_calls=1, window_size=1, open_wait_s=0.5, half_open_probes=1)
     r = redis.Redis.from_url(settings.REDIS_URL)
     r.eval(breaker.RECORD_LUA, 4, *breaker.keys("echo"),
-           *breaker.record_args("", Outcome.FAILURE, 10, policy))
+           *breaker.record_args("", [(Outcome.FAILURE, 10)], policy))
     time.sleep(0.25)  # gateways re-ask a breaker they saw closed after 0.2 s
     client = sdk(live, org.keys[Role.DEVELOPER])
     with pytest.raises(openai.APIStatusError) as caught:
@@ -293,7 +294,7 @@ def test_open_breaker_refuses_then_a_probe_closes_it(live: Live, org: Org) -> No
     assert caught.value.response.headers["retry-after"] == "1"
     time.sleep(0.5)
     client.chat.completions.create(**chat_body())  # the probe, and it succeeds
-    assert live_state.breaker_state(policy)["state"] == "closed"
+    assert wait_for(lambda: live_state.breaker_state(policy)["state"] == "closed")
     client.chat.completions.create(**chat_body())
 
 
@@ -355,6 +356,7 @@ def test_usage_is_counted_and_rolled_up_idempotently(live: Live, org: Org) -> No
     for text in ("one", "three"):
         client.chat.completions.create(**chat_body(text))
     client.embeddings.create(model="minilm", input=["a b c"])
+    time.sleep(0.5)  # the gateway writes usage counters every 0.1 s
     assert usage.rollup() >= 2
     assert usage.rollup() >= 2  # again: the same totals, not doubled
     rows = {r.model: r for r in UsageRecord.objects.filter(tenant=org.tenant)}

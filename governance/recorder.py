@@ -1,0 +1,137 @@
+"""Everything a finished call reports, written to Redis off the response path.
+
+Per-call work (a quota settlement, a token-bucket correction, a probe's verdict) is
+queued and written by one flusher task per gateway process, in one pipeline with
+whatever else is pending ("group commit": under load, hundreds of calls share a round
+trip; idle, a call's settlement is written within a round trip of its end). Counters
+that only need totals are summed in-process and written at most every FLUSH_S: usage
+for billing, the latency histograms of the adaptive limits, and the outcomes that feed
+the breakers (one script call per deployment per flush, so a breaker reacts within
+FLUSH_S).
+
+A gateway that crashes loses at most FLUSH_S of these counters; its open reservations
+expire at their deadline. Redis failing a flush loses that flush (logged), never a call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from governance import breaker, signals, usage
+from governance.models import BreakerPolicy
+from sluice.redis import ScriptBatch
+
+logger = logging.getLogger("sluice.governance")
+FLUSH_S = 0.1
+
+# A queued per-call write: (Lua source, keys, args).
+Write = tuple[str, list[str], list[Any]]
+
+
+@dataclass
+class _Pending:
+    writes: list[Write] = field(default_factory=list)
+    usage: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
+    latency: dict[str, dict[int, int]] = field(default_factory=dict)
+    outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
+        default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.writes or self.usage or self.latency or self.outcomes)
+
+
+class Recorder:
+    def __init__(self, redis: Any, on_open: Callable[[str], None]) -> None:
+        self.redis = redis
+        self._on_open = on_open
+        self._pending = _Pending()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- what calls report -------------------------------------------------------------
+    def write(self, script: str, keys: list[str], args: list[Any]) -> None:
+        self._pending.writes.append((script, keys, args))
+        self._ensure_running()
+        self._wake.set()
+
+    def count_usage(self, *, tenant: str, model: str, key_prefix: str, prompt: int,
+                    completion: int) -> None:
+        row = self._pending.usage.setdefault((tenant, model, key_prefix), [0, 0, 0])
+        row[0] += 1
+        row[1] += prompt
+        row[2] += completion
+        self._ensure_running()
+
+    def latency(self, deployment: str, ms: float) -> None:
+        histogram = self._pending.latency.setdefault(deployment, {})
+        bucket = signals.bucket_of(ms)
+        histogram[bucket] = histogram.get(bucket, 0) + 1
+        self._ensure_running()
+
+    def outcome(self, deployment: str, policy: BreakerPolicy, outcome: breaker.Outcome,
+                ms: float) -> None:
+        _, calls = self._pending.outcomes.setdefault(deployment, (policy, []))
+        calls.append((outcome, ms))
+        self._ensure_running()
+
+    # -- flushing ----------------------------------------------------------------------
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="sluice-governance-recorder")
+
+    async def _run(self) -> None:
+        while not self._closing:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FLUSH_S):
+                    await self._wake.wait()
+            self._wake.clear()
+            if not self._pending.writes:
+                # Counters only: let them gather for the rest of the interval.
+                await asyncio.sleep(FLUSH_S)
+            await self.flush()
+
+    async def flush(self) -> None:
+        pending, self._pending = self._pending, _Pending()
+        if not pending:
+            return
+        batch = ScriptBatch(self.redis)
+        pipe = batch.pipe
+        for script, keys, args in pending.writes:
+            batch.script(script, keys, args)
+        for (tenant, model, prefix), (requests, prompt, completion) in pending.usage.items():
+            usage.count(pipe, tenant=tenant, model=model, key_prefix=prefix,
+                        requests=requests, prompt=prompt, completion=completion)
+        for deployment, histogram in pending.latency.items():
+            signals.record_latencies(pipe, deployment, histogram)
+        names = list(pending.outcomes)
+        for name in names:
+            policy, calls = pending.outcomes[name]
+            batch.script(breaker.RECORD_LUA, breaker.keys(name),
+                         breaker.record_args("", calls, policy))
+        try:
+            replies = await batch.run_async()
+        except RedisError:
+            logger.warning("governance flush failed (Redis): %d settlements and the "
+                           "counters of %.1f s lost", len(pending.writes), FLUSH_S,
+                           exc_info=True)
+            return
+        for name, reply in zip(names, replies[len(replies) - len(names):], strict=True):
+            if reply == b"open":
+                self._on_open(name)
+
+    async def close(self) -> None:
+        """Write everything pending, then stop."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError, RedisError):
+                await self._task
+        await self.flush()
