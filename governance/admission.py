@@ -337,6 +337,11 @@ class Governor:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         await self.recorder.flush()
 
-    async def close(self) -> None:
-        await self.drain()
+    async def close(self, *, grace_s: float = 2.0) -> None:
+        """Shutdown: give calls that are ending `grace_s` to settle, then write what is
+        pending. Calls still running keep their reservations until those expire."""
+        if self._background:
+            _, late = await asyncio.wait(list(self._background), timeout=grace_s)
+            for task in late:
+                task.cancel()
         await self.recorder.close()

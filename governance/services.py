@@ -145,6 +145,12 @@ def breaker_update(*, actor: Principal, deployment: str, **fields: Any) -> Break
     return policy
 
 
+def publish_guards() -> None:
+    """Every deployment's thresholds to Redis (the run command, after a Redis restart)."""
+    for policy in BreakerPolicy.objects.select_related("deployment"):
+        publish_guard(policy)
+
+
 def publish_guard(policy: BreakerPolicy) -> None:
     """Hand the memory guard's thresholds to the deployment's workers."""
     sync_redis().hset(guard_key(policy.deployment.name), mapping={

@@ -32,7 +32,27 @@ async def http(scope: Any, receive: Any, send: Any) -> None:
         await django_http(scope, receive, send)
 
 
-application = ProtocolTypeRouter({
+protocols = ProtocolTypeRouter({
     "http": http,
     "websocket": AllowedHostsOriginValidator(URLRouter(websocket_urlpatterns)),
 })
+
+
+async def lifespan(receive: Any, send: Any) -> None:
+    """ASGI lifespan: on shutdown, settle open calls and write the governance counters
+    still held in this process (see governance/recorder.py)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await lean.gateway.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def application(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        await lifespan(receive, send)
+    else:
+        await protocols(scope, receive, send)

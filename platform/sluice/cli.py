@@ -66,18 +66,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         from django.core.management import call_command
 
         django.setup()
+        from django.conf import settings
+
+        from governance.services import publish_guards
         from inference.services import deployment_seed_defaults
         from tenants.services import demo_seed
 
         call_command("migrate", interactive=False, verbosity=0)
         creds = demo_seed()
         deployments = [d for d in deployment_seed_defaults() if d.enabled]
+        publish_guards()  # workers read the memory guard's thresholds from Redis
 
         group.env = dict(os.environ)
         group.start("http", [
             sys.executable, "-m", "uvicorn", "sluice.asgi:application",
             "--host", args.host, "--port", str(args.port), "--workers", str(args.workers),
-            "--no-access-log", "--lifespan", "off", "--timeout-graceful-shutdown", "5",
+            "--no-access-log", "--lifespan", "on", "--timeout-graceful-shutdown", "5",
+        ])
+        # Celery: the periodic jobs (usage rollup) and, later, batch and export jobs.
+        group.start("celery", [
+            sys.executable, "-m", "celery", "-A", "sluice.celery", "worker", "--beat",
+            "--pool", "solo", "--loglevel", "WARNING",
+            "--schedule", str(Path(settings.STATE_DIR) / "celerybeat-schedule"),
         ])
         for deployment in deployments:
             group.start(f"worker:{deployment.name}", [
@@ -121,6 +131,7 @@ Sluice is running.
   Redis                       {redis_url}{redis_note}
   Model workers               {", ".join(models) or "none"} (the first start converts
                               the chat model's shipped weights once: ~30 s)
+  Celery                      worker + beat (usage rollup every minute)
 
   Login     {user} / {password}   (tenant {tenant}, platform admin)
   API key   {key}   (developer)
