@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import redis
+from django.conf import settings
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -130,7 +131,7 @@ class BucketMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.rds = redis.Redis.from_url(_URL)
+        self.rds = redis.Redis.from_url(settings.REDIS_URL)
         self.now = 1_000_000.0
         self.buckets = [per_min(f"m{id(self)}a", 120, 5), per_min(f"m{id(self)}b", 30, 3)]
         self.levels = [5.0, 3.0]
@@ -171,14 +172,7 @@ class BucketMachine(RuleBasedStateMachine):
             assert lv <= b.capacity
 
 
-_URL = ""
-
-
-@pytest.mark.django_db
 def test_bucket_state_machine(rds: redis.Redis) -> None:
-    global _URL
-    kw = rds.connection_pool.connection_kwargs
-    _URL = f"redis://{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
     BucketMachine.TestCase.settings = hsettings(max_examples=60, stateful_step_count=40,
                                                 deadline=None)
     BucketMachine.TestCase().runTest()
