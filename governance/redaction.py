@@ -1,0 +1,410 @@
+"""Personal data and secrets out of everything Sluice stores or emits.
+
+`redact(text)` replaces what its recognizers find with typed placeholders: `[SSN]`,
+`[IBAN]`, `[CARD]`, `[EMAIL]`, `[PHONE]`, `[IP]`, `[JWT]`, `[API_KEY]`, `Bearer [TOKEN]`,
+and `[<LABEL>]` for a tenant's own patterns. It is idempotent (no placeholder matches a
+recognizer) and linear in the input: every pattern is anchored on the boundary of its own
+character class (a lookbehind), so each run of characters is tried from its start once,
+and every repetition is bounded or possessive, so no attempt backtracks beyond a constant.
+Candidates are then validated in Python on bounded spans:
+
+- US SSN: AAA-GG-SSSS (or spaces). Valid: area not 000, 666 or 9xx; group not 00; serial
+  not 0000. Invalid ones (and bare nine-digit runs) are redacted only when labelled
+  ("SSN", "social security number", "SS#") just before them.
+- IBAN: country code, the country's exact length, mod-97 check; spaces allowed.
+- Payment cards: 13-19 digits, optionally in space- or dash-separated groups, Luhn, and a
+  known issuer prefix (Visa, Mastercard, Amex, Discover, JCB, Diners, UnionPay, Maestro).
+- Phone numbers: E.164 (+...) of any country, and national formats of the configured
+  regions (SLUICE_PHONE_REGIONS, default US,GB: regions with variable-length numbering
+  such as DE make almost any digit run "valid"), validated by `phonenumbers`.
+- Emails, IPv4 (octets <= 255) and IPv6 (`ipaddress`), JWTs (eyJ...eyJ...), API keys
+  (sk-/pk-/rk- keys incl. Sluice's, AWS access keys, GitHub and Slack tokens) and bearer
+  tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ipaddress
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+from re import _constants as sre_constants  # type: ignore[attr-defined]
+from re import _parser as sre_parse  # type: ignore[attr-defined]
+from typing import Any
+
+import phonenumbers
+from django.conf import settings
+
+
+@dataclass(frozen=True)
+class Span:
+    start: int
+    end: int
+    label: str
+    keep_prefix: int = 0  # characters at the start that stay (e.g. "Bearer ")
+
+
+# -- validators ----------------------------------------------------------------------
+def luhn(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = ord(ch) - 48
+        if i % 2:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+def card_issuer(digits: str) -> str | None:
+    n, two, three, four = len(digits), int(digits[:2]), int(digits[:3]), int(digits[:4])
+    six = int(digits[:6])
+    if digits[0] == "4" and n in (13, 16, 19):
+        return "visa"
+    if (51 <= two <= 55 or 222100 <= six <= 272099) and n == 16:
+        return "mastercard"
+    if two in (34, 37) and n == 15:
+        return "amex"
+    if (four == 6011 or two == 65 or 644 <= three <= 649) and n in (16, 19):
+        return "discover"
+    if 3528 <= four <= 3589 and 16 <= n <= 19:
+        return "jcb"
+    if (two in (36, 38, 39) or 300 <= three <= 305) and 14 <= n <= 19:
+        return "diners"
+    if two == 62 and 16 <= n <= 19:
+        return "unionpay"
+    if (two == 50 or 56 <= two <= 69) and 12 <= n <= 19:
+        return "maestro"
+    return None
+
+
+# Lengths by country (SWIFT IBAN registry).
+IBAN_LENGTHS = {
+    "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22,
+    "BH": 22, "BR": 29, "BY": 28, "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22,
+    "DK": 18, "DO": 28, "EE": 20, "EG": 29, "ES": 24, "FI": 18, "FO": 18, "FR": 27,
+    "GB": 22, "GE": 22, "GI": 23, "GL": 18, "GR": 27, "GT": 28, "HR": 21, "HU": 28,
+    "IE": 22, "IL": 23, "IQ": 23, "IS": 26, "IT": 27, "JO": 30, "KW": 30, "KZ": 20,
+    "LB": 28, "LC": 32, "LI": 21, "LT": 20, "LU": 20, "LV": 21, "MC": 27, "MD": 24,
+    "ME": 22, "MK": 19, "MR": 27, "MT": 31, "MU": 30, "NL": 18, "NO": 15, "PK": 24,
+    "PL": 28, "PS": 29, "PT": 25, "QA": 29, "RO": 24, "RS": 22, "SA": 24, "SC": 31,
+    "SE": 24, "SI": 19, "SK": 24, "SM": 27, "ST": 25, "SV": 28, "TL": 23, "TN": 24,
+    "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
+}
+
+
+def iban_valid(iban: str) -> bool:
+    iban = iban.upper()
+    if IBAN_LENGTHS.get(iban[:2]) != len(iban) or not iban[2:4].isdigit():
+        return False
+    moved = iban[4:] + iban[:4]
+    number = "".join(str(int(ch, 36)) for ch in moved)
+    return int(number) % 97 == 1
+
+
+def ssn_valid(area: str, group: str, serial: str) -> bool:
+    return (area != "000" and area != "666" and area[0] != "9" and group != "00"
+            and serial != "0000")
+
+
+# -- recognizers ---------------------------------------------------------------------
+_SSN = re.compile(r"(?<![\w-])(\d{3})([- ]?)(\d{2})\2(\d{4})(?![\w-])")
+_SSN_LABEL = re.compile(r"(?i)(?:\bssn|\bsocial\s{1,3}security(?:\s{1,3}(?:number|no\.?))?"
+                        r"|\bss\s?#)\s{0,3}(?:is|:|=|#)?\s{0,3}$")
+_CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){11,18}(?!\d)")
+_IBAN = re.compile(r"(?<![A-Za-z0-9])[A-Za-z]{2}\d{2}(?: ?[A-Za-z0-9]){11,30}+")
+_EMAIL = re.compile(r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}+@"
+                    r"[A-Za-z0-9-]{1,63}+(?:\.[A-Za-z0-9-]{1,63}+){1,8}+")
+_IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?!\d)(?!\.\d)")
+_IPV6 = re.compile(r"(?<![0-9A-Fa-f:.])[0-9A-Fa-f:.]{2,45}+")
+_PHONE = re.compile(r"(?<![\w+])(?:\+|\(\d|\d)[\d ().-]{5,22}+")
+_JWT = re.compile(r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]++\.eyJ[A-Za-z0-9_-]++"
+                  r"\.[A-Za-z0-9_-]*+")
+_API_KEY = re.compile(
+    r"(?<![A-Za-z0-9_-])(?:(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}+"
+    r"|AKIA[0-9A-Z]{16}(?![0-9A-Z])"
+    r"|gh[pousr]_[A-Za-z0-9]{30,}+"
+    r"|xox[abprs]-[A-Za-z0-9-]{10,}+)")
+_BEARER = re.compile(r"(?i)(?<![A-Za-z0-9])(bearer\s{1,8}+)[A-Za-z0-9._~+/=-]{8,}+")
+
+
+Free = Callable[[Span], bool]  # does a span overlap none already claimed?
+
+
+def _scan(pattern: re.Pattern[str], text: str, free: Free,
+          check: Callable[[re.Match[str]], Span | None]) -> Iterable[Span]:
+    """Candidates of `pattern`, validated by `check`. A rejected candidate does not hide
+    what starts inside it ("1234 4111 1111 1111 1111" holds a card after a number):
+    the search resumes one character on, where the lookbehinds let only the starts of
+    runs through, so the work stays linear. A span that overlaps text another
+    recognizer claimed counts as rejected."""
+    pos, end = 0, len(text)
+    while pos < end:
+        m = pattern.search(text, pos)
+        if m is None:
+            return
+        span = check(m)
+        if span is not None and free(span):
+            yield span
+            pos = max(span.end, m.start() + 1)
+        else:
+            pos = m.start() + 1
+
+
+def _ssn(text: str, free: Free) -> Iterable[Span]:
+    def check(m: re.Match[str]) -> Span | None:
+        area, sep, group, serial = m.groups()
+        if sep and ssn_valid(area, group, serial):
+            return Span(m.start(), m.end(), "SSN")
+        if _SSN_LABEL.search(text, max(0, m.start() - 40), m.start()):
+            return Span(m.start(), m.end(), "SSN")
+        return None
+    return _scan(_SSN, text, free, check)
+
+
+def _cards(text: str, free: Free) -> Iterable[Span]:
+    def check(m: re.Match[str]) -> Span | None:
+        raw = m.group()
+        if raw[0] not in "23456":
+            return None  # no issuer starts otherwise
+        # The longest valid card that starts here and ends at a group's end, written
+        # with one kind of separator ("4111-1111 1111 1111" is not one number).
+        ends = [i + 1 for i, ch in enumerate(raw)
+                if ch.isdigit() and (i + 1 == len(raw) or not raw[i + 1].isdigit())]
+        digits = raw.replace(" ", "").replace("-", "")
+        for end in reversed(ends):
+            head = raw[:end]
+            spaces, dashes = head.count(" "), head.count("-")
+            n = end - spaces - dashes
+            if 12 <= n <= 19 and not (spaces and dashes) and card_issuer(digits[:n]) \
+                    and luhn(digits[:n]) and free(span := Span(m.start(), m.start() + end,
+                                                               "CARD")):
+                return span
+        return None
+    return _scan(_CARD, text, free, check)
+
+
+def _ibans(text: str, free: Free) -> Iterable[Span]:
+    def check(m: re.Match[str]) -> Span | None:
+        raw = m.group()
+        want = IBAN_LENGTHS.get(raw[:2].upper())
+        if want is None:
+            return None
+        count = 0
+        for i, ch in enumerate(raw):
+            if ch != " ":
+                count += 1
+            if count == want:
+                after = raw[i + 1:i + 2]
+                if iban_valid(raw[:i + 1].replace(" ", "")) and not after.isalnum():
+                    return Span(m.start(), m.start() + i + 1, "IBAN")
+                return None
+        return None
+    return _scan(_IBAN, text, free, check)
+
+
+def _emails(text: str, free: Free) -> Iterable[Span]:
+    def check(m: re.Match[str]) -> Span | None:
+        raw = m.group().rstrip(".-")
+        local, _, domain = raw.partition("@")
+        tld = domain.rsplit(".", 1)[-1]
+        if local.strip(".") and tld.isalpha() and len(tld) >= 2:
+            return Span(m.start(), m.start() + len(raw), "EMAIL")
+        return None
+    return _scan(_EMAIL, text, free, check)
+
+
+def _ipv4(m: re.Match[str]) -> Span | None:
+    if all(int(part) <= 255 for part in m.group().split(".")):
+        return Span(m.start(), m.end(), "IP")
+    return None
+
+
+def _ipv6(m: re.Match[str]) -> Span | None:
+    raw = m.group()
+    raw = raw if raw.endswith("::") else raw.rstrip(".:")
+    if raw.count(":") < 2:
+        return None
+    try:
+        ipaddress.IPv6Address(raw)
+    except ValueError:
+        return None
+    return Span(m.start(), m.start() + len(raw), "IP")
+
+
+def _ips(text: str, free: Free) -> Iterable[Span]:
+    yield from _scan(_IPV6, text, free, _ipv6)  # first: "::ffff:192.0.2.1" is one address
+    yield from _scan(_IPV4, text, free, _ipv4)
+
+
+@lru_cache(maxsize=1)
+def _regions() -> tuple[str, ...]:
+    raw = getattr(settings, "SLUICE_PHONE_REGIONS", ["US", "GB"])
+    return tuple(r.upper() for r in raw)
+
+
+_US_SHAPES = ([3, 3, 4], [10], [1, 3, 3, 4], [11])
+
+
+def _phone_regions(raw: str, sizes: list[int]) -> tuple[str | None, ...]:
+    """The regions to validate a candidate in, from its shape: E.164 anywhere; national
+    US numbers as 3-3-4 (or ten digits, or with a leading 1); other regions' national
+    numbers start with their trunk prefix 0. Anything else is not a phone number."""
+    digits = sum(sizes)
+    if raw.startswith("+"):
+        return (None,) if 7 <= digits <= 15 else ()
+    out: list[str | None] = []
+    for region in _regions():
+        if region == "US":
+            if sizes in _US_SHAPES and (sizes[0] != 11 or raw.startswith("1")):
+                out.append(region)
+        elif raw.lstrip("(").startswith("0") and 9 <= digits <= 12 and min(sizes) >= 2:
+            out.append(region)
+    return tuple(out)
+
+
+def _phones(text: str, free: Free) -> Iterable[Span]:
+    def check(m: re.Match[str]) -> Span | None:
+        raw = m.group()
+        groups = list(_DIGIT_GROUPS.finditer(raw))
+        sizes = [g.end() - g.start() for g in groups]
+        national = raw.lstrip("(")
+        if not (raw[0] == "+" or national[0] == "0" or sizes[0] in (3, 10, 11)
+                or sizes[:2] == [1, 3]):
+            return None  # no phone shape starts like this
+        # The longest prefix that ends with a digit group and is a valid number (the
+        # pattern runs on past a number into whatever digits follow it).
+        for k in range(len(groups), 0, -1):
+            head = raw[:groups[k - 1].end()]
+            if head.count("(") != head.count(")") and not head.startswith("("):
+                continue
+            for region in _phone_regions(head, sizes[:k]):
+                try:
+                    number = phonenumbers.parse(head, region)
+                except phonenumbers.NumberParseException:
+                    continue
+                span = Span(m.start(), m.start() + len(head), "PHONE")
+                if phonenumbers.is_valid_number(number) and free(span):
+                    return span
+        return None
+    return _scan(_PHONE, text, free, check)
+
+
+_DIGIT_GROUPS = re.compile(r"\d+")
+
+
+Recognizer = Callable[[str, Free], Iterable[Span]]
+
+
+def _simple(pattern: re.Pattern[str], label: str) -> Recognizer:
+    def find(text: str, free: Free) -> Iterable[Span]:
+        return _scan(pattern, text, free, lambda m: Span(m.start(), m.end(), label))
+    return find
+
+
+def _bearer(text: str, free: Free) -> Iterable[Span]:
+    def check(m: re.Match[str]) -> Span | None:
+        token = m.group()[len(m.group(1)):]
+        # a credential, not prose ("bearer information"): it has a digit or punctuation
+        if any(ch.isdigit() or ch in "._~+/=-" for ch in token) or len(token) >= 24:
+            return Span(m.start(), m.end(), "TOKEN", keep_prefix=len(m.group(1)))
+        return None
+    return _scan(_BEARER, text, free, check)
+
+
+# In priority order: where spans overlap, the earlier recognizer here keeps its span.
+RECOGNIZERS: list[tuple[str, Recognizer]] = [
+    ("JWT", _simple(_JWT, "JWT")),
+    ("API_KEY", _simple(_API_KEY, "API_KEY")),
+    ("TOKEN", _bearer),
+    ("EMAIL", _emails),
+    ("IBAN", _ibans),
+    ("CARD", _cards),
+    ("SSN", _ssn),
+    ("IP", _ips),
+    ("PHONE", _phones),
+]
+
+
+def find(text: str, extra: Iterable[tuple[str, re.Pattern[str]]] = ()) -> list[Span]:
+    """Non-overlapping spans to redact, in order. Recognizers claim text in priority
+    order (the validated structures first, phones last, a tenant's patterns after)."""
+    starts: list[int] = []  # of the chosen spans, sorted
+    chosen: dict[int, Span] = {}
+
+    def free(span: Span) -> bool:
+        i = bisect.bisect_right(starts, span.start)
+        if i and chosen[starts[i - 1]].end > span.start:
+            return False  # overlaps the span before it
+        return not (i < len(starts) and starts[i] < span.end)  # ... or the one after
+
+    def claim(spans: Iterable[Span]) -> None:
+        for span in spans:  # lazily: each claim is seen by the recognizer's next check
+            bisect.insort(starts, span.start)
+            chosen[span.start] = span
+
+    for _, recognizer in RECOGNIZERS:
+        claim(recognizer(text, free))
+    for label, pattern in extra:
+        claim(_simple(pattern, label)(text, free))
+    return [chosen[s] for s in starts]
+
+
+def redact(text: str, extra: Iterable[tuple[str, re.Pattern[str]]] = ()) -> str:
+    """`text` with every recognised identifier replaced by its placeholder."""
+    if not text:
+        return text
+    out, last = [], 0
+    for span in find(text, extra):
+        out.append(text[last:span.start + span.keep_prefix])
+        out.append(f"[{span.label}]")
+        last = span.end
+    out.append(text[last:])
+    return "".join(out)
+
+
+# -- tenant patterns -----------------------------------------------------------------
+class UnsafePattern(ValueError):
+    pass
+
+
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT,
+            getattr(sre_constants, "POSSESSIVE_REPEAT", sre_constants.MAX_REPEAT))
+
+
+def compile_tenant_pattern(source: str) -> re.Pattern[str]:
+    """A tenant's extra pattern, refused unless it is safe to run on any input: at most
+    200 characters, no backreferences or lookarounds, and no repetition or alternation
+    inside a repetition (the shapes that make backtracking regexes exponential)."""
+    if not source or len(source) > 200:
+        raise UnsafePattern("A pattern must have 1 to 200 characters.")
+    try:
+        parsed = sre_parse.parse(source)
+    except re.error as exc:
+        raise UnsafePattern(f"Not a valid regular expression: {exc.msg}.") from None
+
+    def walk(items: Any, inside_repeat: bool) -> None:
+        for op, arg in items:
+            if op in (sre_constants.GROUPREF, sre_constants.GROUPREF_EXISTS,
+                      sre_constants.ASSERT, sre_constants.ASSERT_NOT):
+                raise UnsafePattern("Backreferences and lookarounds are not allowed.")
+            if op in _REPEATS:
+                if inside_repeat:
+                    raise UnsafePattern("A repetition inside a repetition is not allowed.")
+                walk(arg[2], True)
+            elif op == sre_constants.SUBPATTERN:
+                walk(arg[-1], inside_repeat)
+            elif op == sre_constants.BRANCH:
+                if inside_repeat:
+                    raise UnsafePattern("An alternation inside a repetition is not allowed.")
+                for branch in arg[1]:
+                    walk(branch, inside_repeat)
+            elif op == sre_constants.ATOMIC_GROUP:
+                walk(arg, inside_repeat)
+
+    walk(parsed, False)
+    compiled = re.compile(source)
+    if compiled.match(""):
+        raise UnsafePattern("A pattern must not match the empty string.")
+    return compiled
