@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,7 +28,7 @@ from typing import Any
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from governance import breaker, cache, quota, ratelimit, signals
+from governance import audit, breaker, cache, quota, ratelimit, signals
 from governance.models import BreakerPolicy, DegradeMode, Quota, RateLimitPolicy
 from governance.recorder import Recorder
 from inference.client import InferenceClient
@@ -67,17 +68,51 @@ class Admission:
     max_tokens_cap: int | None = None
     started: float = field(default_factory=time.monotonic)
     done: bool = False
+    # For the audit event: set by the gateway and the adapter.
+    action: str = "chat.completions"
+    protocol: str = "rest"
+    request_text: str = ""
+    request_id: str = ""
+    reply: list[str] = field(default_factory=list)
+    patterns: tuple[tuple[str, re.Pattern[str]], ...] = ()  # the tenant's own
+    _reply_chars: int = 0
+
+    def note_reply(self, text: str) -> None:
+        """Keep the start of the reply for the audit excerpt (bounded)."""
+        if self._reply_chars < 2 * audit.EXCERPT_CHARS:
+            self.reply.append(text)
+            self._reply_chars += len(text)
 
     async def release(self) -> None:
-        """Undo the admission: the call never reached a worker."""
-        await self.finish(None, charge=False)
+        """Undo the admission: the call never reached a worker (the adapter audits the
+        refusal that caused it)."""
+        await self.finish(None, charge=False, audited=False)
 
     async def finish(self, final: dict[str, Any] | None, *, error: BaseException | None = None,
-                     charge: bool = True) -> None:
+                     charge: bool = True, audited: bool = True) -> None:
         if self.done:
             return
         self.done = True
         self.governor.settle(self, final, error=error, charge=charge)
+        if audited:
+            self._audit(final, error)
+
+    def _audit(self, final: dict[str, Any] | None, error: BaseException | None) -> None:
+        usage = (final or {}).get("usage") or {}
+        if final is not None:
+            status = int(final.get("status", 500)) if final["t"] == "error" else 200
+        else:
+            status = error.status if isinstance(error, ApiError) else 499  # client left
+        audit.record_call(
+            principal=self.principal, action=self.action, model=self.spec.name,
+            protocol=self.protocol, status=status,
+            latency_ms=(time.monotonic() - self.started) * 1000,
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            request_id=self.request_id, request_text=self.request_text,
+            response_text="".join(self.reply), patterns=self.patterns,
+            detail={"finish": (final or {}).get("finish"), "probe": self.probe,
+                    "degraded": self.max_tokens_cap is not None})
 
 
 class Governor:
@@ -100,7 +135,7 @@ class Governor:
     async def admit(self, principal: Principal, spec: DeploymentSpec, *,
                     tokens: int) -> Admission:
         policies = await cache.tenant_policies(principal.tenant_id)
-        adm = Admission(self, principal, spec, tokens)
+        adm = Admission(self, principal, spec, tokens, patterns=policies.redaction)
         limits = policies.limits_for(key_id=principal.key_id, model=spec.name)
         quotas = policies.quotas_for(spec.name)
         try:

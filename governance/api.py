@@ -5,15 +5,19 @@ Handlers only parse, call a selector or service, and serialize."""
 
 
 from datetime import UTC, date, datetime
+from pathlib import Path
 from typing import Any
 
-from django.http import HttpRequest
+from django.http import FileResponse, HttpRequest
 from ninja import Router, Status
 from ninja.pagination import LimitOffsetPagination, paginate
 
 from governance import live, selectors, services
-from governance.models import BreakerPolicy, Quota
+from governance.models import BreakerPolicy, ExportStatus, Quota
 from governance.schemas import (
+    AuditEventOut,
+    AuditExportIn,
+    AuditExportOut,
     BreakerFields,
     BreakerOut,
     QuotaCreateIn,
@@ -24,8 +28,11 @@ from governance.schemas import (
     RateLimitDetailOut,
     RateLimitFields,
     RateLimitOut,
+    RedactionPatternIn,
+    RedactionPatternOut,
     UsageOut,
 )
+from sluice.errors import Conflict
 from tenants.api import actor_of
 
 router = Router(tags=["governance"])
@@ -132,3 +139,59 @@ def usage_list(request: HttpRequest, tenant_id: int | None = None, model: str | 
                since: date | None = None, until: date | None = None):
     return selectors.usage_list(actor=actor_of(request), tenant_id=tenant_id, model=model,
                                 since=since, until=until)
+
+
+# -- audit ---------------------------------------------------------------------------
+@router.get("/audit/events", response=list[AuditEventOut])
+@paginate(LimitOffsetPagination)
+def audit_events(request: HttpRequest, tenant_id: int | None = None,
+                 since: datetime | None = None, until: datetime | None = None,
+                 actor: str | None = None, model: str | None = None,
+                 status: int | None = None, action: str | None = None):
+    return selectors.audit_events(actor=actor_of(request), tenant_id=tenant_id, since=since,
+                                  until=until, actor_filter=actor, model=model,
+                                  status=status, action=action)
+
+
+@router.post("/audit/exports", response={202: AuditExportOut})
+def audit_export_create(request: HttpRequest, data: AuditExportIn):
+    fields = data.model_dump(exclude_none=True)
+    return Status(202, services.audit_export_create(actor=actor_of(request), **fields))
+
+
+@router.get("/audit/exports/{int:export_id}", response=AuditExportOut)
+def audit_export_get(request: HttpRequest, export_id: int):
+    return selectors.audit_export_get(actor=actor_of(request), export_id=export_id)
+
+
+@router.get("/audit/exports/{int:export_id}/download")
+def audit_export_download(request: HttpRequest, export_id: int) -> FileResponse:
+    export = selectors.audit_export_get(actor=actor_of(request), export_id=export_id)
+    if export.status != ExportStatus.DONE:
+        raise Conflict(f"The export is {export.status}; download it when it is done.",
+                       code="export_not_ready")
+    content_type = "text/csv" if export.format == "csv" else "application/x-ndjson"
+    return FileResponse(Path(export.path).open("rb"), as_attachment=True,
+                        filename=f"audit-{export.pk}.{export.format}",
+                        content_type=content_type)
+
+
+# -- redaction patterns ----------------------------------------------------------------
+@router.get("/governance/redaction-patterns", response=list[RedactionPatternOut])
+@paginate(LimitOffsetPagination)
+def redaction_pattern_list(request: HttpRequest):
+    return selectors.redaction_patterns(actor=actor_of(request))
+
+
+@router.post("/governance/redaction-patterns", response={201: RedactionPatternOut})
+def redaction_pattern_create(request: HttpRequest, data: RedactionPatternIn):
+    return Status(201, services.redaction_pattern_create(actor=actor_of(request),
+                                                         label=data.label,
+                                                         pattern=data.pattern))
+
+
+@router.delete("/governance/redaction-patterns/{int:pattern_id}", response={204: None})
+def redaction_pattern_delete(request: HttpRequest, pattern_id: int):
+    services.redaction_pattern_delete(actor=actor_of(request), pattern_id=pattern_id)
+    return Status(204, None)
+

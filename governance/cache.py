@@ -8,6 +8,7 @@ within about a second of that.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -15,7 +16,14 @@ from django.db import transaction
 from django.db.models import Q
 
 from governance.breaker import default_policy
-from governance.models import BreakerPolicy, Quota, RateLimitPolicy, RateLimitScope
+from governance.models import (
+    BreakerPolicy,
+    Quota,
+    RateLimitPolicy,
+    RateLimitScope,
+    RedactionPattern,
+)
+from governance.redaction import UnsafePattern, compile_tenant_pattern
 from inference.models import Deployment
 from sluice.db import async_db
 from sluice.epoch import Epoch
@@ -28,6 +36,8 @@ EPOCH_KEY = "sluice:gov:epoch"
 class TenantPolicies:
     rate_limits: tuple[RateLimitPolicy, ...]
     quotas: tuple[Quota, ...]
+    # the tenant's own redaction patterns, compiled (label, pattern)
+    redaction: tuple[tuple[str, re.Pattern[str]], ...] = ()
 
     def limits_for(self, *, key_id: int | None, model: str
                    ) -> list[tuple[RateLimitPolicy, str]]:
@@ -67,8 +77,14 @@ _epoch = Epoch(EPOCH_KEY)
 
 def load_tenant(tenant_id: int) -> TenantPolicies:
     limits = RateLimitPolicy.objects.filter(Q(tenant_id=tenant_id) | Q(tenant__isnull=True))
+    patterns = []
+    for row in RedactionPattern.objects.filter(tenant_id=tenant_id):
+        try:
+            patterns.append((row.label, compile_tenant_pattern(row.pattern)))
+        except UnsafePattern:  # checked on save; never run one that fails now
+            continue
     return TenantPolicies(rate_limits=tuple(limits), quotas=tuple(
-        Quota.objects.filter(tenant_id=tenant_id)))
+        Quota.objects.filter(tenant_id=tenant_id)), redaction=tuple(patterns))
 
 
 def load_breaker(deployment: str) -> BreakerPolicy:

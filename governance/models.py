@@ -8,8 +8,10 @@ calls before saving.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.core.exceptions import ValidationError
-from django.core.validators import MaxValueValidator, MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 
@@ -198,3 +200,126 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant_id}/{self.model}/{self.key_prefix or '-'} on {self.day}"
+
+
+class RedactionPattern(models.Model):
+    """A tenant's own pattern to redact (employee ids, case numbers...), as [LABEL]."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
+                               related_name="redaction_patterns")
+    label = models.CharField(max_length=32, validators=[RegexValidator(r"^[A-Z][A-Z0-9_]*$")])
+    pattern = models.CharField(max_length=200)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}:{self.label}"
+
+
+class AuditQuerySet(models.QuerySet["AuditEvent"]):
+    """No bulk update or delete: the only way out is the retention purge."""
+
+    def update(self, **kwargs: Any) -> int:
+        raise PermissionError("Audit events are append-only.")
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        raise PermissionError("Audit events are append-only; use the retention purge.")
+
+
+class AuditEvent(models.Model):
+    """One API call or admin action, with personal data redacted before it got here.
+
+    Append-only (no update or delete in code; on PostgreSQL a trigger refuses both
+    unless the retention purge asks), and hash-chained per tenant: `hash` is SHA-256 over
+    the previous event's hash and this event's canonical content, so changing, removing
+    or reordering a stored event breaks verification at that event.
+    """
+
+    chain = models.CharField(max_length=80)  # the tenant slug, or "platform"
+    seq = models.PositiveBigIntegerField()
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64)
+    at = models.DateTimeField()
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.DO_NOTHING,
+                               db_constraint=False, related_name="+")
+    actor = models.CharField(max_length=300, blank=True, default="")  # principal subject
+    role = models.CharField(max_length=32, blank=True, default="")
+    key_prefix = models.CharField(max_length=16, blank=True, default="")
+    action = models.CharField(max_length=64)  # "chat.completions", "apikey.create", ...
+    target = models.CharField(max_length=200, blank=True, default="")
+    model = models.CharField(max_length=100, blank=True, default="")
+    protocol = models.CharField(max_length=16, blank=True, default="")  # rest, sse, admin
+    status = models.PositiveSmallIntegerField(default=0)
+    latency_ms = models.FloatField(default=0.0)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    request_id = models.CharField(max_length=64, blank=True, default="")
+    trace_id = models.CharField(max_length=32, blank=True, default="")
+    request_excerpt = models.TextField(blank=True, default="")
+    response_excerpt = models.TextField(blank=True, default="")
+    detail = models.JSONField(default=dict, blank=True)
+
+    objects = AuditQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["chain", "seq"]
+        constraints = [models.UniqueConstraint(fields=["chain", "seq"], name="audit_chain_seq")]
+        indexes = [models.Index(fields=["tenant", "at"]), models.Index(fields=["at"])]
+
+    def __str__(self) -> str:
+        return f"{self.chain}#{self.seq} {self.action}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if self.pk is not None and not kwargs.get("force_insert"):
+            raise PermissionError("Audit events are append-only.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
+        raise PermissionError("Audit events are append-only; use the retention purge.")
+
+
+class AuditChain(models.Model):
+    """The head of one tenant's chain, locked by writers (so seq and prev_hash are never
+    taken twice), and the anchor the retention purge leaves behind."""
+
+    chain = models.CharField(max_length=80, unique=True)
+    seq = models.PositiveBigIntegerField(default=0)
+    last_hash = models.CharField(max_length=64, default="0" * 64)
+    anchor_seq = models.PositiveBigIntegerField(default=0)  # events <= this were purged
+    anchor_hash = models.CharField(max_length=64, default="0" * 64)
+
+    def __str__(self) -> str:
+        return f"{self.chain} @ {self.seq}"
+
+
+class ExportStatus(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    RUNNING = "running", "Running"
+    DONE = "done", "Done"
+    FAILED = "failed", "Failed"
+
+
+class AuditExport(models.Model):
+    """An export of audit events to JSONL or CSV, made by a Celery job."""
+
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.CASCADE,
+                               related_name="+")  # None: every tenant (platform admins)
+    requested_by = models.CharField(max_length=300)
+    format = models.CharField(max_length=8, choices=[("jsonl", "JSONL"), ("csv", "CSV")])
+    filters = models.JSONField(default=dict)
+    status = models.CharField(max_length=8, choices=ExportStatus.choices,
+                              default=ExportStatus.QUEUED)
+    total = models.PositiveBigIntegerField(default=0)
+    done = models.PositiveBigIntegerField(default=0)
+    path = models.CharField(max_length=500, blank=True, default="")
+    error = models.CharField(max_length=300, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"export #{self.pk} ({self.status})"

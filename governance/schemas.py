@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import date, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from ninja import Schema
 from pydantic import Field, StringConstraints
@@ -164,3 +164,64 @@ class UsageOut(Schema):
     prompt_tokens: int
     completion_tokens: int
     updated_at: datetime
+
+
+class AuditEventOut(Schema):
+    id: int
+    chain: str
+    seq: int
+    at: datetime
+    tenant_id: int | None
+    actor: str
+    role: str
+    key_prefix: str
+    action: str
+    target: str
+    model: str
+    protocol: str
+    status: int
+    latency_ms: float
+    prompt_tokens: int
+    completion_tokens: int
+    request_id: str
+    trace_id: str
+    request_excerpt: str
+    response_excerpt: str
+    detail: dict[str, Any]
+    hash: str
+
+
+class AuditExportIn(StrictSchema):
+    format: Literal["jsonl", "csv"] = "jsonl"
+    tenant_id: int | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    actor: Annotated[str, StringConstraints(max_length=300)] | None = None
+    model: ModelName | None = None
+    status: Annotated[int, Field(ge=100, le=599)] | None = None
+    action: Annotated[str, StringConstraints(max_length=64)] | None = None
+
+
+class AuditExportOut(Schema):
+    id: int
+    tenant_id: int | None
+    format: str
+    filters: dict[str, Any]
+    status: str
+    total: int
+    done: int
+    error: str
+    created_at: datetime
+    finished_at: datetime | None
+
+
+class RedactionPatternIn(StrictSchema):
+    label: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
+    pattern: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+class RedactionPatternOut(Schema):
+    id: int
+    label: str
+    pattern: str
+    created_at: datetime

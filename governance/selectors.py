@@ -7,11 +7,20 @@ and its usage; auditors see usage.
 
 from __future__ import annotations
 
-from datetime import date
+from datetime import date, datetime
+from typing import Any
 
 from django.db.models import Q, QuerySet
 
-from governance.models import BreakerPolicy, Quota, RateLimitPolicy, UsageRecord
+from governance.models import (
+    AuditEvent,
+    AuditExport,
+    BreakerPolicy,
+    Quota,
+    RateLimitPolicy,
+    RedactionPattern,
+    UsageRecord,
+)
 from inference.models import Deployment
 from sluice.errors import NotFound
 from tenants.principal import Principal
@@ -85,3 +94,59 @@ def usage_list(*, actor: Principal, tenant_id: int | None = None, model: str | N
     if until is not None:
         rows = rows.filter(day__lte=until)
     return rows
+
+
+def filter_events(rows: QuerySet[AuditEvent], *, tenant_id: int | None = None,
+                  since: str | datetime | None = None, until: str | datetime | None = None,
+                  actor: str | None = None, model: str | None = None,
+                  status: int | None = None, action: str | None = None
+                  ) -> QuerySet[AuditEvent]:
+    """The auditor's filters (also stored on exports, hence strings for times)."""
+    if tenant_id is not None:
+        rows = rows.filter(tenant_id=tenant_id)
+    if since:
+        rows = rows.filter(at__gte=since)
+    if until:
+        rows = rows.filter(at__lt=until)
+    if actor:
+        rows = rows.filter(actor=actor)
+    if model:
+        rows = rows.filter(model=model)
+    if status is not None:
+        rows = rows.filter(status=status)
+    if action:
+        rows = rows.filter(action=action)
+    return rows
+
+
+def _audit_scope(actor: Principal, tenant_id: int | None) -> int | None:
+    require(actor, Action.AUDIT_READ)
+    if actor.can(Action.TENANT_READ_ANY):
+        return tenant_id
+    return actor.tenant_id
+
+
+def audit_events(*, actor: Principal, tenant_id: int | None = None,
+                 actor_filter: str | None = None, **filters: Any) -> QuerySet[AuditEvent]:
+    """Audit events the caller may read: platform admins any tenant's, the others their
+    own tenant's; newest first. `actor_filter`: only events of that principal."""
+    scope = _audit_scope(actor, tenant_id)
+    return filter_events(AuditEvent.objects.all(), tenant_id=scope, actor=actor_filter,
+                         **filters).order_by("-at", "-id")
+
+
+def audit_export_get(*, actor: Principal, export_id: int) -> AuditExport:
+    require(actor, Action.AUDIT_READ)
+    rows = AuditExport.objects.filter(pk=export_id)
+    if not actor.can(Action.TENANT_READ_ANY):
+        rows = rows.filter(tenant_id=actor.tenant_id)
+    export = rows.first()
+    if export is None:
+        raise NotFound("No such export.")
+    return export
+
+
+def redaction_patterns(*, actor: Principal) -> QuerySet[RedactionPattern]:
+    require(actor, Action.GOVERNANCE_MANAGE)
+    return RedactionPattern.objects.filter(tenant_id=actor.tenant_id).order_by("id")
+

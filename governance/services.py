@@ -14,7 +14,16 @@ from django.db import transaction
 from django.utils import timezone
 
 from governance import cache, selectors
-from governance.models import BreakerPolicy, Quota, RateLimitPolicy, RateLimitScope
+from governance.audit import record_action
+from governance.models import (
+    AuditExport,
+    BreakerPolicy,
+    Quota,
+    RateLimitPolicy,
+    RateLimitScope,
+    RedactionPattern,
+)
+from governance.redaction import UnsafePattern, compile_tenant_pattern
 from inference.queue import guard_key
 from sluice.errors import NotFound, PermissionDenied, Unprocessable
 from sluice.redis import sync_redis
@@ -79,6 +88,7 @@ def ratelimit_create(*, actor: Principal, tenant_id: int | None = None,
     validate(policy)
     policy.save()
     cache.invalidate()
+    record_action(actor=actor, action="ratelimit.create", target=f"ratelimit:{policy.pk}")
     return policy
 
 
@@ -90,6 +100,8 @@ def ratelimit_update(*, actor: Principal, policy_id: int, **fields: Any) -> Rate
     validate(policy)
     policy.save()
     cache.invalidate()
+    record_action(actor=actor, action="ratelimit.update", target=f"ratelimit:{policy.pk}",
+                  detail=fields)
     return policy
 
 
@@ -97,6 +109,7 @@ def ratelimit_update(*, actor: Principal, policy_id: int, **fields: Any) -> Rate
 def ratelimit_delete(*, actor: Principal, policy_id: int) -> None:
     policy = selectors.ratelimit_get(actor=actor, policy_id=policy_id)
     _may_write_limit(actor, policy)
+    record_action(actor=actor, action="ratelimit.delete", target=f"ratelimit:{policy.pk}")
     policy.delete()
     cache.invalidate()
 
@@ -110,6 +123,8 @@ def quota_create(*, actor: Principal, tenant_id: int, **fields: Any) -> Quota:
     validate(quota)
     quota.save()
     cache.invalidate()
+    record_action(actor=actor, action="quota.create", target=f"quota:{quota.pk}",
+                  detail=fields)
     return quota
 
 
@@ -122,6 +137,8 @@ def quota_update(*, actor: Principal, quota_id: int, **fields: Any) -> Quota:
     validate(quota)
     quota.save()
     cache.invalidate()
+    record_action(actor=actor, action="quota.update", target=f"quota:{quota.pk}",
+                  detail=fields)
     return quota
 
 
@@ -130,6 +147,7 @@ def quota_delete(*, actor: Principal, quota_id: int) -> None:
     require(actor, Action.GOVERNANCE_MANAGE_ANY)
     selectors.quota_get(actor=actor, quota_id=quota_id).delete()
     cache.invalidate()
+    record_action(actor=actor, action="quota.delete", target=f"quota:{quota_id}")
 
 
 @transaction.atomic
@@ -142,6 +160,8 @@ def breaker_update(*, actor: Principal, deployment: str, **fields: Any) -> Break
     policy.save()
     cache.invalidate()
     transaction.on_commit(lambda: publish_guard(policy))
+    record_action(actor=actor, action="breaker.update", target=f"deployment:{deployment}",
+                  detail=fields)
     return policy
 
 
@@ -156,3 +176,53 @@ def publish_guard(policy: BreakerPolicy) -> None:
     sync_redis().hset(guard_key(policy.deployment.name), mapping={
         "high": repr(policy.memory_high), "low": repr(policy.memory_low),
         "hold_s": repr(policy.memory_hold_s)})
+
+
+@transaction.atomic
+def audit_export_create(*, actor: Principal, format: str, tenant_id: int | None = None,
+                        **filters: Any) -> AuditExport:
+    """Queue an export of the events the caller may read; the Celery job starts on
+    commit."""
+    require(actor, Action.AUDIT_READ)
+    if not actor.can(Action.TENANT_READ_ANY):
+        tenant_id = actor.tenant_id
+    clean = {k: (v.isoformat() if hasattr(v, "isoformat") else v)
+             for k, v in filters.items() if v is not None}
+    export = AuditExport.objects.create(tenant_id=tenant_id, requested_by=actor.subject,
+                                        format=format, filters=clean)
+    record_action(actor=actor, action="audit.export", target=f"export:{export.pk}",
+                  detail=clean)
+    from governance.tasks import audit_export
+
+    transaction.on_commit(lambda: audit_export.delay(export.pk))
+    return export
+
+
+@transaction.atomic
+def redaction_pattern_create(*, actor: Principal, label: str,
+                             pattern: str) -> RedactionPattern:
+    """A tenant admin's own pattern; refused (422) unless safe to run on any input."""
+    require(actor, Action.GOVERNANCE_MANAGE)
+    try:
+        compile_tenant_pattern(pattern)
+    except UnsafePattern as exc:
+        raise Unprocessable(f"pattern: {exc}", param="pattern") from None
+    row = RedactionPattern(tenant_id=actor.tenant_id, label=label, pattern=pattern)
+    validate(row)
+    row.save()
+    cache.invalidate()
+    record_action(actor=actor, action="redaction.create", target=f"pattern:{row.pk}",
+                  detail={"label": label})
+    return row
+
+
+@transaction.atomic
+def redaction_pattern_delete(*, actor: Principal, pattern_id: int) -> None:
+    require(actor, Action.GOVERNANCE_MANAGE)
+    row = RedactionPattern.objects.filter(pk=pattern_id, tenant_id=actor.tenant_id).first()
+    if row is None:
+        raise NotFound("No such redaction pattern.")
+    row.delete()
+    cache.invalidate()
+    record_action(actor=actor, action="redaction.delete", target=f"pattern:{pattern_id}")
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import shared_task
 
 from governance import usage
@@ -10,3 +12,28 @@ from governance import usage
 @shared_task(acks_late=True, max_retries=3)
 def usage_rollup() -> int:
     return usage.rollup()
+
+
+@shared_task(acks_late=True, max_retries=3)
+def audit_purge() -> int:
+    """Delete audit events past the retention period (chains stay verifiable)."""
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.utils import timezone
+
+    from governance import audit
+
+    cutoff = timezone.now() - timedelta(days=settings.SLUICE_AUDIT_RETENTION_DAYS)
+    return audit.purge(cutoff)
+
+
+@shared_task(bind=True, acks_late=True, max_retries=3, default_retry_delay=5)
+def audit_export(self: Any, export_id: int) -> str:
+    """Write an export's events to a file; idempotent (a rerun rewrites the file)."""
+    from governance import exports
+
+    try:
+        return exports.run(export_id)
+    except exports.Retryable as exc:
+        raise self.retry(exc=exc) from exc

@@ -10,6 +10,7 @@ from inference.models import Deployment
 from inference.selectors import deployment_get
 from inference.spec import RuntimeName
 from inference.weights import MINILM, SMOLLM2
+from sluice.auditlog import admin_action
 from sluice.errors import Conflict, Unprocessable
 from sluice.validation import validate
 from tenants.principal import Principal
@@ -38,6 +39,7 @@ def deployment_create(*, actor: Principal, name: str, **fields: Any) -> Deployme
             deployment.save()
     except IntegrityError:
         raise Conflict(f"A deployment named '{name}' exists.", param="name") from None
+    admin_action(actor=actor, action="deployment.create", target=f"deployment:{name}")
     return deployment
 
 
@@ -50,6 +52,8 @@ def deployment_update(*, actor: Principal, name: str, **fields: Any) -> Deployme
             setattr(deployment, key, value)
     _validate(deployment)
     deployment.save()
+    admin_action(actor=actor, action="deployment.update", target=f"deployment:{name}",
+                 detail={k: v for k, v in fields.items() if k in EDITABLE})
     return deployment
 
 

@@ -20,6 +20,7 @@ import orjson
 from django.conf import settings
 from pydantic import TypeAdapter, ValidationError
 
+from governance import audit
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from streaming.gateway import Gateway, Submitted, error_from_event
 from streaming.schemas import ChatCompletionRequest, ConversationId, EmbeddingRequest
@@ -82,6 +83,7 @@ class LeanApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
+        call: dict[str, Any] = {"began": time.monotonic()}
 
         async def tracked_send(message: dict[str, Any]) -> None:
             nonlocal started
@@ -89,10 +91,11 @@ class LeanApp:
             await send(message)
 
         try:
-            await self._dispatch(scope, receive, tracked_send)
+            await self._dispatch(scope, receive, tracked_send, call)
         except ClientGone:
             return
         except ApiError as exc:
+            _audit_refusal(call, exc)
             if not started:
                 await _send_json(send, exc.status, exc.body(), exc.headers)
         except Exception:
@@ -101,13 +104,17 @@ class LeanApp:
                 error = ServerError("The server had an error processing your request.")
                 await _send_json(send, error.status, error.body())
 
-    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send,
+                        call: dict[str, Any]) -> None:
+        """`call` collects what the audit of a refused call needs."""
         path = scope["path"].rstrip("/")
         if scope["method"] != "POST":
             raise BadRequest(f"{scope['method']} is not allowed on {path}; use POST.",
                              code="method_not_allowed")
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
         principal = await self.gateway.authenticate(headers.get("authorization"))
+        call["principal"] = principal
+        call["action"] = "embeddings" if path == "/v1/embeddings" else "chat.completions"
         length = headers.get("content-length")
         limit = settings.SLUICE_MAX_INFERENCE_BODY_BYTES
         if length is not None and length.isdigit() and int(length) > limit:
@@ -123,11 +130,15 @@ class LeanApp:
         try:
             if path == "/v1/embeddings":
                 emb = EmbeddingRequest.model_validate(data)
-                await self._embeddings(await self.gateway.embed(principal, emb), emb, send)
+                call["model"] = emb.model
+                sub = await self.gateway.embed(principal, emb)
+                call["admitted"] = True
+                await self._embeddings(sub, emb, send)
                 return
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as exc:
             raise _validation_error(exc) from None
+        call["model"], call["protocol"] = req.model, "sse" if req.stream else "rest"
         resume = _parse_event_id(headers.get("last-event-id"))
         if req.last_offset is not None:
             if not (req.stream and req.conversation_id):
@@ -151,7 +162,9 @@ class LeanApp:
                 raise BadRequest("X-Sluice-Conversation-Id is not a conversation id.",
                                  param="conversation_id") from None
         submitted = await self.gateway.chat(principal, req,
-                                            idempotency_key=headers.get("idempotency-key"))
+                                            idempotency_key=headers.get("idempotency-key"),
+                                            protocol=call["protocol"])
+        call["admitted"] = True
         if req.stream and submitted.conversation_id is not None:
             await self.gateway.client.remember_stream(principal.tenant_slug,
                                                       submitted.conversation_id,
@@ -359,3 +372,20 @@ def _usage(final: dict[str, Any]) -> dict[str, int]:
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def _audit_refusal(call: dict[str, Any], exc: ApiError) -> None:
+    """A call refused before it was admitted (bad input, permissions, limits, quotas,
+    shedding) is audited here; an admitted one by its settlement. Unauthenticated calls
+    are not audited: there is no tenant to file them under (they are counted in logs)."""
+    principal = call.get("principal")
+    if principal is None or call.get("admitted"):
+        if principal is None:
+            logger.info("unauthenticated call refused: %s", exc.code)
+        return
+    audit.record_call(principal=principal, action=call.get("action", "unknown"),
+                      model=str(call.get("model", ""))[:100],
+                      protocol=call.get("protocol", "rest"), status=exc.status,
+                      latency_ms=(time.monotonic() - call["began"]) * 1000,
+                      detail={"code": exc.code, "type": exc.type})
+

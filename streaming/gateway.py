@@ -20,6 +20,7 @@ from typing import Any
 from django.conf import settings
 
 from governance.admission import Admission, Governor
+from governance.redaction import redact
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
 from inference.spec import DeploymentSpec, Kind
@@ -69,10 +70,13 @@ class Submitted:
         """The call's events; settles its admission when they end (or, when the consumer
         stops early, once the worker's final event arrives)."""
         final: dict[str, Any] | None = None
+        self.admission.request_id = self.handle.rid
         try:
             async for event in self.handle.events():
                 if event["t"] in _FINAL:
                     final = event
+                elif event["t"] == "delta":
+                    self.admission.note_reply(event.get("text", ""))
                 yield event
         except BaseException as exc:
             self.admission.governor.finish_later(self.admission, final, exc, self.handle.rid,
@@ -221,7 +225,7 @@ class Gateway:
 
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
                    idempotency_key: str | None = None,
-                   conversation_id: str | None = None) -> Submitted:
+                   conversation_id: str | None = None, protocol: str = "rest") -> Submitted:
         spec = await self._model(principal, req.model, Kind.CHAT)
         conversation_id = req.conversation_id or conversation_id
         history = (await async_db(conversation_history)(actor=principal,
@@ -241,6 +245,9 @@ class Gateway:
         texts = [m["content"] for m in messages] + [m.get("content", "") for m in history]
         admission = await self.governor.admit(
             principal, spec, tokens=prompt_bound(texts, spec) + max_tokens)
+        admission.protocol = protocol
+        admission.request_text = next((m["content"] for m in reversed(messages)
+                                       if m["role"] == "user"), "")
         if admission.max_tokens_cap is not None:
             max_tokens = min(max_tokens, admission.max_tokens_cap)
         body: dict[str, Any] = {
@@ -263,11 +270,14 @@ class Gateway:
     async def remember(self, sub: Submitted, reply: str) -> None:
         """Append the request's messages and the reply to its conversation."""
         if sub.conversation_id is not None:
+            messages = [*(sub.messages or []), {"role": "assistant", "content": reply}]
+            if settings.SLUICE_REDACT_CONVERSATIONS:
+                messages = [{**m, "content": redact(m["content"])} for m in messages]
             await async_db(conversation_append)(
-                actor=sub.principal, public_id=sub.conversation_id,
-                messages=[*(sub.messages or []), {"role": "assistant", "content": reply}])
+                actor=sub.principal, public_id=sub.conversation_id, messages=messages)
 
-    async def embed(self, principal: Principal, req: EmbeddingRequest) -> Submitted:
+    async def embed(self, principal: Principal, req: EmbeddingRequest, *,
+                    protocol: str = "rest") -> Submitted:
         spec = await self._model(principal, req.model, Kind.EMBEDDING)
         if req.dimensions is not None:
             raise BadRequest("This model does not support choosing dimensions.",
@@ -277,5 +287,7 @@ class Gateway:
             raise BadRequest("input must not contain empty strings.", param="input")
         admission = await self.governor.admit(
             principal, spec, tokens=sum(prompt_bound([t], spec) for t in inputs))
+        admission.action, admission.protocol = "embeddings", protocol
+        admission.request_text = inputs[0]
         handle = await self._submit(principal, spec, {"input": inputs}, admission)
         return Submitted(principal, spec, handle, admission)

@@ -15,6 +15,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from sluice.auditlog import admin_action
 from sluice.errors import Conflict, PermissionDenied, Unauthenticated, Unprocessable
 from tenants import apikeys
 from tenants import cache as auth_cache
@@ -62,6 +63,7 @@ def tenant_create(*, actor: Principal, slug: str, name: str, admin: NewUser | No
         raise Conflict("A tenant with that slug exists.", param="slug") from None
     if admin is not None:
         Member.objects.create(tenant=tenant, user=_create_user(admin), role=Role.TENANT_ADMIN)
+    admin_action(actor=actor, action="tenant.create", target=f"tenant:{tenant.slug}")
     return tenant
 
 
@@ -80,6 +82,8 @@ def tenant_update(
     tenant.save(update_fields=["name", "is_active"])
     if is_active is False:
         auth_cache.invalidate()
+    admin_action(actor=actor, action="tenant.update", target=f"tenant:{tenant.slug}",
+                 detail={"is_active": tenant.is_active})
     return tenant
 
 
@@ -88,7 +92,10 @@ def tenant_update(
 def member_create(*, actor: Principal, new: NewUser, role: Role) -> Member:
     require(actor, Action.MEMBER_MANAGE)
     _require_grant(actor, role)
-    return Member.objects.create(tenant_id=actor.tenant_id, user=_create_user(new), role=role)
+    member = Member.objects.create(tenant_id=actor.tenant_id, user=_create_user(new), role=role)
+    admin_action(actor=actor, action="member.create", target=f"member:{member.pk}",
+                 detail={"role": role})
+    return member
 
 
 def _ensure_admin_remains(member: Member) -> None:
@@ -132,6 +139,8 @@ def member_update(
         member.is_active = is_active
     member.save(update_fields=["role", "is_active"])
     auth_cache.invalidate()
+    admin_action(actor=actor, action="member.update", target=f"member:{member.pk}",
+                 detail={"role": member.role, "is_active": member.is_active})
     return member
 
 
@@ -183,6 +192,8 @@ def apikey_create(
         expires_at=expires_at,
         priority=priority,
     )
+    admin_action(actor=actor, action="apikey.create", target=f"apikey:{key.prefix}",
+                 detail={"role": role, "priority": priority})
     return CreatedKey(key=key, secret=secret)
 
 
@@ -193,6 +204,7 @@ def apikey_revoke(*, actor: Principal, key_id: int) -> ApiKey:
         key.revoked_at = timezone.now()
         key.save(update_fields=["revoked_at"])
         auth_cache.invalidate()
+    admin_action(actor=actor, action="apikey.revoke", target=f"apikey:{key.prefix}")
     return key
 
 

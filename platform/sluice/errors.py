@@ -32,7 +32,11 @@ class ApiError(Exception):
         self.details = details  # machine-readable extras, beside OpenAI's four fields
 
     def body(self) -> dict[str, Any]:
-        body = error_body(self.message, type=self.type, code=self.code, param=self.param)
+        # Messages may quote what the caller sent: redacted like everything emitted.
+        from governance.redaction import redact
+
+        body = error_body(redact(self.message), type=self.type, code=self.code,
+                          param=self.param)
         if self.details:
             body["error"].update(self.details)
         return body

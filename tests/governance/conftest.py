@@ -11,7 +11,7 @@ import redis
 from django.conf import settings
 
 from governance import cache as policy_cache
-from tests.streaming.conftest import live  # noqa: F401 - the live server, for these tests too
+from tests.streaming.conftest import live, tiny  # noqa: F401 - live server fixtures
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.urls import get_resolver
 
-from governance.models import Quota, RateLimitPolicy
+from governance.models import AuditExport, Quota, RateLimitPolicy, RedactionPattern
 from inference.models import Deployment
 from tenants.conversations import conversation_create
 from tenants.models import Member
@@ -54,6 +54,14 @@ class Ctx:
     def fresh_limit(self) -> int:
         return RateLimitPolicy.objects.create(scope="api_key", tenant=self.org.tenant,
                                               requests_per_minute=10).pk
+
+    def fresh_pattern(self) -> int:
+        return RedactionPattern.objects.create(tenant=self.org.tenant, label="X",
+                                               pattern="x-\\d+").pk
+
+    def fresh_export(self) -> int:
+        return AuditExport.objects.create(tenant=self.org.tenant, requested_by="t",
+                                          format="jsonl").pk
 
     def fresh_quota(self) -> int:
         return Quota.objects.create(tenant=self.org.tenant, max_requests=10).pk
@@ -186,6 +194,29 @@ MATRIX: dict[str, Row] = {
                          None, {PA: 200, TA: 403, DEV: 403, AUD: 403},
                          "api/v1/governance/breakers/<name>/reset"),
     # Auditors read usage (billing review); developers do not.
+    "redaction list": Row("GET", lambda c: "/api/v1/governance/redaction-patterns", None,
+                          {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                          "api/v1/governance/redaction-patterns"),
+    "redaction create": Row("POST", lambda c: "/api/v1/governance/redaction-patterns",
+                            lambda c: {"label": "EMP", "pattern": r"EMP-\d{6}"},
+                            {PA: 201, TA: 201, DEV: 403, AUD: 403},
+                            "api/v1/governance/redaction-patterns"),
+    "redaction delete": Row("DELETE",
+                            lambda c: f"/api/v1/governance/redaction-patterns/{c.fresh_pattern()}",
+                            None, {PA: 204, TA: 204, DEV: 403, AUD: 403},
+                            "api/v1/governance/redaction-patterns/<int:pattern_id>"),
+    "audit events": Row("GET", lambda c: "/api/v1/audit/events", None,
+                        {PA: 200, TA: 200, DEV: 403, AUD: 200}, "api/v1/audit/events"),
+    "audit export create": Row("POST", lambda c: "/api/v1/audit/exports",
+                               lambda c: {"format": "csv"},
+                               {PA: 202, TA: 202, DEV: 403, AUD: 202}, "api/v1/audit/exports"),
+    "audit export get": Row("GET", lambda c: f"/api/v1/audit/exports/{c.fresh_export()}", None,
+                            {PA: 200, TA: 200, DEV: 403, AUD: 200},
+                            "api/v1/audit/exports/<int:export_id>"),
+    "audit export download": Row(
+        "GET", lambda c: f"/api/v1/audit/exports/{c.fresh_export()}/download", None,
+        {PA: 409, TA: 409, DEV: 403, AUD: 409},
+        "api/v1/audit/exports/<int:export_id>/download"),
     "usage list": Row("GET", lambda c: "/api/v1/governance/usage", None,
                       {PA: 200, TA: 200, DEV: 403, AUD: 200}, "api/v1/governance/usage"),
 }
@@ -206,7 +237,8 @@ def test_role_gets_expected_status(alice: Org, ops: Org, endpoint: str, role: Ro
     expected = row.expect[role]
     if expected >= 400:
         error = assert_openai_error(response, expected)
-        assert error["type"] == "permission_error"
+        if expected == 403:
+            assert error["type"] == "permission_error"
     else:
         assert response.status == expected, response.body
 

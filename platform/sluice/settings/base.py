@@ -109,7 +109,10 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # Every record passes the redaction engine before a handler writes it.
+    "filters": {"redact": {"()": "governance.logredact.RedactingFilter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain",
+                             "filters": ["redact"]}},
     "root": {"handlers": ["console"], "level": env_str("SLUICE_LOG_LEVEL", "INFO")},
     # django.request logs 4xx with the request line; our error bodies already say enough.
     "loggers": {"django.request": {"level": "ERROR"}},

@@ -13,7 +13,11 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_TIME_LIMIT = env_int("SLUICE_CELERY_TASK_TIME_LIMIT_S", 3600, minimum=1)
 CELERY_TASK_ALWAYS_EAGER = env_bool("SLUICE_CELERY_EAGER", False)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_DEFAULT_RETRY_DELAY = 5
+# Django's LOGGING (with its redaction filter) stays in charge of the worker's logs.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "usage-rollup": {"task": "governance.tasks.usage_rollup",
                      "schedule": float(env_int("SLUICE_USAGE_ROLLUP_S", 60, minimum=5))},
+    "audit-retention": {"task": "governance.tasks.audit_purge", "schedule": 86_400.0},
 }

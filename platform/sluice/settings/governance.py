@@ -1,11 +1,18 @@
-"""Governance: how long gateways cache policies; the usage rollup schedule."""
+"""Governance: how long gateways cache policies; usage rollup; audit retention and
+exports; redaction."""
 
 from __future__ import annotations
 
-from sluice.settings.env import env_int
+from sluice.settings.env import env_bool, env_int, env_list
 
 # A policy edit bumps an epoch that every gateway sees within a second; this TTL bounds
 # staleness when Redis cannot carry that signal.
 SLUICE_POLICY_CACHE_TTL_S = env_int("SLUICE_POLICY_CACHE_TTL_S", 5, minimum=0)
 # How often Celery beat copies the Redis usage counters into UsageRecord rows.
 SLUICE_USAGE_ROLLUP_S = env_int("SLUICE_USAGE_ROLLUP_S", 60, minimum=5)
+# Audit events older than this are purged daily (the chains stay verifiable).
+SLUICE_AUDIT_RETENTION_DAYS = env_int("SLUICE_AUDIT_RETENTION_DAYS", 365, minimum=1)
+# National phone formats recognised by the redaction engine (E.164 always is).
+SLUICE_PHONE_REGIONS = env_list("SLUICE_PHONE_REGIONS", ["US", "GB"])
+# Store conversation messages redacted (the model then sees placeholders in history).
+SLUICE_REDACT_CONVERSATIONS = env_bool("SLUICE_REDACT_CONVERSATIONS", False)

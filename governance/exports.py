@@ -1,0 +1,77 @@
+"""Audit exports: a Celery job writes the events an auditor selected to JSONL or CSV
+under <state dir>/exports/, reporting progress on its AuditExport row. Reruns rewrite
+the same file (idempotent); the file appears only when complete (written aside, then
+renamed)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import OperationalError
+from django.utils import timezone
+
+from governance.models import AuditEvent, AuditExport, ExportStatus
+from governance.selectors import filter_events
+
+COLUMNS = ["chain", "seq", "at", "tenant_id", "actor", "role", "key_prefix", "action",
+           "target", "model", "protocol", "status", "latency_ms", "prompt_tokens",
+           "completion_tokens", "request_id", "trace_id", "request_excerpt",
+           "response_excerpt", "detail", "hash", "prev_hash"]
+_PROGRESS_EVERY = 1000
+
+
+class Retryable(Exception):
+    pass
+
+
+def export_dir() -> Path:
+    path = Path(settings.STATE_DIR) / "exports"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _row(event: AuditEvent) -> dict[str, Any]:
+    out = {name: getattr(event, name) for name in COLUMNS}
+    out["at"] = event.at.isoformat()
+    return out
+
+
+def run(export_id: int) -> str:
+    job = AuditExport.objects.filter(pk=export_id).first()
+    if job is None or job.status == ExportStatus.DONE:
+        return job.path if job else ""
+    try:
+        events = filter_events(AuditEvent.objects.all(), tenant_id=job.tenant_id,
+                               **job.filters).order_by("chain", "seq")
+        AuditExport.objects.filter(pk=job.pk).update(
+            status=ExportStatus.RUNNING, total=events.count(), done=0)
+        final = export_dir() / f"audit-{job.pk}.{job.format}"
+        partial = final.with_suffix(final.suffix + ".part")
+        done = 0
+        with partial.open("w", newline="", encoding="utf-8") as out:
+            writer = csv.DictWriter(out, fieldnames=COLUMNS) if job.format == "csv" else None
+            if writer is not None:
+                writer.writeheader()
+            for event in events.iterator(chunk_size=2000):
+                row = _row(event)
+                if writer is not None:
+                    writer.writerow({**row, "detail": json.dumps(row["detail"])})
+                else:
+                    out.write(json.dumps(row, default=str) + "\n")
+                done += 1
+                if done % _PROGRESS_EVERY == 0:
+                    AuditExport.objects.filter(pk=job.pk).update(done=done)
+        partial.replace(final)
+        AuditExport.objects.filter(pk=job.pk).update(
+            status=ExportStatus.DONE, done=done, path=str(final), finished_at=timezone.now())
+        return str(final)
+    except OperationalError as exc:
+        raise Retryable(str(exc)) from exc
+    except Exception as exc:
+        AuditExport.objects.filter(pk=job.pk).update(
+            status=ExportStatus.FAILED, error=type(exc).__name__, finished_at=timezone.now())
+        raise
