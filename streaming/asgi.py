@@ -8,10 +8,8 @@ only parses, calls the gateway pipeline and encodes; errors are OpenAI-shaped.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
-import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,6 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from governance import audit
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
+from streaming import bodies
 from streaming.gateway import Gateway, Submitted, error_from_event
 from streaming.schemas import ChatCompletionRequest, ConversationId, EmbeddingRequest
 
@@ -215,31 +214,9 @@ class LeanApp:
         await self._stream(rid, events, req, send, replay=True)
 
     async def _complete(self, sub: Submitted, req: ChatCompletionRequest, send: Send) -> None:
-        parts: list[str] = []
-        final: dict[str, Any] = {}
-        async for event in sub.events():
-            if event["t"] == "delta":
-                parts.append(event["text"])
-            elif event["t"] == "error":
-                raise error_from_event(event)
-            else:
-                final = event
-        reply = "".join(parts)
-        message: dict[str, Any] = {"role": "assistant", "content": reply}
-        if final.get("tool_calls"):
-            message = {"role": "assistant", "content": None,
-                       "tool_calls": _tool_calls(final["tool_calls"])}
-        body = {
-            "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
-            "created": int(time.time()), "model": req.model, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": _finish(final), "logprobs": None}],
-            "usage": _usage(final),
-        }
-        if sub.conversation_id is not None:
-            body["conversation_id"] = sub.conversation_id
+        body = await bodies.chat_completion(sub, req)
         # Stored before the caller sees the reply: its next turn must find this one.
-        await self.gateway.remember(sub, reply)
+        await self.gateway.remember(sub, body["choices"][0]["message"]["content"] or "")
         await _send_json(send, 200, body, sub.headers)
 
     async def _stream(self, rid: str, events: AsyncIterator[dict[str, Any]],
@@ -286,36 +263,18 @@ class LeanApp:
             elif event["t"] == "done":
                 if event.get("tool_calls"):
                     calls = [{"index": i, **call}
-                             for i, call in enumerate(_tool_calls(event["tool_calls"]))]
+                             for i, call in enumerate(bodies.tool_calls(event["tool_calls"]))]
                     await emit(event["seq"], chunk({"tool_calls": calls}))
-                await emit(event["seq"], chunk({}, _finish(event)))
+                await emit(event["seq"], chunk({}, bodies.finish_reason(event)))
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    await emit(event["seq"], {**base, "choices": [], "usage": _usage(event)})
+                    await emit(event["seq"], {**base, "choices": [], "usage": bodies.usage(event)})
         if before_done is not None:
             await before_done("".join(parts))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
 
     async def _embeddings(self, sub: Submitted, req: EmbeddingRequest, send: Send) -> None:
-        vectors: list[list[float]] = []
-        final: dict[str, Any] = {}
-        async for event in sub.events():
-            if event["t"] == "embedding":
-                vectors = event["data"]
-            elif event["t"] == "error":
-                raise error_from_event(event)
-            else:
-                final = event
-        data = []
-        for i, vector in enumerate(vectors):
-            value: Any = vector
-            if req.encoding_format == "base64":
-                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        tokens = final.get("usage", {}).get("prompt_tokens", 0)
-        await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
-                                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                         sub.headers)
+        await _send_json(send, 200, await bodies.embeddings(sub, req), sub.headers)
 
 
 def _parse_event_id(value: str | None) -> tuple[str, int] | None:
@@ -356,22 +315,6 @@ async def _with_heartbeats(events: AsyncIterator[dict[str, Any]],
             pending = asyncio.ensure_future(anext(events))
     finally:
         pending.cancel()
-
-
-def _finish(final: dict[str, Any]) -> str:
-    return {"length": "length", "tool_calls": "tool_calls"}.get(final.get("finish", ""), "stop")
-
-
-def _tool_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
-    return [{"id": c["id"], "type": "function",
-             "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-
-
-def _usage(final: dict[str, Any]) -> dict[str, int]:
-    usage = final.get("usage", {})
-    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
 
 
 def _audit_refusal(call: dict[str, Any], exc: ApiError) -> None:

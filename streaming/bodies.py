@@ -1,0 +1,77 @@
+"""OpenAI response bodies built from a call's events: written once, for the REST
+adapter and the Batch API alike."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from typing import Any
+
+from streaming.gateway import Submitted, error_from_event
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+
+
+def finish_reason(final: dict[str, Any]) -> str:
+    return {"length": "length", "tool_calls": "tool_calls"}.get(final.get("finish", ""), "stop")
+
+
+def tool_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+
+
+def usage(final: dict[str, Any]) -> dict[str, int]:
+    reported = final.get("usage", {})
+    prompt = reported.get("prompt_tokens", 0)
+    completion = reported.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
+    """A `chat.completion` from the call's events; a worker error raises its ApiError."""
+    parts: list[str] = []
+    final: dict[str, Any] = {}
+    async for event in sub.events():
+        if event["t"] == "delta":
+            parts.append(event["text"])
+        elif event["t"] == "error":
+            raise error_from_event(event)
+        else:
+            final = event
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
+    if final.get("tool_calls"):
+        message = {"role": "assistant", "content": None,
+                   "tool_calls": tool_calls(final["tool_calls"])}
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
+        "created": int(time.time()), "model": req.model, "system_fingerprint": None,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(final),
+                     "logprobs": None}],
+        "usage": usage(final),
+    }
+    if sub.conversation_id is not None:
+        body["conversation_id"] = sub.conversation_id
+    return body
+
+
+async def embeddings(sub: Submitted, req: EmbeddingRequest) -> dict[str, Any]:
+    vectors: list[list[float]] = []
+    final: dict[str, Any] = {}
+    async for event in sub.events():
+        if event["t"] == "embedding":
+            vectors = event["data"]
+        elif event["t"] == "error":
+            raise error_from_event(event)
+        else:
+            final = event
+    data = []
+    for i, vector in enumerate(vectors):
+        value: Any = vector
+        if req.encoding_format == "base64":
+            value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    tokens = final.get("usage", {}).get("prompt_tokens", 0)
+    return {"object": "list", "data": data, "model": req.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
