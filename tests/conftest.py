@@ -6,11 +6,18 @@ Everything runs against the real PostgreSQL and Redis the test command points at
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.test import Client
 
 from sluice.redis import sync_redis
@@ -20,6 +27,7 @@ from tenants.roles import Role
 from tenants.services import apikey_create
 
 PASSWORD = "correct horse battery staple"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -139,3 +147,23 @@ def assert_openai_error(response: Response, status: int) -> dict[str, Any]:
     assert isinstance(error["message"], str) and error["message"]
     assert "Traceback" not in error["message"]
     return error
+
+
+@pytest.fixture
+def celery_worker(transactional_db: None, tmp_path: Path) -> Iterator[None]:
+    """A real Celery worker process on the test broker and database (not eager mode)."""
+    db = connection.settings_dict
+    if connection.vendor != "postgresql":
+        pytest.skip("the worker process needs the shared test database")
+    url = (f"postgresql://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST'] or '127.0.0.1'}"
+           f":{db['PORT'] or 5432}/{db['NAME']}")
+    env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": settings.REDIS_URL,
+           "DJANGO_SETTINGS_MODULE": "sluice.settings.test", "SLUICE_STATE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sluice.celery", "worker",
+                             "--pool", "solo", "--loglevel", "WARNING", "--without-gossip",
+                             "--without-mingle"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield
+    proc.terminate()
+    proc.wait(20)
+

@@ -24,6 +24,7 @@ from sluice.errors import (
     Unprocessable,
 )
 from sluice.responses import error_response
+from streaming.api import router as batch_router
 from tenants.api import auth_router
 from tenants.api import router as tenants_router
 from tenants.authentication import authenticate
@@ -53,6 +54,7 @@ api.add_router("/api/v1/", inference_router)
 api.add_router("/api/v1/", governance_router)
 api.add_router("/v1/auth/", auth_router)
 api.add_router("/v1/", models_router)
+api.add_router("/v1/", batch_router)
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, str]:

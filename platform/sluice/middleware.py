@@ -28,6 +28,8 @@ class BodySizeLimitMiddleware:
         except ValueError:
             return error_response(BadRequest("Content-Length is not a number."))
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if request.path.rstrip("/") == "/v1/files":  # uploads: the Files API's own limit
+            limit = settings.SLUICE_MAX_FILE_BYTES
         if length > limit:
             return error_response(
                 PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit} bytes.")

@@ -5,12 +5,8 @@ API, and exports made by a real Celery worker."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
 from pathlib import Path
@@ -18,7 +14,6 @@ from typing import Any
 
 import openai
 import pytest
-from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import DatabaseError, connection, transaction
@@ -164,24 +159,6 @@ def test_auditor_reads_only_their_tenant_with_filters(org: Org) -> None:
 
 
 # -- exports with a real Celery worker --------------------------------------------------
-@pytest.fixture
-def celery_worker(tmp_path: Path) -> Iterator[None]:
-    db = connection.settings_dict
-    if connection.vendor != "postgresql":
-        pytest.skip("the worker process needs the shared test database")
-    url = (f"postgresql://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST'] or '127.0.0.1'}"
-           f":{db['PORT'] or 5432}/{db['NAME']}")
-    env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": settings.REDIS_URL,
-           "DJANGO_SETTINGS_MODULE": "sluice.settings.test", "SLUICE_STATE_DIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sluice.celery", "worker",
-                             "--pool", "solo", "--loglevel", "WARNING", "--without-gossip",
-                             "--without-mingle"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    yield
-    proc.terminate()
-    proc.wait(20)
-
-
 def test_export_runs_on_a_real_celery_worker(org: Org, celery_worker: None) -> None:
     put(org, 7, response_text="reply to jane@example.com")
     auditor = org.client(Role.AUDITOR)

@@ -14,3 +14,5 @@ SLUICE_STREAM_RESUME_GRACE_S = float(env_int("SLUICE_STREAM_RESUME_GRACE_MS", 10
 # A comment line on an SSE stream silent this long keeps proxies from closing it.
 SLUICE_SSE_HEARTBEAT_S = env_int("SLUICE_SSE_HEARTBEAT_MS", 15_000, minimum=10) / 1000
 SLUICE_REGISTRY_CACHE_TTL_S = env_int("SLUICE_REGISTRY_CACHE_TTL_S", 5, minimum=0)
+# Files API uploads (Batch API input); Django's own upload limit follows it.
+SLUICE_MAX_FILE_BYTES = env_int("SLUICE_MAX_FILE_BYTES", 100 * 1024 * 1024, minimum=1024)

@@ -1,0 +1,132 @@
+"""The OpenAI Files and Batch APIs (Django + ninja: these are not the hot path)."""
+
+# No `from __future__ import annotations`: ninja reads File/Form parameters' types.
+
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from django.http import HttpRequest, HttpResponse
+from ninja import File, Form, Router, Schema, UploadedFile
+from pydantic import Field, StringConstraints
+
+from sluice.schemas import StrictSchema
+from streaming import batches
+from streaming.models import Batch, StoredFile
+from tenants.api import actor_of
+
+router = Router(tags=["batch"])
+
+
+def _ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+def _file(row: StoredFile) -> dict[str, Any]:
+    return {"id": row.public_id, "object": "file", "bytes": row.bytes,
+            "created_at": _ts(row.created_at), "filename": row.filename,
+            "purpose": row.purpose, "status": "processed", "status_details": None}
+
+
+def _batch(row: Batch) -> dict[str, Any]:
+    return {
+        "id": row.public_id, "object": "batch", "endpoint": row.endpoint,
+        "errors": row.errors, "input_file_id": row.input_file.public_id,
+        "completion_window": row.completion_window, "status": row.status,
+        "output_file_id": row.output_file.public_id if row.output_file else None,
+        "error_file_id": row.error_file.public_id if row.error_file else None,
+        "created_at": _ts(row.created_at), "in_progress_at": _ts(row.in_progress_at),
+        "expires_at": _ts(row.expires_at), "finalizing_at": _ts(row.finalizing_at),
+        "completed_at": _ts(row.completed_at), "failed_at": _ts(row.failed_at),
+        "expired_at": None, "cancelling_at": _ts(row.cancelling_at),
+        "cancelled_at": _ts(row.cancelled_at),
+        "request_counts": {"total": row.total, "completed": row.completed,
+                           "failed": row.failed},
+        "metadata": row.metadata,
+    }
+
+
+class ListOut(Schema):
+    object: str = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+def _page(rows: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": rows, "has_more": has_more,
+            "first_id": rows[0]["id"] if rows else None,
+            "last_id": rows[-1]["id"] if rows else None}
+
+
+@router.post("/files", response={200: dict[str, Any]})
+def file_create(request: HttpRequest, file: File[UploadedFile],
+                purpose: Form[str]) -> dict[str, Any]:
+    row = batches.file_create(actor=actor_of(request), filename=file.name or "upload",
+                              purpose=purpose, content=file.read())
+    return _file(row)
+
+
+@router.get("/files", response=ListOut)
+def file_list(request: HttpRequest, limit: Annotated[int, Field(ge=1, le=100)] = 100,
+              after: str | None = None) -> dict[str, Any]:
+    rows = batches.file_list(actor=actor_of(request))
+    if after:
+        anchor = rows.filter(public_id=after).first()
+        rows = rows.filter(id__lt=anchor.pk) if anchor else rows.none()
+    page = list(rows[:limit + 1])
+    return _page([_file(r) for r in page[:limit]], len(page) > limit)
+
+
+@router.get("/files/{file_id}", response=dict[str, Any])
+def file_get(request: HttpRequest, file_id: str) -> dict[str, Any]:
+    return _file(batches.file_get(actor=actor_of(request), file_id=file_id))
+
+
+@router.get("/files/{file_id}/content")
+def file_content(request: HttpRequest, file_id: str) -> HttpResponse:
+    row = batches.file_get(actor=actor_of(request), file_id=file_id)
+    return HttpResponse(Path(row.path).read_bytes(), content_type="application/jsonl")
+
+
+@router.delete("/files/{file_id}", response=dict[str, Any])
+def file_delete(request: HttpRequest, file_id: str) -> dict[str, Any]:
+    row = batches.file_delete(actor=actor_of(request), file_id=file_id)
+    return {"id": row.public_id, "object": "file", "deleted": True}
+
+
+class BatchIn(StrictSchema):
+    input_file_id: Annotated[str, StringConstraints(max_length=64)]
+    endpoint: Annotated[str, StringConstraints(max_length=64)]
+    completion_window: Literal["24h"] = "24h"
+    metadata: dict[str, Annotated[str, StringConstraints(max_length=512)]] | None = None
+
+
+@router.post("/batches", response=dict[str, Any])
+def batch_create(request: HttpRequest, data: BatchIn) -> dict[str, Any]:
+    return _batch(batches.batch_create(actor=actor_of(request), input_file_id=data.input_file_id,
+                                       endpoint=data.endpoint,
+                                       completion_window=data.completion_window,
+                                       metadata=data.metadata))
+
+
+@router.get("/batches", response=ListOut)
+def batch_list(request: HttpRequest, limit: Annotated[int, Field(ge=1, le=100)] = 20,
+               after: str | None = None) -> dict[str, Any]:
+    rows = batches.batch_list(actor=actor_of(request))
+    if after:
+        anchor = rows.filter(public_id=after).first()
+        rows = rows.filter(id__lt=anchor.pk) if anchor else rows.none()
+    page = list(rows[:limit + 1])
+    return _page([_batch(r) for r in page[:limit]], len(page) > limit)
+
+
+@router.get("/batches/{batch_id}", response=dict[str, Any])
+def batch_get(request: HttpRequest, batch_id: str) -> dict[str, Any]:
+    return _batch(batches.batch_get(actor=actor_of(request), batch_id=batch_id))
+
+
+@router.post("/batches/{batch_id}/cancel", response=dict[str, Any])
+def batch_cancel(request: HttpRequest, batch_id: str) -> dict[str, Any]:
+    return _batch(batches.batch_cancel(actor=actor_of(request), batch_id=batch_id))

@@ -1,0 +1,330 @@
+"""The OpenAI Files and Batch APIs: services, selectors and the batch runner.
+
+A batch runs in a Celery job (`streaming.tasks.run_batch`): it validates the input
+JSONL, then sends every line through the same gateway pipeline as a live call (RBAC,
+model access, rate limits, quotas, breakers, audit with protocol "batch"), a few at a
+time, and writes OpenAI's output and error files. Results are appended to partial files
+as they finish, so a rerun (Celery redelivers a job whose worker died) skips the lines
+already done instead of running and billing them twice. Cancelling is noticed between
+lines; what finished stays in the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from datetime import timedelta
+from pathlib import Path
+from secrets import token_hex
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+from pydantic import ValidationError
+
+from sluice.db import async_db
+from sluice.errors import ApiError, BadRequest, Conflict, NotFound, PayloadTooLarge
+from streaming import bodies
+from streaming.gateway import Gateway
+from streaming.models import Batch, BatchStatus, StoredFile
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from tenants.models import ApiKey, Tenant
+from tenants.principal import AuthMethod, Principal
+from tenants.roles import Action, Role
+from tenants.selectors import require
+
+logger = logging.getLogger("sluice.batches")
+ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
+PURPOSES = ("batch",)
+MAX_LINES = 50_000
+CONCURRENCY = 8
+_TERMINAL = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.CANCELLED,
+             BatchStatus.EXPIRED)
+
+
+# -- files ----------------------------------------------------------------------------
+def _files_dir(tenant_id: int) -> Path:
+    path = Path(settings.STATE_DIR) / "files" / str(tenant_id)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _store(*, tenant_id: int, filename: str, purpose: str, content: bytes,
+           created_by: str) -> StoredFile:
+    public_id = f"file-{token_hex(12)}"
+    path = _files_dir(tenant_id) / public_id
+    path.write_bytes(content)
+    return StoredFile.objects.create(tenant_id=tenant_id, public_id=public_id,
+                                     filename=filename[:255], purpose=purpose,
+                                     bytes=len(content), path=str(path),
+                                     created_by=created_by)
+
+
+def file_create(*, actor: Principal, filename: str, purpose: str, content: bytes) -> StoredFile:
+    require(actor, Action.MODEL_USE)
+    if purpose not in PURPOSES:
+        raise BadRequest(f"purpose must be one of {', '.join(PURPOSES)}.", param="purpose")
+    if len(content) > settings.SLUICE_MAX_FILE_BYTES:
+        raise PayloadTooLarge(f"Files are limited to {settings.SLUICE_MAX_FILE_BYTES} bytes.")
+    return _store(tenant_id=actor.tenant_id, filename=filename, purpose=purpose,
+                  content=content, created_by=actor.subject)
+
+
+def file_list(*, actor: Principal) -> QuerySet[StoredFile]:
+    require(actor, Action.MODEL_USE)
+    return StoredFile.objects.filter(tenant_id=actor.tenant_id).order_by("-id")
+
+
+def file_get(*, actor: Principal, file_id: str) -> StoredFile:
+    row = file_list(actor=actor).filter(public_id=file_id).first()
+    if row is None:
+        raise NotFound(f"No such file: '{file_id[:64]}'.", param="file_id")
+    return row
+
+
+def file_delete(*, actor: Principal, file_id: str) -> StoredFile:
+    row = file_get(actor=actor, file_id=file_id)
+    if Batch.objects.filter(input_file=row).exclude(status__in=_TERMINAL).exists():
+        raise Conflict("The file is the input of a running batch.", param="file_id")
+    Path(row.path).unlink(missing_ok=True)
+    with transaction.atomic():
+        Batch.objects.filter(output_file=row).update(output_file=None)
+        Batch.objects.filter(error_file=row).update(error_file=None)
+        if not Batch.objects.filter(input_file=row).exists():
+            row.delete()
+    return row
+
+
+# -- batches --------------------------------------------------------------------------
+def _frozen(principal: Principal) -> dict[str, Any]:
+    data = dataclasses.asdict(principal)
+    if data["allowed_models"] is not None:
+        data["allowed_models"] = sorted(data["allowed_models"])
+    return data
+
+
+def _thawed(data: dict[str, Any]) -> Principal:
+    models = data.get("allowed_models")
+    return Principal(**{**data, "role": Role(data["role"]), "method": AuthMethod(data["method"]),
+                        "allowed_models": frozenset(models) if models is not None else None})
+
+
+@transaction.atomic
+def batch_create(*, actor: Principal, input_file_id: str, endpoint: str,
+                 completion_window: str, metadata: dict[str, str] | None) -> Batch:
+    require(actor, Action.MODEL_USE)
+    if endpoint not in ENDPOINTS:
+        raise BadRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
+    if completion_window != "24h":
+        raise BadRequest("completion_window must be '24h'.", param="completion_window")
+    source = file_get(actor=actor, file_id=input_file_id)
+    if source.purpose != "batch":
+        raise BadRequest("The input file's purpose must be 'batch'.", param="input_file_id")
+    batch = Batch.objects.create(
+        tenant_id=actor.tenant_id, public_id=f"batch_{token_hex(12)}", endpoint=endpoint,
+        input_file=source, metadata=metadata, principal=_frozen(actor),
+        expires_at=timezone.now() + timedelta(hours=24))
+    from sluice.auditlog import admin_action
+    from streaming.tasks import run_batch
+
+    admin_action(actor=actor, action="batch.create", target=batch.public_id,
+                 detail={"endpoint": endpoint})
+    transaction.on_commit(lambda: run_batch.delay(batch.pk))
+    return batch
+
+
+def batch_list(*, actor: Principal) -> QuerySet[Batch]:
+    require(actor, Action.MODEL_USE)
+    return Batch.objects.filter(tenant_id=actor.tenant_id).select_related(
+        "input_file", "output_file", "error_file").order_by("-id")
+
+
+def batch_get(*, actor: Principal, batch_id: str) -> Batch:
+    row = batch_list(actor=actor).filter(public_id=batch_id).first()
+    if row is None:
+        raise NotFound(f"No such batch: '{batch_id[:64]}'.", param="batch_id")
+    return row
+
+
+@transaction.atomic
+def batch_cancel(*, actor: Principal, batch_id: str) -> Batch:
+    batch = batch_get(actor=actor, batch_id=batch_id)
+    if batch.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+        Batch.objects.filter(pk=batch.pk).update(status=BatchStatus.CANCELLING,
+                                                 cancelling_at=timezone.now())
+        batch.refresh_from_db()
+    elif batch.status != BatchStatus.CANCELLING:
+        raise Conflict(f"The batch is {batch.status}; it cannot be cancelled.")
+    return batch
+
+
+# -- the runner -----------------------------------------------------------------------
+def _validate(batch: Batch) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(requests, errors) of the input file, errors in OpenAI's shape."""
+    errors: list[dict[str, Any]] = []
+    lines: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    raw = Path(batch.input_file.path).read_text(encoding="utf-8", errors="replace")
+    for number, text in enumerate(raw.splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            item = json.loads(text)
+        except ValueError:
+            errors.append({"code": "invalid_json_line", "line": number,
+                           "message": "This line is not valid JSON."})
+            continue
+        if not isinstance(item, dict) or not isinstance(item.get("custom_id"), str) \
+                or not isinstance(item.get("body"), dict):
+            errors.append({"code": "invalid_request", "line": number,
+                           "message": "Each line needs a custom_id and a body object."})
+        elif item.get("method", "POST") != "POST" or item.get("url") != batch.endpoint:
+            errors.append({"code": "mismatched_endpoint", "line": number,
+                           "message": f"url must be {batch.endpoint} and method POST."})
+        elif item["custom_id"] in seen:
+            errors.append({"code": "duplicate_custom_id", "line": number,
+                           "message": "custom_id values must be unique."})
+        else:
+            seen.add(item["custom_id"])
+            lines.append(item)
+    if not lines and not errors:
+        errors.append({"code": "empty_file", "line": None, "message": "The file is empty."})
+    if len(lines) > MAX_LINES:
+        errors.append({"code": "too_many_requests", "line": None,
+                       "message": f"A batch holds at most {MAX_LINES} requests."})
+    return lines, errors
+
+
+def _done_ids(*paths: Path) -> set[str]:
+    done = set()
+    for path in paths:
+        if path.exists():
+            for text in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    done.add(json.loads(text)["custom_id"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a crash is run again
+    return done
+
+
+def run(batch_id: int) -> str:
+    batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
+    if batch is None or batch.status in _TERMINAL:
+        return batch.status if batch else "missing"
+    principal = _thawed(batch.principal)
+    tenant_ok = Tenant.objects.filter(pk=principal.tenant_id, is_active=True).exists()
+    key_ok = principal.key_id is None or any(
+        k.is_usable() for k in ApiKey.objects.filter(pk=principal.key_id))
+    lines, errors = _validate(batch)
+    if errors or not tenant_ok or not key_ok:
+        if not (tenant_ok and key_ok):
+            errors = [{"code": "credential_revoked", "line": None,
+                       "message": "The tenant or API key behind this batch was disabled."}]
+        Batch.objects.filter(pk=batch.pk).update(
+            status=BatchStatus.FAILED, failed_at=timezone.now(),
+            errors={"object": "list", "data": errors[:100]})
+        return BatchStatus.FAILED
+    Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+        status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), total=len(lines))
+    work = _files_dir(batch.tenant_id)
+    out_part, err_part = work / f"{batch.public_id}.out.part", work / f"{batch.public_id}.err.part"
+    done = _done_ids(out_part, err_part)
+    todo = [line for line in lines if line["custom_id"] not in done]
+    asyncio.run(_process(batch, principal, todo, out_part, err_part))
+    return _finish(batch, principal, out_part, err_part)
+
+
+async def _process(batch: Batch, principal: Principal, todo: list[dict[str, Any]],
+                   out_part: Path, err_part: Path) -> None:
+    gateway = Gateway()
+    gate = asyncio.Semaphore(CONCURRENCY)
+    cancelled = asyncio.Event()
+    completed = failed = 0
+
+    async def watch() -> None:
+        while not cancelled.is_set():
+            status = await async_db(lambda: Batch.objects.filter(pk=batch.pk).values_list(
+                "status", flat=True).first())()
+            if status == BatchStatus.CANCELLING:
+                cancelled.set()
+                return
+            await asyncio.sleep(0.5)
+
+    async def one(item: dict[str, Any]) -> None:
+        nonlocal completed, failed
+        async with gate:
+            if cancelled.is_set():
+                return
+            status, body, rid = await _call(gateway, principal, batch.endpoint, item["body"])
+            line = json.dumps({"id": f"batch_req_{token_hex(12)}",
+                               "custom_id": item["custom_id"],
+                               "response": {"status_code": status, "request_id": rid,
+                                            "body": body}, "error": None})
+            with (out_part if status == 200 else err_part).open("a", encoding="utf-8") as f:
+                f.write(line + "\n")
+            if status == 200:
+                completed += 1
+            else:
+                failed += 1
+            if (completed + failed) % 20 == 0:
+                await async_db(lambda: Batch.objects.filter(pk=batch.pk).update(
+                    completed=completed, failed=failed))()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(*(one(item) for item in todo))
+    finally:
+        cancelled.set()
+        watcher.cancel()
+        await gateway.close()
+
+
+async def _call(gateway: Gateway, principal: Principal, endpoint: str,
+                body: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+    """One line through the pipeline: (status, OpenAI body or error body, request id)."""
+    try:
+        try:
+            if endpoint == "/v1/embeddings":
+                emb = EmbeddingRequest.model_validate(body)
+                sub = await gateway.embed(principal, emb, protocol="batch")
+                return 200, await bodies.embeddings(sub, emb), sub.handle.rid
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            raise BadRequest(f"Invalid value for '{param}': {first.get('msg')}",
+                             param=param) from None
+        if req.stream:
+            raise BadRequest("stream is not supported in a batch.", param="stream")
+        sub = await gateway.chat(principal, req, protocol="batch")
+        return 200, await bodies.chat_completion(sub, req), sub.handle.rid
+    except ApiError as exc:
+        return exc.status, exc.body(), ""
+
+
+def _finish(batch: Batch, principal: Principal, out_part: Path, err_part: Path) -> str:
+    Batch.objects.filter(pk=batch.pk).update(finalizing_at=timezone.now())
+    outputs: dict[str, StoredFile | None] = {}
+    counts = []
+    for name, part in (("output", out_part), ("error", err_part)):
+        content = part.read_bytes() if part.exists() else b""
+        counts.append(content.count(b"\n"))
+        outputs[name] = _store(
+            tenant_id=batch.tenant_id, filename=f"{batch.public_id}_{name}.jsonl",
+            purpose="batch_output", content=content, created_by=principal.subject,
+        ) if content else None
+        part.unlink(missing_ok=True)
+    current = Batch.objects.get(pk=batch.pk)
+    final = (BatchStatus.CANCELLED if current.status == BatchStatus.CANCELLING
+             else BatchStatus.COMPLETED)
+    now = timezone.now()
+    Batch.objects.filter(pk=batch.pk).update(
+        status=final, output_file=outputs["output"], error_file=outputs["error"],
+        completed=counts[0], failed=counts[1],
+        completed_at=now if final == BatchStatus.COMPLETED else None,
+        cancelled_at=now if final == BatchStatus.CANCELLED else None)
+    return final
