@@ -327,6 +327,12 @@ RECOGNIZERS: list[tuple[str, Recognizer]] = [
 ]
 
 
+# Every built-in recognizer needs one of these to match at all: digits (SSN, cards,
+# phones, IBANs, IPv4), "@" (emails), ":" (IPv6), or a secret's fixed prefix. Text with
+# none of them (most prose) skips the recognizers in one C-speed scan.
+_TRIGGER = re.compile(r"[0-9@:]|eyJ|[spr]k-|AKIA|gh[pousr]_|xox[abprs]-|(?i:bearer)")
+
+
 def find(text: str, extra: Iterable[tuple[str, re.Pattern[str]]] = ()) -> list[Span]:
     """Non-overlapping spans to redact, in order. Recognizers claim text in priority
     order (the validated structures first, phones last, a tenant's patterns after)."""
@@ -344,8 +350,9 @@ def find(text: str, extra: Iterable[tuple[str, re.Pattern[str]]] = ()) -> list[S
             bisect.insort(starts, span.start)
             chosen[span.start] = span
 
-    for _, recognizer in RECOGNIZERS:
-        claim(recognizer(text, free))
+    if _TRIGGER.search(text):
+        for _, recognizer in RECOGNIZERS:
+            claim(recognizer(text, free))
     for label, pattern in extra:
         claim(_simple(pattern, label)(text, free))
     return [chosen[s] for s in starts]
