@@ -103,7 +103,7 @@ class Admission:
             status = int(final.get("status", 500)) if final["t"] == "error" else 200
         else:
             status = error.status if isinstance(error, ApiError) else 499  # client left
-        audit.record_call(
+        self.governor.recorder.audit(audit.call_event(
             principal=self.principal, action=self.action, model=self.spec.name,
             protocol=self.protocol, status=status,
             latency_ms=(time.monotonic() - self.started) * 1000,
@@ -112,7 +112,7 @@ class Admission:
             request_id=self.request_id, request_text=self.request_text,
             response_text="".join(self.reply), patterns=self.patterns,
             detail={"finish": (final or {}).get("finish"), "probe": self.probe,
-                    "degraded": self.max_tokens_cap is not None})
+                    "degraded": self.max_tokens_cap is not None}))
 
 
 class Governor:

@@ -1,12 +1,15 @@
 """The audit log: one event per API call and per admin action, redacted, hash-chained
 per tenant, written off the hot path.
 
-Writing: `record_call` (the gateway's settlement) and `record_action` (services, on
-commit) hand a finished event to the process's `AuditWriter`, a thread that inserts
-batches (every FLUSH_S or BATCH events). A batch runs in one transaction that locks the
-chains it extends (`AuditChain` rows, SELECT ... FOR UPDATE), so several processes
-extend one tenant's chain without forking it. A clean shutdown drains the buffer
-(`close()`, also at interpreter exit); a crash loses at most FLUSH_S of events.
+Writing is two-staged, so that no gateway spends its CPU on database inserts: events
+(redacted where they are made) are appended to a Redis stream — the gateway's in its
+governance recorder's pipeline, every 100 ms; services' on commit — and a writer process
+(`manage.py auditwriter`, started by the run command) moves them into the database in
+batches. A batch runs in one transaction that locks the chains it extends (`AuditChain`
+rows, SELECT ... FOR UPDATE), so several writers extend a chain without forking it.
+Entries are acknowledged after their batch commits and carry their stream id into the
+row (`source`, unique), so a writer crash loses nothing and a redelivery inserts
+nothing twice. A gateway crash loses at most its last 100 ms of events.
 
 Chaining: hash_n = SHA-256(hash_{n-1} || canonical JSON of event n's content); the
 first event of a chain follows 64 zeros (or the purge anchor). `verify()` recomputes
@@ -15,12 +18,12 @@ every chain and names the first event that does not fit.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import logging
-import queue
+import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -30,12 +33,13 @@ from typing import Any
 
 from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
+from redis import exceptions as redis_errors
 
 from governance.models import AuditChain, AuditEvent
 from governance.redaction import redact
+from sluice.redis import sync_redis
 
 logger = logging.getLogger("sluice.audit")
-FLUSH_S = 0.2
 BATCH = 500
 EXCERPT_CHARS = 500
 PLATFORM_CHAIN = "platform"
@@ -85,122 +89,143 @@ def _fields_of(event: AuditEvent) -> dict[str, Any]:
     return {name: getattr(event, name) for name in HASHED}
 
 
-class AuditWriter:
-    def __init__(self) -> None:
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
+STREAM = "sluice:audit:events"
+GROUP = "writers"
+STREAM_MAXLEN = 1_000_000  # bounds Redis memory if no writer runs for a long time
+_CLAIM_IDLE_MS = 60_000
 
-    def put(self, event: dict[str, Any]) -> None:
-        self._idle.clear()
-        self._queue.put(event)
-        if self._thread is None or not self._thread.is_alive():
-            with self._lock:
-                if self._thread is None or not self._thread.is_alive():
-                    self._thread = threading.Thread(target=self._run, name="sluice-audit",
-                                                    daemon=True)
-                    self._thread.start()
 
-    def _run(self) -> None:
-        while True:
-            batch: list[dict[str, Any]] = []
+def to_wire(event: dict[str, Any]) -> str:
+    return json.dumps({**event, "at": event["at"].isoformat()}, default=str)
+
+
+def from_wire(raw: bytes | str) -> dict[str, Any]:
+    event = json.loads(raw)
+    event["at"] = datetime.fromisoformat(event["at"])
+    return event
+
+
+def emit(event: dict[str, Any]) -> None:
+    """Append an event to the audit stream now (sync callers; the gateway batches its
+    events in the governance recorder's pipeline instead)."""
+    sync_redis().xadd(STREAM, {"e": to_wire(event)}, maxlen=STREAM_MAXLEN, approximate=True)
+
+
+def write_events(batch: list[dict[str, Any]]) -> int:
+    """Insert events, extending each chain under its row lock. Events carry their stream
+    id as `source`; one already stored (a redelivery) is skipped. Returns rows written."""
+    with transaction.atomic():
+        sources = [e["source"] for e in batch if e.get("source")]
+        seen = set(AuditEvent.objects.filter(source__in=sources).values_list(
+            "source", flat=True)) if sources else set()
+        batch = [e for e in batch if not e.get("source") or e["source"] not in seen]
+        if not batch:
+            return 0
+        names = sorted({e["chain"] for e in batch})
+        for name in names:
+            AuditChain.objects.get_or_create(chain=name)
+        heads = {c.chain: c for c in
+                 AuditChain.objects.select_for_update().filter(chain__in=names)
+                 .order_by("chain")}
+        rows = []
+        for fields in batch:
+            head = heads[fields["chain"]]
+            head.seq += 1
+            fields = {**fields, "seq": head.seq}
+            digest = chain_hash(head.last_hash, fields)
+            rows.append(AuditEvent(prev_hash=head.last_hash, hash=digest, **fields))
+            head.last_hash = digest
+        AuditEvent.objects.bulk_create(rows)
+        for head in heads.values():
+            head.save(update_fields=["seq", "last_hash"])
+        return len(rows)
+
+
+class Consumer:
+    """Moves events from the stream into the database in batches (`manage.py
+    auditwriter`, which the run command starts). Several may run: a consumer group hands
+    each entry to one, entries of a consumer that died are claimed after a minute, and
+    an entry is acknowledged only after its batch committed (at least once; the
+    `source` id makes the insert idempotent)."""
+
+    def __init__(self, name: str | None = None, batch: int = BATCH) -> None:
+        self.redis = sync_redis()
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.batch = batch
+        try:
+            self.redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+        except redis_errors.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def run_once(self, block_ms: int | None = None) -> int:
+        """One batch: claimed stale entries first, then new ones. Returns entries done."""
+        _, stale, _ = self.redis.xautoclaim(STREAM, GROUP, self.name, _CLAIM_IDLE_MS,
+                                            count=self.batch)
+        entries = list(stale)
+        if len(entries) < self.batch:
+            reply = self.redis.xreadgroup(GROUP, self.name, {STREAM: ">"},
+                                          count=self.batch - len(entries), block=block_ms)
+            for _stream, items in reply or []:
+                entries += items
+        entries = [(i, f) for i, f in entries if f]  # a deleted entry comes back empty
+        if not entries:
+            return 0
+        events = []
+        for entry_id, fields in entries:
             try:
-                item = self._queue.get(timeout=FLUSH_S)
-            except queue.Empty:
-                if self._queue.empty():
-                    self._idle.set()
+                event = from_wire(fields[b"e"])
+            except (KeyError, ValueError):
+                logger.error("audit stream entry %s is malformed; dropped", entry_id)
                 continue
-            stop = item is None
-            if item is not None:
-                batch.append(item)
-            deadline = time.monotonic() + FLUSH_S
-            while not stop and len(batch) < BATCH:
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                else:
-                    batch.append(item)
-            if batch:
-                self._write(batch)
-            if self._queue.empty():
-                self._idle.set()
-            if stop:
-                return
+            event["source"] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            events.append(event)
+        write_events(events)
+        ids = [i for i, _ in entries]
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(STREAM, GROUP, *ids)
+        pipe.xdel(STREAM, *ids)
+        pipe.execute()
+        return len(entries)
 
-    def _write(self, batch: list[dict[str, Any]]) -> None:
-        for attempt in range(3):
+    def serve(self, stop: threading.Event, block_ms: int = 1000) -> None:
+        while not stop.is_set():
             try:
-                write_events(batch)
-                return
+                self.run_once(block_ms)
             except Exception:
-                logger.exception("audit batch of %d failed (attempt %d)", len(batch),
-                                 attempt + 1)
+                logger.exception("audit writer: batch failed; retrying")
                 close_old_connections()
-                time.sleep(0.2 * (attempt + 1))
-        logger.error("audit batch of %d events dropped after 3 attempts", len(batch))
-
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until everything put so far is written."""
-        return self._idle.wait(timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout_s)
+                stop.wait(1.0)
 
 
-def write_events(batch: list[dict[str, Any]]) -> None:
-    """Insert events, extending each chain under its row lock."""
-    try:
-        with transaction.atomic():
-            names = sorted({e["chain"] for e in batch})
-            for name in names:
-                AuditChain.objects.get_or_create(chain=name)
-            heads = {c.chain: c for c in
-                     AuditChain.objects.select_for_update().filter(chain__in=names)
-                     .order_by("chain")}
-            rows = []
-            for fields in batch:
-                head = heads[fields["chain"]]
-                head.seq += 1
-                fields = {**fields, "seq": head.seq}
-                digest = chain_hash(head.last_hash, fields)
-                rows.append(AuditEvent(prev_hash=head.last_hash, hash=digest, **fields))
-                head.last_hash = digest
-            AuditEvent.objects.bulk_create(rows)
-            for head in heads.values():
-                head.save(update_fields=["seq", "last_hash"])
-    finally:
-        # The writer thread owns its connection; give it back between batches.
-        if threading.current_thread() is not threading.main_thread():
-            connection.close()
-
-
-_writer = AuditWriter()
-atexit.register(_writer.close)
-
-
-def writer() -> AuditWriter:
-    return _writer
+def drain(settle_s: float = 0.3, timeout_s: float = 30.0) -> int:
+    """Write everything in the stream now, until it stays empty for `settle_s` (tests,
+    and operators before a verification)."""
+    consumer = Consumer(name=f"drain-{os.getpid()}")
+    done, quiet_since = 0, time.monotonic()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        n = consumer.run_once(block_ms=50)
+        done += n
+        if n:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= settle_s:
+            break
+    return done
 
 
 def _chain_of(tenant_slug: str | None) -> str:
     return tenant_slug or PLATFORM_CHAIN
 
 
-def record_call(*, principal: Any, action: str, model: str, protocol: str, status: int,
-                latency_ms: float, prompt_tokens: int = 0, completion_tokens: int = 0,
-                request_id: str = "", trace_id: str = "", request_text: str = "",
-                response_text: str = "", detail: dict[str, Any] | None = None,
-                patterns: Iterable[tuple[str, re.Pattern[str]]] = ()) -> None:
-    """An API call, as the gateway saw it end (or refused it); `patterns`: the tenant's
-    own redaction patterns, on top of the built-in recognizers."""
-    _writer.put({
+def call_event(*, principal: Any, action: str, model: str, protocol: str, status: int,
+               latency_ms: float, prompt_tokens: int = 0, completion_tokens: int = 0,
+               request_id: str = "", trace_id: str = "", request_text: str = "",
+               response_text: str = "", detail: dict[str, Any] | None = None,
+               patterns: Iterable[tuple[str, re.Pattern[str]]] = ()) -> dict[str, Any]:
+    """An API call as an audit event, redacted (`patterns`: the tenant's own, on top of
+    the built-in recognizers)."""
+    return {
         "chain": _chain_of(principal.tenant_slug), "at": timezone.now(),
         "tenant_id": principal.tenant_id, "actor": principal.subject,
         "role": str(principal.role), "key_prefix": principal.key_prefix, "action": action,
@@ -212,12 +237,17 @@ def record_call(*, principal: Any, action: str, model: str, protocol: str, statu
         "request_excerpt": excerpt(request_text, patterns=patterns),
         "response_excerpt": excerpt(response_text, patterns=patterns),
         "detail": _clean(detail or {}),
-    })
+    }
+
+
+def record_call(**kwargs: Any) -> None:
+    """An API call, from sync code (the gateway batches `call_event`s instead)."""
+    emit(call_event(**kwargs))
 
 
 def record_action(*, actor: Any, action: str, target: str = "", status: int = 200,
                   detail: dict[str, Any] | None = None) -> None:
-    """An admin action (a service's write); recorded when the transaction commits."""
+    """An admin action (a service's write); emitted when the transaction commits."""
     event = {
         "chain": _chain_of(getattr(actor, "tenant_slug", None)), "at": timezone.now(),
         "tenant_id": getattr(actor, "tenant_id", None),
@@ -228,7 +258,14 @@ def record_action(*, actor: Any, action: str, target: str = "", status: int = 20
         "trace_id": "", "request_excerpt": "", "response_excerpt": "",
         "detail": _clean(detail or {}),
     }
-    transaction.on_commit(lambda: _writer.put(event))
+
+    def send() -> None:
+        try:
+            emit(event)
+        except Exception:  # the action happened; losing its record must be loud
+            logger.exception("audit event for %s could not be queued", action)
+
+    transaction.on_commit(send)
 
 
 def _clean(detail: dict[str, Any]) -> dict[str, Any]:

@@ -260,12 +260,18 @@ class AuditEvent(models.Model):
     request_excerpt = models.TextField(blank=True, default="")
     response_excerpt = models.TextField(blank=True, default="")
     detail = models.JSONField(default=dict, blank=True)
+    # The audit stream entry it came from (redeliveries are not inserted twice).
+    source = models.CharField(max_length=40, blank=True, default="")
 
     objects = AuditQuerySet.as_manager()
 
     class Meta:
         ordering = ["chain", "seq"]
-        constraints = [models.UniqueConstraint(fields=["chain", "seq"], name="audit_chain_seq")]
+        constraints = [
+            models.UniqueConstraint(fields=["chain", "seq"], name="audit_chain_seq"),
+            models.UniqueConstraint(fields=["source"], condition=~models.Q(source=""),
+                                    name="audit_source_once"),
+        ]
         indexes = [models.Index(fields=["tenant", "at"]), models.Index(fields=["at"])]
 
     def __str__(self) -> str:

@@ -7,10 +7,10 @@ trip; idle, a call's settlement is written within a round trip of its end). Coun
 that only need totals are summed in-process and written at most every FLUSH_S: usage
 for billing, the latency histograms of the adaptive limits, and the outcomes that feed
 the breakers (one script call per deployment per flush, so a breaker reacts within
-FLUSH_S).
+FLUSH_S). Audit events ride along: appended to the audit stream with each flush.
 
-A gateway that crashes loses at most FLUSH_S of these counters; its open reservations
-expire at their deadline. Redis failing a flush loses that flush (logged), never a call.
+A gateway that crashes loses at most FLUSH_S of these counters and audit events; its
+open reservations expire at their deadline. Redis failing a flush loses that flush (logged), never a call.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from governance import breaker, signals, usage
+from governance import audit, breaker, signals, usage
 from governance.models import BreakerPolicy
 from sluice.redis import ScriptBatch
 
@@ -42,9 +42,10 @@ class _Pending:
     latency: dict[str, dict[int, int]] = field(default_factory=dict)
     outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
         default_factory=dict)
+    audit: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.writes or self.usage or self.latency or self.outcomes)
+        return bool(self.writes or self.usage or self.latency or self.outcomes or self.audit)
 
 
 class Recorder:
@@ -74,6 +75,11 @@ class Recorder:
         histogram = self._pending.latency.setdefault(deployment, {})
         bucket = signals.bucket_of(ms)
         histogram[bucket] = histogram.get(bucket, 0) + 1
+        self._ensure_running()
+
+    def audit(self, event: dict[str, Any]) -> None:
+        """An audit event, appended to the audit stream with the next flush."""
+        self._pending.audit.append(audit.to_wire(event))
         self._ensure_running()
 
     def outcome(self, deployment: str, policy: BreakerPolicy, outcome: breaker.Outcome,
@@ -111,6 +117,8 @@ class Recorder:
                         requests=requests, prompt=prompt, completion=completion)
         for deployment, histogram in pending.latency.items():
             signals.record_latencies(pipe, deployment, histogram)
+        for wire in pending.audit:
+            pipe.xadd(audit.STREAM, {"e": wire}, maxlen=audit.STREAM_MAXLEN, approximate=True)
         names = list(pending.outcomes)
         for name in names:
             policy, calls = pending.outcomes[name]
@@ -119,9 +127,9 @@ class Recorder:
         try:
             replies = await batch.run_async()
         except RedisError:
-            logger.warning("governance flush failed (Redis): %d settlements and the "
-                           "counters of %.1f s lost", len(pending.writes), FLUSH_S,
-                           exc_info=True)
+            logger.warning("governance flush failed (Redis): %d settlements, %d audit "
+                           "events and the counters of %.1f s lost", len(pending.writes),
+                           len(pending.audit), FLUSH_S, exc_info=True)
             return
         for name, reply in zip(names, replies[len(replies) - len(names):], strict=True):
             if reply == b"open":

@@ -94,7 +94,7 @@ class LeanApp:
         except ClientGone:
             return
         except ApiError as exc:
-            _audit_refusal(call, exc)
+            _audit_refusal(self.gateway, call, exc)
             if not started:
                 await _send_json(send, exc.status, exc.body(), exc.headers)
         except Exception:
@@ -317,7 +317,7 @@ async def _with_heartbeats(events: AsyncIterator[dict[str, Any]],
         pending.cancel()
 
 
-def _audit_refusal(call: dict[str, Any], exc: ApiError) -> None:
+def _audit_refusal(gateway: Gateway, call: dict[str, Any], exc: ApiError) -> None:
     """A call refused before it was admitted (bad input, permissions, limits, quotas,
     shedding) is audited here; an admitted one by its settlement. Unauthenticated calls
     are not audited: there is no tenant to file them under (they are counted in logs)."""
@@ -326,9 +326,9 @@ def _audit_refusal(call: dict[str, Any], exc: ApiError) -> None:
         if principal is None:
             logger.info("unauthenticated call refused: %s", exc.code)
         return
-    audit.record_call(principal=principal, action=call.get("action", "unknown"),
-                      model=str(call.get("model", ""))[:100],
-                      protocol=call.get("protocol", "rest"), status=exc.status,
-                      latency_ms=(time.monotonic() - call["began"]) * 1000,
-                      detail={"code": exc.code, "type": exc.type})
+    gateway.governor.recorder.audit(audit.call_event(
+        principal=principal, action=call.get("action", "unknown"),
+        model=str(call.get("model", ""))[:100], protocol=call.get("protocol", "rest"),
+        status=exc.status, latency_ms=(time.monotonic() - call["began"]) * 1000,
+        detail={"code": exc.code, "type": exc.type}))
 

@@ -83,7 +83,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             "--host", args.host, "--port", str(args.port), "--workers", str(args.workers),
             "--no-access-log", "--lifespan", "on", "--timeout-graceful-shutdown", "5",
         ])
-        # Celery: the periodic jobs (usage rollup) and, later, batch and export jobs.
+        # The audit writer: events from the Redis stream into the database.
+        group.start("auditwriter", [sys.executable, str(REPO / "manage.py"), "auditwriter"])
+        # Celery: periodic jobs (usage rollup, audit retention), exports, batches.
         group.start("celery", [
             sys.executable, "-m", "celery", "-A", "sluice.celery", "worker", "--beat",
             "--pool", "solo", "--loglevel", "WARNING",
@@ -131,7 +133,8 @@ Sluice is running.
   Redis                       {redis_url}{redis_note}
   Model workers               {", ".join(models) or "none"} (the first start converts
                               the chat model's shipped weights once: ~30 s)
-  Celery                      worker + beat (usage rollup every minute)
+  Celery                      worker + beat (usage rollup, audit retention, exports,
+                              batches); audit writer
 
   Login     {user} / {password}   (tenant {tenant}, platform admin)
   API key   {key}   (developer)

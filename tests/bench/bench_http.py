@@ -4,7 +4,7 @@ Both run under uvicorn with one worker process on loopback; wrk (Debian package 
 drives them with the same connections and duration. Sluice's side is the full path a
 client takes today: bearer API key (cached), model lookup (cached), governance admission,
 enqueue on Redis, one echo worker (no model compute), events back, settlement, JSON
-response. It is measured twice: with no policies (breaker and shedding checks only), and
+response; the audit writer process moves the audit events into the database meanwhile. It is measured twice: with no policies (breaker and shedding checks only), and
 "governed": a tenant rate limit, a per-model rate limit and a daily token quota (limits
 far above what the run reaches), so every request runs the bucket and quota scripts.
 
@@ -108,6 +108,7 @@ def main() -> None:
         group.start("sluice", [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"])
         group.start("worker", [sys.executable, str(REPO / "manage.py"), "runworker",
                                "--deployment", "echo"])
+        group.start("auditwriter", [sys.executable, str(REPO / "manage.py"), "auditwriter"])
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
         full = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", args.connections,
@@ -125,6 +126,7 @@ def main() -> None:
         group.start("sluice", [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"])
         group.start("worker", [sys.executable, str(REPO / "manage.py"), "runworker",
                                "--deployment", "echo"])
+        group.start("auditwriter", [sys.executable, str(REPO / "manage.py"), "auditwriter"])
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
         governed = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions",

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def events(chain: str) -> list[AuditEvent]:
-    audit.writer().flush()
+    audit.drain()
     return list(AuditEvent.objects.filter(chain=chain).order_by("seq"))
 
 
@@ -41,7 +41,7 @@ def put(chain_org: Org, n: int, **extra: Any) -> None:
         audit.record_call(principal=principal, action="chat.completions", model="echo",
                           protocol="rest", status=200, latency_ms=i,
                           request_text=f"call {i}", **extra)
-    audit.writer().flush()
+    audit.drain()
 
 
 @pytest.fixture

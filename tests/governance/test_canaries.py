@@ -107,7 +107,7 @@ def test_no_canary_leaves_the_platform(live: Live, tiny: str, settings: Any,
         raise ValueError(f"cannot parse {CANARIES['card']}")
     except ValueError:
         logging.getLogger("sluice.test").exception("failed")
-    audit.writer().flush()
+    audit.drain()
     # an auditor's export of everything
     export = AuditExport.objects.create(tenant=org.tenant, requested_by="t", format="jsonl")
     exported = Path(exports.run(export.pk)).read_text()

@@ -67,7 +67,7 @@ def live(transactional_db: None) -> Iterator[Live]:
     yield Live(f"http://127.0.0.1:{port}/v1", workers)
     server.should_exit = True
     serving.join(10)
-    audit.writer().flush()  # the audit thread's last batch lands before the tables go
+    audit.drain()  # the audit stream's last events land before the tables go
     for worker in workers.values():
         worker.stopping.set()
     for thread in threads:
