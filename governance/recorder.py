@@ -10,7 +10,8 @@ the breakers (one script call per deployment per flush, so a breaker reacts with
 FLUSH_S). Audit events ride along: appended to the audit stream with each flush.
 
 A gateway that crashes loses at most FLUSH_S of these counters and audit events; its
-open reservations expire at their deadline. Redis failing a flush loses that flush (logged), never a call.
+open reservations expire at their deadline. Redis failing a flush loses that flush
+(logged), never a call.
 """
 
 from __future__ import annotations

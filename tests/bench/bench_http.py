@@ -4,7 +4,8 @@ Both run under uvicorn with one worker process on loopback; wrk (Debian package 
 drives them with the same connections and duration. Sluice's side is the full path a
 client takes today: bearer API key (cached), model lookup (cached), governance admission,
 enqueue on Redis, one echo worker (no model compute), events back, settlement, JSON
-response; the audit writer process moves the audit events into the database meanwhile. It is measured twice: with no policies (breaker and shedding checks only), and
+response; the audit writer process moves the audit events into the database meanwhile.
+It is measured twice: with no policies (breaker and shedding checks only), and
 "governed": a tenant rate limit, a per-model rate limit and a daily token quota (limits
 far above what the run reaches), so every request runs the bucket and quota scripts.
 
