@@ -3,10 +3,11 @@
     authenticate (cached) -> RBAC (model.use) -> model access (allow-list, enabled,
     kind) -> validate limits -> governance admission (rate limits, quota reservation,
     load shedding, memory guard, circuit breaker) -> enqueue on the deployment's queue
-    -> events back (Submitted.events) -> governance settlement (real usage)
+    -> events back (Submitted.events) -> governance settlement (real usage) and the
+    call's audit event
 
-Audit (the governance issue's second half) plugs in beside the settlement, so that REST,
-SSE, gRPC and WebSocket get it at once.
+Every adapter (REST, SSE, the Batch API; gRPC and WebSocket next) goes through here, so
+each gets limits, quotas, breakers and audit at once.
 """
 
 from __future__ import annotations
