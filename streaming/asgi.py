@@ -18,11 +18,15 @@ import orjson
 from django.conf import settings
 from pydantic import TypeAdapter, ValidationError
 
-from governance import audit
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from streaming import bodies
 from streaming.gateway import Gateway, Submitted, error_from_event
-from streaming.schemas import ChatCompletionRequest, ConversationId, EmbeddingRequest
+from streaming.schemas import (
+    ChatCompletionRequest,
+    ConversationId,
+    EmbeddingRequest,
+    validation_error,
+)
 
 logger = logging.getLogger("sluice.streaming")
 Scope = dict[str, Any]
@@ -33,19 +37,6 @@ _JSON = [(b"content-type", b"application/json")]
 
 class ClientGone(Exception):
     pass
-
-
-def _validation_error(exc: ValidationError) -> BadRequest:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    if first.get("type") == "extra_forbidden":
-        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param,
-                          code="unknown_parameter")
-    if first.get("type") == "missing":
-        return BadRequest(f"Missing required parameter: '{param}'.", param=param,
-                          code="missing_required_parameter")
-    return BadRequest(f"Invalid value for '{param}': {first.get('msg')}", param=param,
-                      code="invalid_value")
 
 
 async def _send_json(send: Send, status: int, body: Any,
@@ -94,7 +85,11 @@ class LeanApp:
         except ClientGone:
             return
         except ApiError as exc:
-            _audit_refusal(self.gateway, call, exc)
+            if call.get("principal") is not None and not call.get("admitted"):
+                self.gateway.refused(call["principal"], exc, action=call.get("action", ""),
+                                     model=str(call.get("model", "")),
+                                     protocol=call.get("protocol", "rest"),
+                                     began=call["began"])
             if not started:
                 await _send_json(send, exc.status, exc.body(), exc.headers)
         except Exception:
@@ -136,7 +131,7 @@ class LeanApp:
                 return
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as exc:
-            raise _validation_error(exc) from None
+            raise validation_error(exc) from None
         call["model"], call["protocol"] = req.model, "sse" if req.stream else "rest"
         resume = _parse_event_id(headers.get("last-event-id"))
         if req.last_offset is not None:
@@ -315,20 +310,3 @@ async def _with_heartbeats(events: AsyncIterator[dict[str, Any]],
             pending = asyncio.ensure_future(anext(events))
     finally:
         pending.cancel()
-
-
-def _audit_refusal(gateway: Gateway, call: dict[str, Any], exc: ApiError) -> None:
-    """A call refused before it was admitted (bad input, permissions, limits, quotas,
-    shedding) is audited here; an admitted one by its settlement. Unauthenticated calls
-    are not audited: there is no tenant to file them under (they are counted in logs)."""
-    principal = call.get("principal")
-    if principal is None or call.get("admitted"):
-        if principal is None:
-            logger.info("unauthenticated call refused: %s", exc.code)
-        return
-    gateway.governor.recorder.audit(audit.call_event(
-        principal=principal, action=call.get("action", "unknown"),
-        model=str(call.get("model", ""))[:100], protocol=call.get("protocol", "rest"),
-        status=exc.status, latency_ms=(time.monotonic() - call["began"]) * 1000,
-        detail={"code": exc.code, "type": exc.type}))
-

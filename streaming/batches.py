@@ -31,7 +31,7 @@ from sluice.errors import ApiError, BadRequest, Conflict, NotFound, PayloadTooLa
 from streaming import bodies
 from streaming.gateway import Gateway
 from streaming.models import Batch, BatchStatus, StoredFile
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
 from tenants.models import ApiKey, Tenant
 from tenants.principal import AuthMethod, Principal
 from tenants.roles import Action, Role
@@ -294,10 +294,7 @@ async def _call(gateway: Gateway, principal: Principal, endpoint: str,
                 return 200, await bodies.embeddings(sub, emb), sub.handle.rid
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ())) or None
-            raise BadRequest(f"Invalid value for '{param}': {first.get('msg')}",
-                             param=param) from None
+            raise validation_error(exc) from None
         if req.stream:
             raise BadRequest("stream is not supported in a batch.", param="stream")
         sub = await gateway.chat(principal, req, protocol="batch")

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 
+from governance import audit
 from governance.admission import Admission, Governor
 from governance.redaction import redact
 from inference.cache import enabled_spec
@@ -197,14 +199,33 @@ class Gateway:
             self._client = None
 
     async def _submit(self, principal: Principal, spec: DeploymentSpec,
-                      body: dict[str, Any], admission: Admission, **kw: Any) -> RequestHandle:
+                      body: dict[str, Any], admission: Admission,
+                      timeout_s: float | None = None, **kw: Any) -> RequestHandle:
+        """Enqueue; the deadline is the server's timeout, or the caller's if sooner."""
+        limit = float(settings.SLUICE_REQUEST_TIMEOUT_S)
+        if timeout_s is not None:
+            if timeout_s <= 0:
+                await admission.release()
+                raise DeadlineExceeded("The request's deadline passed before it was queued.")
+            limit = min(limit, timeout_s)
         try:
             return await self.client.submit(spec, tenant=principal.tenant_slug, body=body,
-                                            timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S,
-                                            priority=principal.priority, **kw)
+                                            timeout_s=limit, priority=principal.priority,
+                                            **kw)
         except BaseException:
             await admission.release()
             raise
+
+    def refused(self, principal: Principal, exc: ApiError, *, action: str, model: str,
+                protocol: str, began: float) -> None:
+        """Audit a call refused before admission (bad input, permissions, limits, quotas,
+        shedding); an admitted call is audited by its settlement. Unauthenticated calls
+        are not audited: there is no tenant to file them under."""
+        self.governor.recorder.audit(audit.call_event(
+            principal=principal, action=action or "unknown", model=model[:100],
+            protocol=protocol, status=exc.status,
+            latency_ms=(time.monotonic() - began) * 1000,
+            detail={"code": exc.code, "type": exc.type}))
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization or not authorization.lower().startswith("bearer "):
@@ -226,7 +247,8 @@ class Gateway:
 
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
                    idempotency_key: str | None = None,
-                   conversation_id: str | None = None, protocol: str = "rest") -> Submitted:
+                   conversation_id: str | None = None, protocol: str = "rest",
+                   timeout_s: float | None = None) -> Submitted:
         spec = await self._model(principal, req.model, Kind.CHAT)
         conversation_id = req.conversation_id or conversation_id
         history = (await async_db(conversation_history)(actor=principal,
@@ -263,7 +285,7 @@ class Gateway:
             # token counts with the model's own tokenizer).
             "history": history,
         }
-        handle = await self._submit(principal, spec, body, admission,
+        handle = await self._submit(principal, spec, body, admission, timeout_s=timeout_s,
                                     idempotency_key=idempotency_key)
         return Submitted(principal, spec, handle, admission, conversation_id,
                          [_message(m) for m in req.messages])
@@ -278,7 +300,7 @@ class Gateway:
                 actor=sub.principal, public_id=sub.conversation_id, messages=messages)
 
     async def embed(self, principal: Principal, req: EmbeddingRequest, *,
-                    protocol: str = "rest") -> Submitted:
+                    protocol: str = "rest", timeout_s: float | None = None) -> Submitted:
         spec = await self._model(principal, req.model, Kind.EMBEDDING)
         if req.dimensions is not None:
             raise BadRequest("This model does not support choosing dimensions.",
@@ -290,5 +312,6 @@ class Gateway:
             principal, spec, tokens=sum(prompt_bound([t], spec) for t in inputs))
         admission.action, admission.protocol = "embeddings", protocol
         admission.request_text = inputs[0]
-        handle = await self._submit(principal, spec, {"input": inputs}, admission)
+        handle = await self._submit(principal, spec, {"input": inputs}, admission,
+                                    timeout_s=timeout_s)
         return Submitted(principal, spec, handle, admission)

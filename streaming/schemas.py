@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from sluice.errors import BadRequest
 
 ConversationId = Annotated[str, StringConstraints(pattern=r"^conv_[0-9a-f]{24}$")]
 
@@ -77,3 +79,17 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+def validation_error(exc: ValidationError) -> BadRequest:
+    """A request body's first validation error as OpenAI words it."""
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    if first.get("type") == "extra_forbidden":
+        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param,
+                          code="unknown_parameter")
+    if first.get("type") == "missing":
+        return BadRequest(f"Missing required parameter: '{param}'.", param=param,
+                          code="missing_required_parameter")
+    return BadRequest(f"Invalid value for '{param}': {first.get('msg')}", param=param,
+                      code="invalid_value")

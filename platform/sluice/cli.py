@@ -83,6 +83,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             "--host", args.host, "--port", str(args.port), "--workers", str(args.workers),
             "--no-access-log", "--lifespan", "on", "--timeout-graceful-shutdown", "5",
         ])
+        grpc_address = f"{args.host}:{args.grpc_port}"
+        group.start("grpc", [sys.executable, str(REPO / "manage.py"), "rungrpc",
+                             "--address", grpc_address])
         # The audit writer: events from the Redis stream into the database.
         group.start("auditwriter", [sys.executable, str(REPO / "manage.py"), "auditwriter"])
         # Celery: periodic jobs (usage rollup, audit retention), exports, batches.
@@ -97,8 +100,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "--deployment", deployment.name,
             ])
         _wait_ready(f"{base}/readyz", 60, group)
-        print(_banner(base, redis_url, redis_started, creds, [d.name for d in deployments]),
-              flush=True)
+        print(_banner(base, redis_url, redis_started, creds, [d.name for d in deployments],
+                      grpc_address), flush=True)
         exited = group.wait()
         if exited is not None:
             _say(f"process {exited[0]!r} exited with code {exited[1]}; stopping everything")
@@ -115,7 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _banner(base: str, redis_url: str, redis_started: Started | None, creds: object,
-            models: list[str]) -> str:
+            models: list[str], grpc_address: str) -> str:
     key = getattr(creds, "api_key", "")
     user, password = getattr(creds, "username", ""), getattr(creds, "password", "")
     tenant = getattr(creds, "tenant", "")
@@ -126,6 +129,7 @@ def _banner(base: str, redis_url: str, redis_started: Started | None, creds: obj
     return f"""
 Sluice is running.
   OpenAI-compatible base URL  {base}/v1
+  gRPC (sluice.v1.Inference)  {grpc_address}   (reflection on: grpcurl -plaintext)
   Management API docs         {base}/api/docs
   Readiness                   {base}/readyz
   JWKS                        {base}/.well-known/jwks.json
@@ -198,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"))
     run.add_argument("--port", type=int, default=int(os.environ.get("SLUICE_PORT", "8000")))
     run.add_argument("--workers", type=int, default=int(os.environ.get("SLUICE_HTTP_WORKERS", "1")))
+    run.add_argument("--grpc-port", type=int,
+                     default=int(os.environ.get("SLUICE_GRPC_PORT", "50051")))
     test = sub.add_parser("test", help="run the test suite (extra args go to pytest)")
     test.add_argument("--no-lint", action="store_true")
     sub.add_parser("manage", help="Django management commands", add_help=False)

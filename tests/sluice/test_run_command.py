@@ -45,7 +45,7 @@ def _port_open(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    port, dead_redis_port = free_port(), free_port()
+    port, dead_redis_port, grpc_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL",
                                                             "DJANGO_SETTINGS_MODULE")}
     env.update({
@@ -54,7 +54,8 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         "REDIS_URL": f"redis://127.0.0.1:{dead_redis_port}/0",
         "PYTHONUNBUFFERED": "1",
     })
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "run", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "run", "--port", str(port),
+                             "--grpc-port", str(grpc_port)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     assert proc.stdout is not None
@@ -160,6 +161,34 @@ def test_oversized_chunked_body_is_413_over_a_real_socket(running: Running) -> N
     assert b" 413 " in status_line, response[:300]
     payload = json.loads(rest.split(b"\r\n\r\n", 1)[1])
     assert payload["error"]["code"] == "payload_too_large"
+
+
+def test_grpc_answers_with_the_printed_key(running: Running) -> None:
+    import asyncio
+
+    import grpc
+
+    from streaming.protos import inference_pb2, inference_pb2_grpc
+
+    match = re.search(r"gRPC \(sluice\.v1\.Inference\)\s+(\S+)", running.banner)
+    assert match, running.banner
+
+    async def models() -> list[str]:
+        async with grpc.aio.insecure_channel(match.group(1)) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            for _ in range(100):  # the server process may still be starting
+                try:
+                    reply = await stub.ListModels(
+                        inference_pb2.ListModelsRequest(),
+                        metadata=(("authorization", f"Bearer {running.key}"),), timeout=5)
+                    return [m.id for m in reply.data]
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    await asyncio.sleep(0.2)
+            raise AssertionError("gRPC server did not answer")
+
+    assert "echo" in asyncio.run(models())
 
 
 def _children(pid: int) -> set[int]:

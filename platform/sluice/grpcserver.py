@@ -1,0 +1,69 @@
+"""The gRPC server bootstrap: grpcio's asyncio server in its own process
+(`manage.py rungrpc`, which the run command starts), serving `sluice.v1.Inference`,
+standard health checking and server reflection (so grpcurl works).
+
+Connection settings follow the platform's seed: connections idle for 5 minutes are
+closed, keepalive pings every 30 s, at most 1000 concurrent streams per connection, and
+bounded message sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from django.conf import settings
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from streaming.grpc_service import SERVICE, InferenceServicer
+from streaming.protos import inference_pb2, inference_pb2_grpc
+
+logger = logging.getLogger("sluice.grpc")
+
+OPTIONS = [
+    ("grpc.max_connection_idle_ms", 5 * 60 * 1000),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_concurrent_streams", 1000),
+]
+
+
+def message_options() -> list[tuple[str, int]]:
+    size = int(settings.SLUICE_MAX_INFERENCE_BODY_BYTES)
+    return [("grpc.max_receive_message_length", size),
+            ("grpc.max_send_message_length", max(size, 16 * 1024 * 1024))]
+
+
+async def build(address: str) -> tuple[grpc.aio.Server, InferenceServicer, int]:
+    """A started server on `address` ("host:port"; port 0 picks one)."""
+    server = grpc.aio.server(options=OPTIONS + message_options())
+    servicer = InferenceServicer()
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    checker = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    names = (inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    await server.start()
+    for name in ("", SERVICE):
+        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, servicer, port
+
+
+async def serve(address: str) -> None:
+    server, servicer, port = await build(address)
+    logger.info("gRPC serving %s on port %d", SERVICE, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=5)
+    await servicer.close()

@@ -1,0 +1,237 @@
+"""The gRPC adapter (`sluice.v1.Inference`): translates protobuf to the gateway
+pipeline's calls and its results back, nothing else. Auth, RBAC, limits, quotas,
+breakers and audit are the pipeline's, exactly as for REST.
+
+Errors become gRPC statuses (the message is the redacted OpenAI message; trailing
+metadata carries `error-type`, `error-code`, and on RESOURCE_EXHAUSTED/UNAVAILABLE
+`retry-after` and gRPC's own `grpc-retry-pushback-ms`). A client deadline becomes the
+request's queue deadline; a cancelled call cancels its generation on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from pydantic import ValidationError
+
+from inference.selectors import models_for
+from sluice.db import async_db
+from sluice.errors import ApiError
+from streaming import bodies
+from streaming.gateway import Gateway, Submitted, error_from_event
+from streaming.protos import inference_pb2 as pb
+from streaming.protos import inference_pb2_grpc as pb_grpc
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
+from tenants.principal import Principal
+
+T = TypeVar("T")
+SERVICE = "sluice.v1.Inference"
+
+STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.FAILED_PRECONDITION, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def status_of(exc: ApiError) -> grpc.StatusCode:
+    return STATUS.get(exc.status, grpc.StatusCode.INTERNAL)
+
+
+def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
+    data: dict[str, Any] = {"model": msg.model, "messages": []}
+    for m in msg.messages:
+        item: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name:
+            item["name"] = m.name
+        if m.tool_call_id:
+            item["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            item["content"] = m.content or None
+            item["tool_calls"] = [{"id": c.id, "type": c.type or "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls]
+        data["messages"].append(item)
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if msg.HasField(name):
+            data[name] = getattr(msg, name)
+    if msg.stop:
+        data["stop"] = list(msg.stop)
+    if msg.tools:
+        data["tools"] = [{"type": t.type or "function", "function": {
+            "name": t.function.name, "description": t.function.description or None,
+            "parameters": MessageToDict(t.function.parameters)
+            if t.function.HasField("parameters") else None}} for t in msg.tools]
+    if msg.tool_choice in ("auto", "none", "required"):
+        data["tool_choice"] = msg.tool_choice
+    elif msg.tool_choice:
+        data["tool_choice"] = {"type": "function", "function": {"name": msg.tool_choice}}
+    if msg.conversation_id:
+        data["conversation_id"] = msg.conversation_id
+    if msg.user:
+        data["user"] = msg.user
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _usage(usage: dict[str, int]) -> pb.Usage:
+    return pb.Usage(prompt_tokens=usage["prompt_tokens"],
+                    completion_tokens=usage["completion_tokens"],
+                    total_tokens=usage["total_tokens"])
+
+
+def _tool_calls(calls: list[dict[str, Any]]) -> list[pb.ToolCall]:
+    return [pb.ToolCall(id=c["id"], type="function", index=i, function=pb.FunctionCall(
+        name=c["function"]["name"], arguments=c["function"]["arguments"]))
+        for i, c in enumerate(calls)]
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self) -> None:
+        self.gateway = Gateway()
+
+    async def close(self) -> None:
+        await self.gateway.close()
+
+    async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        metadata = {k.lower(): v for k, v in context.invocation_metadata() or ()}
+        value = metadata.get("authorization")
+        return await self.gateway.authenticate(value if isinstance(value, str) else None)
+
+    @staticmethod
+    def _timeout(context: grpc.aio.ServicerContext) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None else float(remaining)
+
+    async def _guard(self, context: grpc.aio.ServicerContext, action: str, model: str,
+                     run: Callable[[Principal, dict[str, bool]], Awaitable[T]]) -> T:
+        """Authenticate, run, and turn ApiErrors into statuses. A call refused before
+        admission is audited here; `run` marks admission in its dict (the settlement
+        audits admitted calls)."""
+        began = time.monotonic()
+        principal: Principal | None = None
+        call = {"admitted": False}
+        try:
+            principal = await self._principal(context)
+            return await run(principal, call)
+        except ApiError as exc:
+            if principal is not None and not call["admitted"]:
+                self.gateway.refused(principal, exc, action=action, model=model,
+                                     protocol="grpc", began=began)
+            await _abort(context, exc)
+            raise  # unreachable: abort() raises
+
+    async def Chat(self, request: pb.ChatRequest,
+                   context: grpc.aio.ServicerContext) -> pb.ChatResponse:
+        async def run(principal: Principal, call: dict[str, bool]) -> pb.ChatResponse:
+            req = _chat_request(request)
+            sub = await self.gateway.chat(principal, req, protocol="grpc",
+                                          timeout_s=self._timeout(context))
+            call["admitted"] = True
+            try:
+                body = await bodies.chat_completion(sub, req)
+            except asyncio.CancelledError:
+                await _cancel(sub)
+                raise
+            message = body["choices"][0]["message"]
+            await self.gateway.remember(sub, message["content"] or "")
+            return pb.ChatResponse(
+                id=body["id"], model=body["model"], finish_reason=body["choices"][0][
+                    "finish_reason"], usage=_usage(body["usage"]),
+                conversation_id=body.get("conversation_id") or "",
+                message=pb.ChatMessage(role="assistant", content=message["content"] or "",
+                                       tool_calls=_tool_calls(message.get("tool_calls") or [])))
+        return await self._guard(context, "chat.completions", request.model, run)
+
+    async def ChatStream(self, request: pb.ChatRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatChunk]:
+        began = time.monotonic()
+        principal: Principal | None = None
+        sub: Submitted | None = None
+        try:
+            principal = await self._principal(context)
+            req = _chat_request(request)
+            sub = await self.gateway.chat(principal, req, protocol="grpc",
+                                          timeout_s=self._timeout(context))
+            rid, parts = f"chatcmpl-{sub.handle.rid}", []
+            async for event in sub.events():
+                if event["t"] == "delta" and event["text"]:
+                    parts.append(event["text"])
+                    yield pb.ChatChunk(id=rid, delta=event["text"])
+                elif event["t"] == "error":
+                    raise error_from_event(event)
+                elif event["t"] == "done":
+                    yield pb.ChatChunk(
+                        id=rid, finish_reason=bodies.finish_reason(event),
+                        tool_calls=_tool_calls(bodies.tool_calls(event.get("tool_calls") or [])),
+                        usage=_usage(bodies.usage(event)))
+            await self.gateway.remember(sub, "".join(parts))
+        except ApiError as exc:
+            if principal is not None and sub is None:
+                self.gateway.refused(principal, exc, action="chat.completions",
+                                     model=request.model, protocol="grpc", began=began)
+            await _abort(context, exc)
+        except asyncio.CancelledError:
+            if sub is not None:
+                await _cancel(sub)
+            raise
+
+    async def Embed(self, request: pb.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        async def run(principal: Principal, call: dict[str, bool]) -> pb.EmbedResponse:
+            try:
+                req = EmbeddingRequest.model_validate({"model": request.model,
+                                                       "input": list(request.input)})
+            except ValidationError as exc:
+                raise validation_error(exc) from None
+            sub = await self.gateway.embed(principal, req, protocol="grpc",
+                                           timeout_s=self._timeout(context))
+            call["admitted"] = True
+            body = await bodies.embeddings(sub, req)
+            return pb.EmbedResponse(model=body["model"], usage=pb.Usage(
+                prompt_tokens=body["usage"]["prompt_tokens"],
+                total_tokens=body["usage"]["total_tokens"]),
+                data=[pb.Embedding(index=d["index"], embedding=d["embedding"])
+                      for d in body["data"]])
+        return await self._guard(context, "embeddings", request.model, run)
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        async def run(principal: Principal, call: dict[str, bool]) -> pb.ListModelsResponse:
+            rows = await async_db(lambda: list(models_for(actor=principal)))()
+            return pb.ListModelsResponse(data=[
+                pb.Model(id=d.name, created=int(d.created_at.timestamp()), owned_by="sluice")
+                for d in rows])
+        return await self._guard(context, "models.list", "", run)
+
+
+async def _cancel(sub: Submitted) -> None:
+    """The client went away: stop the generation (billed what was made)."""
+    with contextlib.suppress(Exception):
+        await asyncio.shield(sub.handle.cancel())
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ApiError) -> None:
+    error = exc.body()["error"]
+    trailing = [("error-type", error["type"]), ("error-code", str(error["code"] or ""))]
+    retry = exc.headers.get("Retry-After")
+    if retry is not None and retry.isdigit():
+        trailing += [("retry-after", retry),
+                     ("grpc-retry-pushback-ms", str(int(retry) * 1000))]
+    elif status_of(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        seconds = getattr(exc, "retry_after_s", 1.0)
+        trailing += [("grpc-retry-pushback-ms", str(math.ceil(seconds * 1000)))]
+    context.set_trailing_metadata(tuple(trailing))
+    await context.abort(status_of(exc), error["message"])

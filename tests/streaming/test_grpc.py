@@ -1,0 +1,197 @@
+"""The gRPC adapter with a real grpc.aio client against the real grpcio server (its own
+event loop, in a thread here), over the same pipeline and workers as REST."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import redis
+from django.conf import settings
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from governance import audit, breaker
+from governance import cache as policy_cache
+from governance.models import AuditEvent, BreakerPolicy, Quota
+from inference.models import Deployment
+from sluice.grpcserver import build
+from streaming.protos import inference_pb2 as pb
+from streaming.protos import inference_pb2_grpc as pb_grpc
+from tenants.roles import Role
+from tests.conftest import Org, make_org
+from tests.streaming.conftest import Live
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def grpc_target(live: Live) -> Iterator[str]:
+    started: dict[str, Any] = {}
+    stop = threading.Event()
+
+    def run() -> None:
+        async def main() -> None:
+            server, servicer, port = await build("127.0.0.1:0")
+            started["port"] = port
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            await server.stop(grace=1)
+            await servicer.close()
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while "port" not in started:
+        assert time.monotonic() < deadline, "gRPC server did not start"
+        time.sleep(0.02)
+    yield f"127.0.0.1:{started['port']}"
+    stop.set()
+    thread.join(10)
+
+
+@pytest.fixture
+def org(live: Live) -> Org:
+    return make_org("grpcorg", [Role.DEVELOPER, Role.AUDITOR])
+
+
+def call(target: str, method: str, request: Any, *, key: str | None = None,
+         timeout: float = 30) -> Any:
+    async def go() -> Any:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            metadata = (("authorization", f"Bearer {key}"),) if key else ()
+            rpc = getattr(stub, method)
+            if method == "ChatStream":
+                return [chunk async for chunk in rpc(request, metadata=metadata,
+                                                     timeout=timeout)]
+            return await rpc(request, metadata=metadata, timeout=timeout)
+    return asyncio.run(go())
+
+
+def status_of(target: str, method: str, request: Any, **kw: Any) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        call(target, method, request, **kw)
+    return caught.value
+
+
+def chat(text: str, model: str = "echo", **kw: Any) -> pb.ChatRequest:
+    return pb.ChatRequest(model=model, messages=[pb.ChatMessage(role="user", content=text)],
+                          **kw)
+
+
+def test_every_rpc(grpc_target: str, org: Org) -> None:
+    key = org.keys[Role.DEVELOPER]
+    reply = call(grpc_target, "Chat", chat("hello grpc"), key=key)
+    assert reply.message.content == "hello grpc" and reply.finish_reason == "stop"
+    assert reply.usage.completion_tokens == len("hello grpc") and reply.id.startswith("chatcmpl-")
+    chunks = call(grpc_target, "ChatStream", chat("stream me please"), key=key)
+    assert "".join(c.delta for c in chunks) == "stream me please"
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].usage.total_tokens > 0
+    emb = call(grpc_target, "Embed", pb.EmbedRequest(model="minilm", input=["a", "b c"]),
+               key=key)
+    assert [e.index for e in emb.data] == [0, 1] and len(emb.data[0].embedding) == 384
+    models = call(grpc_target, "ListModels", pb.ListModelsRequest(), key=key)
+    assert {"echo", "minilm"} <= {m.id for m in models.data}
+    capped = call(grpc_target, "Chat", chat("abcdefgh", max_tokens=3), key=key)
+    assert capped.message.content == "abc" and capped.finish_reason == "length"
+
+
+def test_status_mapping(grpc_target: str, org: Org, live: Live) -> None:
+    key = org.keys[Role.DEVELOPER]
+    assert status_of(grpc_target, "Chat", chat("x")).code() == grpc.StatusCode.UNAUTHENTICATED
+    assert status_of(grpc_target, "Chat", chat("x"), key="sk-sluice-bad-key").code() == \
+        grpc.StatusCode.UNAUTHENTICATED
+    denied = status_of(grpc_target, "Chat", chat("x"), key=org.keys[Role.AUDITOR])
+    assert denied.code() == grpc.StatusCode.PERMISSION_DENIED
+    missing = status_of(grpc_target, "Chat", chat("x", model="nope"), key=key)
+    assert missing.code() == grpc.StatusCode.NOT_FOUND and "nope" in (missing.details() or "")
+    invalid = status_of(grpc_target, "Chat", chat("x", temperature=5.0), key=key)
+    assert invalid.code() == grpc.StatusCode.INVALID_ARGUMENT
+    trailing = dict(invalid.trailing_metadata() or ())
+    assert trailing["error-type"] == "invalid_request_error"
+    Quota.objects.create(tenant=org.tenant, model="echo", period="minute", max_requests=1)
+    policy_cache.clear()
+    call(grpc_target, "Chat", chat("first"), key=key)
+    exhausted = status_of(grpc_target, "Chat", chat("second"), key=key)
+    assert exhausted.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailing = dict(exhausted.trailing_metadata() or ())
+    assert trailing["error-code"] == "quota_exceeded"
+    assert int(trailing["grpc-retry-pushback-ms"]) >= 1000
+    # an open circuit breaker: UNAVAILABLE with a retry hint
+    policy, _ = BreakerPolicy.objects.update_or_create(
+        deployment=Deployment.objects.get(name="minilm"),
+        defaults={"min_calls": 1, "window_size": 1, "open_wait_s": 30})
+    policy_cache.clear()
+    redis.Redis.from_url(settings.REDIS_URL).eval(
+        breaker.RECORD_LUA, 4, *breaker.keys("minilm"),
+        *breaker.record_args("", [(breaker.Outcome.FAILURE, 5.0)], policy))
+    time.sleep(0.25)
+    unavailable = status_of(grpc_target, "Embed", pb.EmbedRequest(model="minilm", input=["a"]),
+                            key=key)
+    assert unavailable.code() == grpc.StatusCode.UNAVAILABLE
+    trailing = dict(unavailable.trailing_metadata() or ())
+    assert trailing["error-code"] == "circuit_open" and int(trailing["retry-after"]) >= 1
+
+
+def test_another_tenants_conversation_is_not_found(grpc_target: str, org: Org) -> None:
+    other = make_org("grpcother", [Role.DEVELOPER])
+    theirs = other.client(Role.DEVELOPER).post("/api/v1/conversations", {"title": "t"})
+    err = status_of(grpc_target, "Chat", chat("x", conversation_id=theirs.body["id"]),
+                    key=org.keys[Role.DEVELOPER])
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    mine = call(grpc_target, "Chat", chat("x", conversation_id=theirs.body["id"]),
+                key=other.keys[Role.DEVELOPER])
+    assert mine.conversation_id == theirs.body["id"]
+
+
+def test_deadline_propagates(grpc_target: str, org: Org) -> None:
+    err = status_of(grpc_target, "Chat", chat("z" * 200, model="slow-echo"),
+                    key=org.keys[Role.DEVELOPER], timeout=0.5)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_cancel_mid_stream_reaches_the_worker(grpc_target: str, org: Org, live: Live) -> None:
+    async def go() -> int:
+        async with grpc.aio.insecure_channel(grpc_target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            stream = stub.ChatStream(chat("y" * 300, model="slow-echo"), metadata=(
+                ("authorization", f"Bearer {org.keys[Role.DEVELOPER]}"),))
+            got = 0
+            async for _chunk in stream:
+                got += 1
+                if got == 3:
+                    stream.cancel()
+                    break
+            return got
+    assert asyncio.run(go()) == 3
+    worker = live.workers["slow-echo"]
+    deadline = time.monotonic() + 10
+    while worker.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker.active, "the generation kept running after the client cancelled"
+    audit.drain()
+    rows = AuditEvent.objects.filter(tenant=org.tenant, protocol="grpc")
+    assert rows.exists()
+
+
+def test_health_and_reflection(grpc_target: str) -> None:
+    async def go() -> tuple[Any, list[str]]:
+        async with grpc.aio.insecure_channel(grpc_target) as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="sluice.v1.Inference"))
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            names: list[str] = []
+            async for reply in stub.ServerReflectionInfo(iter([
+                    reflection_pb2.ServerReflectionRequest(list_services="")])):
+                names += [s.name for s in reply.list_services_response.service]
+            return health, names
+    health, names = asyncio.run(go())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert "sluice.v1.Inference" in names and "grpc.health.v1.Health" in names
