@@ -20,7 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from streaming import bodies
-from streaming.gateway import Gateway, Submitted, error_from_event
+from streaming.gateway import Submitted, error_from_event, shared_gateway
 from streaming.schemas import (
     ChatCompletionRequest,
     ConversationId,
@@ -65,7 +65,7 @@ class LeanApp:
     ROUTES = {"/v1/chat/completions", "/v1/embeddings"}
 
     def __init__(self) -> None:
-        self.gateway = Gateway()
+        self.gateway = shared_gateway()
         self._background: set[asyncio.Task[None]] = set()
 
     def handles(self, path: str) -> bool:

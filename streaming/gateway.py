@@ -315,3 +315,16 @@ class Gateway:
         handle = await self._submit(principal, spec, {"input": inputs}, admission,
                                     timeout_s=timeout_s)
         return Submitted(principal, spec, handle, admission)
+
+
+_shared: Gateway | None = None
+
+
+def shared_gateway() -> Gateway:
+    """The process's gateway, shared by the lean HTTP app and the WebSocket consumers
+    (one Redis client and one governance recorder per event loop)."""
+    global _shared
+    if _shared is None:
+        _shared = Gateway()
+    return _shared
+

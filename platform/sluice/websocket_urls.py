@@ -1,7 +1,13 @@
-"""WebSocket routes (the realtime chat socket arrives with the gRPC/WebSocket issue)."""
+"""WebSocket routes."""
 
 from __future__ import annotations
 
 from typing import Any
 
-websocket_urlpatterns: list[Any] = []
+from django.urls import path
+
+from streaming.consumers import RealtimeConsumer
+
+websocket_urlpatterns: list[Any] = [
+    path("v1/realtime", RealtimeConsumer.as_asgi()),
+]

@@ -4,6 +4,7 @@ event loop, in a thread here), over the same pipeline and workers as REST."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -195,3 +196,22 @@ def test_health_and_reflection(grpc_target: str) -> None:
     health, names = asyncio.run(go())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert "sluice.v1.Inference" in names and "grpc.health.v1.Health" in names
+
+
+def test_tool_calls_over_grpc(grpc_target: str, org: Org, tiny: str) -> None:
+    from google.protobuf.struct_pb2 import Struct
+
+    params = Struct()
+    params.update({"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]})
+    request = chat("weather in Paris?", model=tiny, max_tokens=200, tool_choice="get_weather",
+                   tools=[pb.Tool(type="function", function=pb.FunctionDef(
+                       name="get_weather", description="Weather", parameters=params))])
+    reply = call(grpc_target, "Chat", request, key=org.keys[Role.DEVELOPER])
+    assert reply.finish_reason == "tool_calls"
+    (tool_call,) = reply.message.tool_calls
+    assert tool_call.function.name == "get_weather"
+    assert "city" in json.loads(tool_call.function.arguments)
+    chunks = call(grpc_target, "ChatStream", request, key=org.keys[Role.DEVELOPER])
+    assert chunks[-1].finish_reason == "tool_calls"
+    assert chunks[-1].tool_calls[0].function.name == "get_weather"
