@@ -3,14 +3,12 @@ a quota's current use, a breaker's state and window, the effective adaptive rate
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any
 
 from governance import breaker, quota, ratelimit, signals
 from governance.models import BreakerPolicy, Quota, RateLimitPolicy, RateLimitScope
 from inference.models import Deployment
-from inference.queue import workers_key
+from inference.queue import live_heartbeats, workers_key
 from sluice.redis import sync_redis
 
 
@@ -26,9 +24,7 @@ def breaker_state(row: BreakerPolicy) -> dict[str, Any]:
     name = row.deployment.name
     snap = breaker.Snapshot.from_reply(redis.eval(breaker.PEEK_LUA, 4, *breaker.keys(name),
                                                   *breaker.peek_args(row)))
-    now = time.time()
-    beats = [json.loads(v) for v in redis.hgetall(workers_key(name)).values()]
-    live = [b for b in beats if now - b["ts"] <= 5]
+    live = list(live_heartbeats(redis.hgetall(workers_key(name))).values())
     return {
         "state": snap.state, "calls": snap.calls, "failures": snap.failures,
         "slow_calls": snap.slow, "opened_at": snap.opened_at, "reason": snap.reason or None,

@@ -265,13 +265,11 @@ class InferenceClient:
                 out.append(event)
         return out
 
-    async def workers(self, deployment: str, *, max_age_s: float = 5.0
+    async def workers(self, deployment: str, *, max_age_s: float = q.HEARTBEAT_MAX_AGE_S
                       ) -> dict[str, dict[str, Any]]:
         """Live workers of a deployment: heartbeat JSON by worker id."""
-        now = time.time()
         raw = await self.redis.hgetall(q.workers_key(deployment))
-        beats = {k.decode(): json.loads(v) for k, v in raw.items()}
-        return {k: v for k, v in beats.items() if now - v["ts"] <= max_age_s}
+        return q.live_heartbeats(raw, max_age_s=max_age_s)
 
     async def queue_stats(self, deployment: str) -> dict[str, int]:
         """Queued-or-running count and the age of the oldest entry, in ms."""

@@ -204,5 +204,17 @@ def tenant_cap(max_depth: int, share: float) -> int:
     return max(1, int(max_depth * share))
 
 
+HEARTBEAT_MAX_AGE_S = 5.0  # a worker silent longer than this is not counted as live
+
+
+def live_heartbeats(raw: dict[Any, Any], *, max_age_s: float = HEARTBEAT_MAX_AGE_S
+                    ) -> dict[str, dict[str, Any]]:
+    """The `:workers` hash as read from Redis -> heartbeat JSON by worker id, live ones
+    only (younger than max_age_s)."""
+    now = time.time()
+    beats = {_s(k): json.loads(v) for k, v in raw.items()}
+    return {k: v for k, v in beats.items() if now - v["ts"] <= max_age_s}
+
+
 def encode_event(event: dict[str, Any]) -> str:
     return json.dumps(event, separators=(",", ":"))

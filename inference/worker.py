@@ -672,10 +672,8 @@ class Worker:
         pipe.expire(key, 60)
         pipe.hgetall(key)
         *_, beats = pipe.execute()
-        now = time.time()
-        others = [json.loads(v) for k, v in beats.items() if _s(k) != self.id]
-        self._others_in_rotation = any(now - b["ts"] <= 5 and b.get("in_rotation", True)
-                                       for b in others)
+        self._others_in_rotation = any(b.get("in_rotation", True) for k, b in
+                                       q.live_heartbeats(beats).items() if k != self.id)
 
 
 def _s(value: bytes | str) -> str:
@@ -689,12 +687,10 @@ def _by_stream(pendings: list[Pending]) -> dict[str, list[str]]:
     return out
 
 
-def heartbeats(client: redis.Redis, deployment: str, *, max_age_s: float = 5.0
-               ) -> dict[str, dict[str, Any]]:
+def heartbeats(client: redis.Redis, deployment: str, *,
+               max_age_s: float = q.HEARTBEAT_MAX_AGE_S) -> dict[str, dict[str, Any]]:
     """Live workers of a deployment (heartbeat younger than max_age_s)."""
-    now = time.time()
-    beats = {_s(k): json.loads(v) for k, v in client.hgetall(q.workers_key(deployment)).items()}
-    return {k: v for k, v in beats.items() if now - v["ts"] <= max_age_s}
+    return q.live_heartbeats(client.hgetall(q.workers_key(deployment)), max_age_s=max_age_s)
 
 
 def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
