@@ -366,12 +366,6 @@ class Governor:
     def _opened(self, deployment: str) -> None:
         self._closed_until.pop(deployment, None)
 
-    async def drain(self) -> None:
-        """Settle what is still open and write everything pending (shutdown, tests)."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
-        await self.recorder.flush()
-
     async def close(self, *, grace_s: float = 2.0) -> None:
         """Shutdown: give calls that are ending `grace_s` to settle, then write what is
         pending. Calls still running keep their reservations until those expire."""

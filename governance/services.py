@@ -63,6 +63,18 @@ def _may_write_limit(actor: Principal, policy: RateLimitPolicy) -> None:
                                "tenant and model limits are set by platform admins.")
 
 
+def _save(actor: Principal, row: Any, action: str, kind: str,
+          detail: dict[str, Any] | None = None, *, target: str | None = None,
+          exclude: list[str] | None = None) -> None:
+    """Every policy write ends the same way: validated (422), saved, the gateways'
+    caches told, the admin action audited (target "<kind>:<id>" unless given)."""
+    validate(row, exclude=exclude)
+    row.save()
+    cache.invalidate()
+    record_action(actor=actor, action=action, target=target or f"{kind}:{row.pk}",
+                  detail=detail)
+
+
 def _apply(row: Any, fields: dict[str, Any], allowed: tuple[str, ...]) -> None:
     for key, value in fields.items():
         if key in allowed:
@@ -85,10 +97,7 @@ def ratelimit_create(*, actor: Principal, tenant_id: int | None = None,
         policy.api_key = key
     _apply(policy, fields, RATELIMIT_FIELDS)
     _may_write_limit(actor, policy)
-    validate(policy)
-    policy.save()
-    cache.invalidate()
-    record_action(actor=actor, action="ratelimit.create", target=f"ratelimit:{policy.pk}")
+    _save(actor, policy, "ratelimit.create", "ratelimit")
     return policy
 
 
@@ -97,11 +106,7 @@ def ratelimit_update(*, actor: Principal, policy_id: int, **fields: Any) -> Rate
     policy = selectors.ratelimit_get(actor=actor, policy_id=policy_id)
     _may_write_limit(actor, policy)
     _apply(policy, fields, tuple(f for f in RATELIMIT_FIELDS if f != "scope"))
-    validate(policy)
-    policy.save()
-    cache.invalidate()
-    record_action(actor=actor, action="ratelimit.update", target=f"ratelimit:{policy.pk}",
-                  detail=fields)
+    _save(actor, policy, "ratelimit.update", "ratelimit", fields)
     return policy
 
 
@@ -120,11 +125,7 @@ def quota_create(*, actor: Principal, tenant_id: int, **fields: Any) -> Quota:
     tenant = _tenant(tenant_id)
     quota = Quota(tenant=tenant)
     _apply(quota, fields, QUOTA_FIELDS)
-    validate(quota)
-    quota.save()
-    cache.invalidate()
-    record_action(actor=actor, action="quota.create", target=f"quota:{quota.pk}",
-                  detail=fields)
+    _save(actor, quota, "quota.create", "quota", fields)
     return quota
 
 
@@ -134,11 +135,7 @@ def quota_update(*, actor: Principal, quota_id: int, **fields: Any) -> Quota:
     quota = selectors.quota_get(actor=actor, quota_id=quota_id)
     # The period and window shape the Redis counters: changing them starts afresh.
     _apply(quota, fields, QUOTA_FIELDS)
-    validate(quota)
-    quota.save()
-    cache.invalidate()
-    record_action(actor=actor, action="quota.update", target=f"quota:{quota.pk}",
-                  detail=fields)
+    _save(actor, quota, "quota.update", "quota", fields)
     return quota
 
 
@@ -156,12 +153,9 @@ def breaker_update(*, actor: Principal, deployment: str, **fields: Any) -> Break
     policy = selectors.breaker_get(actor=actor, deployment=deployment)
     _apply(policy, fields, BREAKER_FIELDS)
     policy.updated_at = timezone.now()
-    validate(policy, exclude=["deployment"])
-    policy.save()
-    cache.invalidate()
+    _save(actor, policy, "breaker.update", "deployment", fields,
+          target=f"deployment:{deployment}", exclude=["deployment"])
     transaction.on_commit(lambda: publish_guard(policy))
-    record_action(actor=actor, action="breaker.update", target=f"deployment:{deployment}",
-                  detail=fields)
     return policy
 
 
@@ -208,11 +202,7 @@ def redaction_pattern_create(*, actor: Principal, label: str,
     except UnsafePattern as exc:
         raise Unprocessable(f"pattern: {exc}", param="pattern") from None
     row = RedactionPattern(tenant_id=actor.tenant_id, label=label, pattern=pattern)
-    validate(row)
-    row.save()
-    cache.invalidate()
-    record_action(actor=actor, action="redaction.create", target=f"pattern:{row.pk}",
-                  detail={"label": label})
+    _save(actor, row, "redaction.create", "pattern", {"label": label})
     return row
 
 
