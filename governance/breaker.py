@@ -37,7 +37,27 @@ class Outcome(StrEnum):
     IGNORED = "ignore"  # the caller's 4xx, a client cancel: a probe slot is freed only
 
 
-_PRELUDE = """
+# Calls, failures and slow calls of a time window (KEYS[3]: per-second counters "c:<s>",
+# "f:<s>", "s:<s>") at second `sec`; `purge` drops the counters that left the window.
+_TIME_WINDOW = """
+local function time_totals(sec, size, purge)
+  local calls, fails, slows = 0, 0, 0
+  local fields = redis.call('HGETALL', KEYS[3])
+  for j = 1, #fields, 2 do
+    local f = fields[j]
+    if tonumber(string.sub(f, 3)) <= sec - size then
+      if purge then redis.call('HDEL', KEYS[3], f) end
+    else
+      local n, p = tonumber(fields[j + 1]), string.sub(f, 1, 1)
+      if p == 'c' then calls = calls + n elseif p == 'f' then fails = fails + n
+      else slows = slows + n end
+    end
+  end
+  return calls, fails, slows
+end
+"""
+
+_PRELUDE = _TIME_WINDOW + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function reset_window()
@@ -108,6 +128,8 @@ if id ~= '' then
 end
 if state ~= 'closed' then return state end
 local sec = math.floor(now)
+local tc, tf, ts = 0, 0, 0  -- a time window's totals: read once, then kept per call
+if kind ~= 'count' then tc, tf, ts = time_totals(sec, size, true) end
 for i = 9, #ARGV, 2 do
   local outcome, ms = ARGV[i], tonumber(ARGV[i + 1])
   if outcome ~= 'ignore' then
@@ -128,18 +150,8 @@ for i = 9, #ARGV, 2 do
       redis.call('HINCRBY', KEYS[3], 'c:' .. sec, 1)
       if bad then redis.call('HINCRBY', KEYS[3], 'f:' .. sec, 1) end
       if slow then redis.call('HINCRBY', KEYS[3], 's:' .. sec, 1) end
-      calls, fails, slows = 0, 0, 0
-      local fields = redis.call('HGETALL', KEYS[3])
-      for j = 1, #fields, 2 do
-        local f = fields[j]
-        if tonumber(string.sub(f, 3)) <= sec - size then
-          redis.call('HDEL', KEYS[3], f)
-        else
-          local n, p = tonumber(fields[j + 1]), string.sub(f, 1, 1)
-          if p == 'c' then calls = calls + n elseif p == 'f' then fails = fails + n
-          else slows = slows + n end
-        end
-      end
+      tc, tf, ts = tc + 1, tf + (bad and 1 or 0), ts + (slow and 1 or 0)
+      calls, fails, slows = tc, tf, ts
     end
     if calls >= min_calls then
       if fails / calls >= fail_rate then open('failure rate'); return 'open' end
@@ -155,22 +167,13 @@ return 'closed'
 
 # KEYS: br, brw, brt, brp. ARGV: window kind, window size.
 # Returns {state, calls, failures, slow, opened_at, reason, times opened}.
-PEEK_LUA = """
+PEEK_LUA = _TIME_WINDOW + """
 local t = redis.call('TIME')
 local sec = tonumber(t[1])
 local s = redis.call('HMGET', KEYS[1], 'state', 'opened_at', 'reason', 'opened', 'c', 'f', 's')
 local calls, fails, slows = tonumber(s[5] or '0'), tonumber(s[6] or '0'), tonumber(s[7] or '0')
 if ARGV[1] ~= 'count' then
-  calls, fails, slows = 0, 0, 0
-  local fields = redis.call('HGETALL', KEYS[3])
-  for i = 1, #fields, 2 do
-    local f = fields[i]
-    if tonumber(string.sub(f, 3)) > sec - tonumber(ARGV[2]) then
-      local n, p = tonumber(fields[i + 1]), string.sub(f, 1, 1)
-      if p == 'c' then calls = calls + n elseif p == 'f' then fails = fails + n
-      else slows = slows + n end
-    end
-  end
+  calls, fails, slows = time_totals(sec, tonumber(ARGV[2]), false)
 end
 return {s[1] or 'closed', calls, fails, slows, s[2] or '', s[3] or '', s[4] or '0'}
 """
