@@ -2,10 +2,12 @@
 
 # No `from __future__ import annotations`: ninja reads File/Form parameters' types.
 
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from ninja import File, Form, Router, Schema, UploadedFile
 from pydantic import Field, StringConstraints
@@ -54,10 +56,17 @@ class ListOut(Schema):
     has_more: bool = False
 
 
-def _page(rows: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {"object": "list", "data": rows, "has_more": has_more,
-            "first_id": rows[0]["id"] if rows else None,
-            "last_id": rows[-1]["id"] if rows else None}
+def _page(rows: QuerySet[Any], after: str | None, limit: int,
+          render: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's cursor list: newest first, `after` an object id, `has_more`."""
+    if after:
+        anchor = rows.filter(public_id=after).first()
+        rows = rows.filter(id__lt=anchor.pk) if anchor else rows.none()
+    page = list(rows[:limit + 1])
+    data = [render(r) for r in page[:limit]]
+    return {"object": "list", "data": data, "has_more": len(page) > limit,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
 
 
 @router.post("/files", response={200: dict[str, Any]})
@@ -71,12 +80,7 @@ def file_create(request: HttpRequest, file: File[UploadedFile],
 @router.get("/files", response=ListOut)
 def file_list(request: HttpRequest, limit: Annotated[int, Field(ge=1, le=100)] = 100,
               after: str | None = None) -> dict[str, Any]:
-    rows = batches.file_list(actor=actor_of(request))
-    if after:
-        anchor = rows.filter(public_id=after).first()
-        rows = rows.filter(id__lt=anchor.pk) if anchor else rows.none()
-    page = list(rows[:limit + 1])
-    return _page([_file(r) for r in page[:limit]], len(page) > limit)
+    return _page(batches.file_list(actor=actor_of(request)), after, limit, _file)
 
 
 @router.get("/files/{file_id}", response=dict[str, Any])
@@ -114,12 +118,7 @@ def batch_create(request: HttpRequest, data: BatchIn) -> dict[str, Any]:
 @router.get("/batches", response=ListOut)
 def batch_list(request: HttpRequest, limit: Annotated[int, Field(ge=1, le=100)] = 20,
                after: str | None = None) -> dict[str, Any]:
-    rows = batches.batch_list(actor=actor_of(request))
-    if after:
-        anchor = rows.filter(public_id=after).first()
-        rows = rows.filter(id__lt=anchor.pk) if anchor else rows.none()
-    page = list(rows[:limit + 1])
-    return _page([_batch(r) for r in page[:limit]], len(page) > limit)
+    return _page(batches.batch_list(actor=actor_of(request)), after, limit, _batch)
 
 
 @router.get("/batches/{batch_id}", response=dict[str, Any])
