@@ -149,16 +149,23 @@ def assert_openai_error(response: Response, status: int) -> dict[str, Any]:
     return error
 
 
+def process_env(**extra: str) -> dict[str, str]:
+    """The environment for another process (a second gateway, a Celery worker) that must
+    share this test's PostgreSQL database (committed data: transactional_db) and Redis.
+    Skips the test where the database is not one that other processes can open."""
+    if connection.vendor != "postgresql":
+        pytest.skip("another process needs the shared test database")
+    db = connection.settings_dict
+    url = (f"postgresql://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST'] or '127.0.0.1'}"
+           f":{db['PORT'] or 5432}/{db['NAME']}")
+    return {**os.environ, "DATABASE_URL": url, "REDIS_URL": settings.REDIS_URL,
+            "DJANGO_SETTINGS_MODULE": "sluice.settings.test", **extra}
+
+
 @pytest.fixture
 def celery_worker(transactional_db: None, tmp_path: Path) -> Iterator[None]:
     """A real Celery worker process on the test broker and database (not eager mode)."""
-    db = connection.settings_dict
-    if connection.vendor != "postgresql":
-        pytest.skip("the worker process needs the shared test database")
-    url = (f"postgresql://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST'] or '127.0.0.1'}"
-           f":{db['PORT'] or 5432}/{db['NAME']}")
-    env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": settings.REDIS_URL,
-           "DJANGO_SETTINGS_MODULE": "sluice.settings.test", "SLUICE_STATE_DIR": str(tmp_path)}
+    env = process_env(SLUICE_STATE_DIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sluice.celery", "worker",
                              "--pool", "solo", "--loglevel", "WARNING", "--without-gossip",
                              "--without-mingle"], cwd=REPO, env=env,

@@ -4,7 +4,6 @@ openai SDK and httpx as clients, a second gateway process where sharing matters.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -17,7 +16,6 @@ import openai
 import pytest
 import redis
 from django.conf import settings
-from django.db import connection
 
 from governance import live as live_state
 from governance import usage
@@ -31,7 +29,7 @@ from sluice.errors import Unavailable
 from sluice.localinfra import free_port
 from tenants.models import ApiKey
 from tenants.roles import Role
-from tests.conftest import Org, make_org, principal_for
+from tests.conftest import Org, make_org, principal_for, process_env
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
@@ -105,21 +103,14 @@ def test_each_key_has_its_own_bucket(live: Live, org: Org) -> None:
 
 
 def _gateway_process(port: int) -> subprocess.Popen[bytes]:
-    db = connection.settings_dict
-    url = (f"postgresql://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST'] or '127.0.0.1'}"
-           f":{db['PORT'] or 5432}/{db['NAME']}")
-    env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": settings.REDIS_URL,
-           "DJANGO_SETTINGS_MODULE": "sluice.settings.test"}
     return subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "sluice.asgi:application", "--host", "127.0.0.1",
          "--port", str(port), "--log-level", "warning", "--lifespan", "off"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cwd=REPO, env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 @pytest.fixture
 def second_gateway(live: Live) -> Iterator[str]:
-    if connection.vendor != "postgresql":
-        pytest.skip("a second process needs a shared database")
     port = free_port()
     proc = _gateway_process(port)
     base = f"http://127.0.0.1:{port}"
