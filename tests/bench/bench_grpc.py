@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,11 +21,11 @@ sys.path[:0] = [str(REPO), str(REPO / "platform")]
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 
-from sluice.localinfra import ensure_redis, free_port  # noqa: E402
+from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
 from streaming.protos import inference_pb2 as pb  # noqa: E402
 from streaming.protos import inference_pb2_grpc as pb_grpc  # noqa: E402
-from tests.bench.bench_http import wait_http  # noqa: E402
+from tests.bench.bench_http import bench_env, seed_demo, start_sluice, wait_http  # noqa: E402
 
 BODY = {"model": "echo", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -87,27 +84,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=8)
     args = parser.parse_args()
-    state = tempfile.mkdtemp(prefix="sluice-bench-")
-    redis_url, private = ensure_redis(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/11"))
-    env = {**os.environ, "SLUICE_STATE_DIR": state, "REDIS_URL": redis_url,
-           "DJANGO_SETTINGS_MODULE": "sluice.settings.base", "SLUICE_LOG_LEVEL": "WARNING"}
-    env.pop("DATABASE_URL", None)
+    env, state, private = bench_env()
     group = ProcessGroup(env)
     try:
-        seed = ("import django; django.setup(); from django.core.management import "
-                "call_command; call_command('migrate', verbosity=0); from tenants.services "
-                "import demo_seed; from inference.services import deployment_seed_defaults; "
-                "deployment_seed_defaults(); print(demo_seed().api_key)")
-        key = subprocess.run([sys.executable, "-c", seed], cwd=REPO, env=env, check=True,
-                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        key = seed_demo(env)
         http_port, grpc_port = free_port(), free_port()
-        manage = [sys.executable, str(REPO / "manage.py")]
-        group.start("http", [sys.executable, "-m", "uvicorn", "--no-access-log", "--lifespan",
+        start_sluice(group, [sys.executable, "-m", "uvicorn", "--no-access-log", "--lifespan",
                              "on", "--log-level", "warning", "--host", "127.0.0.1", "--port",
                              str(http_port), "sluice.asgi:application"])
-        group.start("grpc", [*manage, "rungrpc", "--address", f"127.0.0.1:{grpc_port}"])
-        group.start("worker", [*manage, "runworker", "--deployment", "echo"])
-        group.start("auditwriter", [*manage, "auditwriter"])
+        group.start("grpc", [sys.executable, str(REPO / "manage.py"), "rungrpc", "--address",
+                             f"127.0.0.1:{grpc_port}"])
         wait_http(f"http://127.0.0.1:{http_port}/healthz")
         time.sleep(2)  # the gRPC process imports Django too
         base = f"http://127.0.0.1:{http_port}"

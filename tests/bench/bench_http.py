@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
@@ -69,6 +70,36 @@ def wrk(url: str, connections: int, seconds: int, script: str | None = None) -> 
             "errors": float(errors.group(1)) if errors else 0.0}
 
 
+def bench_env() -> tuple[dict[str, str], str, Any]:
+    """(environment, state dir, private Redis or None) for a throwaway platform: SQLite
+    in a temporary state dir (the run command's default), Redis database 11."""
+    state = tempfile.mkdtemp(prefix="sluice-bench-")
+    redis_url, private = ensure_redis(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/11"))
+    env = {**os.environ, "SLUICE_STATE_DIR": state, "REDIS_URL": redis_url,
+           "DJANGO_SETTINGS_MODULE": "sluice.settings.base", "SLUICE_LOG_LEVEL": "WARNING"}
+    env.pop("DATABASE_URL", None)
+    return env, state, private
+
+
+def seed_demo(env: dict[str, str]) -> str:
+    """Migrate, seed the demo tenant and the shipped deployments; the demo API key."""
+    seed = ("import django; django.setup(); from django.core.management import "
+            "call_command; call_command('migrate', verbosity=0); from tenants.services "
+            "import demo_seed; from inference.services import deployment_seed_defaults; "
+            "deployment_seed_defaults(); print(demo_seed().api_key)")
+    return subprocess.run([sys.executable, "-c", seed], cwd=REPO, env=env, check=True,
+                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True) -> None:
+    """The gateway (`http`: its server command), an echo worker, and the audit writer."""
+    manage = [sys.executable, str(REPO / "manage.py")]
+    group.start("sluice", http)
+    group.start("worker", [*manage, "runworker", "--deployment", "echo"])
+    if audit:
+        group.start("auditwriter", [*manage, "auditwriter"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--connections", type=int, default=64)
@@ -76,27 +107,17 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is needed: apt-get install wrk")
-    state = tempfile.mkdtemp(prefix="sluice-bench-")
-    redis_url, private = ensure_redis(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/11"))
-    env = {**os.environ, "SLUICE_STATE_DIR": state, "REDIS_URL": redis_url,
-           "DJANGO_SETTINGS_MODULE": "sluice.settings.base", "SLUICE_LOG_LEVEL": "WARNING"}
-    env.pop("DATABASE_URL", None)
+    env, state, private = bench_env()
     group = ProcessGroup(env)
     try:
-        seed = ("import django; django.setup(); from django.core.management import "
-                "call_command; call_command('migrate', verbosity=0); from tenants.services "
-                "import demo_seed; from inference.services import deployment_seed_defaults; "
-                "deployment_seed_defaults(); print(demo_seed().api_key)")
-        key = subprocess.run([sys.executable, "-c", seed], cwd=REPO, env=env, check=True,
-                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        key = seed_demo(env)
         bare_port, sluice_port = free_port(), free_port()
         uvicorn = [sys.executable, "-m", "uvicorn", "--workers", "1", "--no-access-log",
                    "--lifespan", "off", "--log-level", "warning", "--host", "127.0.0.1"]
         group.start("bare", [*uvicorn, "--app-dir", str(REPO / "tests" / "bench"),
                              "--port", str(bare_port), "bare_asgi:app"])
-        group.start("sluice", [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"])
-        group.start("worker", [sys.executable, str(REPO / "manage.py"), "runworker",
-                               "--deployment", "echo"])
+        sluice = [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"]
+        start_sluice(group, sluice, audit=False)
         wait_http(f"http://127.0.0.1:{bare_port}/")
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         script = Path(state) / "post.lua"
@@ -106,10 +127,7 @@ def main() -> None:
         bare = wrk(f"http://127.0.0.1:{bare_port}/", args.connections, args.seconds)
         group.stop()  # the bare server's core goes back to the pipeline
         group = ProcessGroup(env)
-        group.start("sluice", [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"])
-        group.start("worker", [sys.executable, str(REPO / "manage.py"), "runworker",
-                               "--deployment", "echo"])
-        group.start("auditwriter", [sys.executable, str(REPO / "manage.py"), "auditwriter"])
+        start_sluice(group, sluice)
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
         full = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", args.connections,
@@ -124,10 +142,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", policies], cwd=REPO, env=env, check=True)
         group.stop()  # a fresh process: no cached "no policies" for the demo tenant
         group = ProcessGroup(env)
-        group.start("sluice", [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"])
-        group.start("worker", [sys.executable, str(REPO / "manage.py"), "runworker",
-                               "--deployment", "echo"])
-        group.start("auditwriter", [sys.executable, str(REPO / "manage.py"), "auditwriter"])
+        start_sluice(group, sluice)
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
         governed = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions",
