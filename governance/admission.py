@@ -93,16 +93,13 @@ class Admission:
         if self.done:
             return
         self.done = True
-        self.governor.settle(self, final, error=error, charge=charge)
+        status = call_status(final, error)
+        self.governor.settle(self, final, status, error=error, charge=charge)
         if audited:
-            self._audit(final, error)
+            self._audit(final, status)
 
-    def _audit(self, final: dict[str, Any] | None, error: BaseException | None) -> None:
+    def _audit(self, final: dict[str, Any] | None, status: int) -> None:
         usage = (final or {}).get("usage") or {}
-        if final is not None:
-            status = int(final.get("status", 500)) if final["t"] == "error" else 200
-        else:
-            status = error.status if isinstance(error, ApiError) else 499  # client left
         self.governor.recorder.audit(audit.call_event(
             principal=self.principal, action=self.action, model=self.spec.name,
             protocol=self.protocol, status=status,
@@ -113,6 +110,14 @@ class Admission:
             response_text="".join(self.reply), patterns=self.patterns,
             detail={"finish": (final or {}).get("finish"), "probe": self.probe,
                     "degraded": self.max_tokens_cap is not None}))
+
+
+def call_status(final: dict[str, Any] | None, error: BaseException | None) -> int:
+    """How a call ended, as an HTTP status: the worker's error status, 200 when it was
+    done, else the error the consumer met (499 when the client left)."""
+    if final is not None:
+        return int(final.get("status", 500)) if final["t"] == "error" else 200
+    return error.status if isinstance(error, ApiError) else 499
 
 
 class Governor:
@@ -317,13 +322,13 @@ class Governor:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def settle(self, adm: Admission, final: dict[str, Any] | None, *,
+    def settle(self, adm: Admission, final: dict[str, Any] | None, status: int, *,
                error: BaseException | None, charge: bool) -> None:
-        """Queue the call's settlement (written by the recorder, off the response path)."""
+        """Queue the call's settlement (written by the recorder, off the response path);
+        `status` is `call_status(final, error)`."""
         reported = (final or {}).get("usage") or {}
         prompt = int(reported.get("prompt_tokens", 0))
         completion = int(reported.get("completion_tokens", 0))
-        status = int(final.get("status", 500)) if final and final["t"] == "error" else 0
         if not charge:
             outcome = breaker.Outcome.IGNORED
         elif final is None:
