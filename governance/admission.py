@@ -33,6 +33,7 @@ from governance.models import BreakerPolicy, DegradeMode, Quota, RateLimitPolicy
 from governance.recorder import Recorder
 from inference.client import InferenceClient
 from inference.spec import DeploymentSpec
+from sluice import telemetry
 from sluice.errors import ApiError, DeadlineExceeded, QuotaExceeded, RateLimited, Unavailable
 from sluice.redis import ScriptBatch
 from sluice.ttlcache import AsyncTTLCache
@@ -67,6 +68,7 @@ class Admission:
     probe: bool = False
     max_tokens_cap: int | None = None
     started: float = field(default_factory=time.monotonic)
+    trace_id: str = field(default_factory=lambda: telemetry.ids()[0])
     done: bool = False
     # For the audit event: set by the gateway and the adapter.
     action: str = "chat.completions"
@@ -106,7 +108,7 @@ class Admission:
             latency_ms=(time.monotonic() - self.started) * 1000,
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
-            request_id=self.request_id, request_text=self.request_text,
+            request_id=self.request_id, trace_id=self.trace_id, request_text=self.request_text,
             response_text="".join(self.reply), patterns=self.patterns,
             detail={"finish": (final or {}).get("finish"), "probe": self.probe,
                     "degraded": self.max_tokens_cap is not None}))
@@ -145,10 +147,17 @@ class Governor:
         quotas = policies.quotas_for(spec.name)
         try:
             if limits or quotas:
-                await self._limits_and_quotas(adm, limits, quotas)
+                # One Redis round trip checks the token buckets and reserves the quota.
+                with telemetry.stage("sluice.limits", **{"sluice.ratelimit.policies": len(limits),
+                                                         "sluice.quota.count": len(quotas)}):
+                    await self._limits_and_quotas(adm, limits, quotas)
             adm.policy = await cache.breaker_policy(spec.name)
-            await self._shed(adm, adm.policy)
-            await self._breaker(adm, adm.policy)
+            with telemetry.stage("sluice.shed"):
+                await self._shed(adm, adm.policy)
+            with telemetry.stage("sluice.breaker") as span:
+                await self._breaker(adm, adm.policy)
+                if span.is_recording():
+                    span.set_attribute("sluice.breaker.probe", adm.probe)
         except BaseException:
             await adm.release()
             raise

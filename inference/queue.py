@@ -80,6 +80,11 @@ def workers_key(deployment: str) -> str:
     return f"{_base(deployment)}:workers"
 
 
+def batch_sizes_key(deployment: str) -> str:
+    """Hash: batch size -> how many batches of that size the workers admitted."""
+    return f"{_base(deployment)}:batchsizes"
+
+
 def guard_key(deployment: str) -> str:
     """Hash of the memory guard's thresholds (high, low, hold_s), read by workers."""
     return f"{_base(deployment)}:guard"

@@ -34,6 +34,7 @@ from secrets import token_hex
 from typing import TYPE_CHECKING, Any
 
 import redis
+from opentelemetry.trace import Link, Span, SpanKind
 
 from inference import queue as q
 from inference.detokenize import Detokenizer
@@ -48,6 +49,7 @@ from inference.runtimes.base import (
 )
 from inference.scheduler import pick
 from inference.spec import DeploymentSpec
+from sluice import telemetry
 from sluice.redis import ScriptBatch
 
 if TYPE_CHECKING:
@@ -95,6 +97,14 @@ class Active:
     @property
     def req(self) -> q.QueuedRequest:
         return self.pending.req
+
+
+@dataclass
+class BatchSpan:
+    """A batch's span: open until the last request it admitted has its final event."""
+
+    span: Span
+    open: set[str]
 
 
 class RequestError(Exception):
@@ -145,6 +155,8 @@ class Worker:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-writer")
         self._writing: Future[None] | None = None
         self.batches = 0
+        self.batch_sizes: dict[int, int] = {}  # not yet reported (heartbeat sends them)
+        self._batch_of: dict[str, BatchSpan] = {}
         self.guard = MemoryGuard()
         self._others_in_rotation = False
         # The request ids of the most recent admissions, for tests and debugging.
@@ -175,6 +187,7 @@ class Worker:
         self.active.clear()
         self.backlog.clear()
         self._outbox, self._acks = [], []
+        self._end_batches("abandoned")
 
     def _drain(self, drain_s: float) -> None:
         """Finish what is running (up to drain_s), hand everything else back."""
@@ -187,6 +200,7 @@ class Worker:
         self._flush(wait=True)
         self._release([a.pending for a in self.active.values()])
         self.active.clear()
+        self._end_batches("released")
         self._writer.shutdown(wait=True)
         self.redis.hdel(q.workers_key(self.spec.name), self.id)
 
@@ -372,10 +386,42 @@ class Worker:
         self._last_tenant = chosen[-1].tenant
         self.batches += 1
         self.admitted.append([p.req.rid for p in chosen])
+        self._open_batch(chosen)
         if isinstance(self.runtime, EmbeddingRuntime):
             self._embed(chosen)
         else:
             self._start(chosen)
+
+    # -- tracing -------------------------------------------------------------------
+    def _open_batch(self, chosen: list[Pending]) -> None:
+        """The batch's span, linked to the span of every request it serves (their
+        traceparents travel in the queue message): one trace per request, joined here."""
+        size = len(chosen)
+        self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+        links = [Link(ctx) for p in chosen
+                 if (ctx := telemetry.span_context_of(p.req.traceparent)) is not None]
+        span = telemetry.tracer.start_span("inference.batch", kind=SpanKind.CONSUMER,
+                                           links=links, attributes={
+                                               "sluice.deployment": self.spec.name,
+                                               "sluice.worker": self.id,
+                                               "sluice.batch.size": size,
+                                               "sluice.batch.number": self.batches})
+        batch = BatchSpan(span, {p.req.rid for p in chosen})
+        for pending in chosen:
+            self._batch_of[pending.req.rid] = batch
+
+    def _served(self, rid: str) -> None:
+        batch = self._batch_of.pop(rid, None)
+        if batch is not None:
+            batch.open.discard(rid)
+            if not batch.open:
+                batch.span.end()
+
+    def _end_batches(self, reason: str) -> None:
+        for batch in {id(b): b for b in self._batch_of.values()}.values():
+            batch.span.set_attribute("sluice.batch.ended", reason)
+            batch.span.end()
+        self._batch_of.clear()
 
     def _start(self, chosen: list[Pending]) -> None:
         runtime = self.runtime
@@ -421,6 +467,7 @@ class Worker:
                         ignore_eos=params.ignore_eos, tool=self._tool_constraint(body))
         if pending.deliveries > 1 and not self._resume_state(active):
             self._acks.append(pending)  # an earlier delivery finished it
+            self._served(pending.req.rid)
             return None
         left = active.max_new - len(active.ids)
         if left <= 0:
@@ -596,6 +643,7 @@ class Worker:
             event["tool_calls"] = tool_calls
         self._event(pending.req, event)
         self._acks.append(pending)
+        self._served(pending.req.rid)
 
     def _error(self, pending: Pending, exc: RequestError, *, seq: int = 0,
                usage: tuple[int, int] = (0, 0)) -> None:
@@ -605,6 +653,7 @@ class Worker:
             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1]},
         })
         self._acks.append(pending)
+        self._served(pending.req.rid)
 
     def _flush(self, *, wait: bool = False) -> None:
         """Hand this iteration's events and acks to the writer thread, so that Redis I/O
@@ -668,6 +717,9 @@ class Worker:
                 "batches": self.batches, "in_rotation": in_rotation}
         key = q.workers_key(self.spec.name)
         pipe = self.redis.pipeline(transaction=False)
+        sizes, self.batch_sizes = self.batch_sizes, {}
+        for size, count in sizes.items():  # the /metrics batch-size histogram
+            pipe.hincrby(q.batch_sizes_key(self.spec.name), str(size), count)
         pipe.hset(key, self.id, json.dumps(beat))
         pipe.expire(key, 60)
         pipe.hgetall(key)
@@ -695,6 +747,7 @@ def heartbeats(client: redis.Redis, deployment: str, *,
 
 def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain."""
+    telemetry.setup("sluice-worker")
     client = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
     worker = Worker(spec, client, **kwargs)
 
@@ -703,7 +756,10 @@ def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    worker.run()
+    try:
+        worker.run()
+    finally:
+        telemetry.shutdown()  # what the exporter still holds
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ import orjson
 from django.conf import settings
 from pydantic import TypeAdapter, ValidationError
 
+from governance.observe import served
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
+from sluice.telemetry import RequestScope
 from streaming import bodies
 from streaming.gateway import Submitted, error_from_event, shared_gateway
 from streaming.schemas import (
@@ -72,40 +74,48 @@ class LeanApp:
         return path.rstrip("/") in self.ROUTES
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        with served(scope["path"].rstrip("/"), "rest", method=scope["method"],
+                    headers=headers) as observed:
+            await self._serve(scope, headers, receive, send, observed)
+
+    async def _serve(self, scope: Scope, headers: dict[str, str], receive: Receive,
+                     send: Send, observed: RequestScope) -> None:
         started = False
-        call: dict[str, Any] = {"began": time.monotonic()}
+        call: dict[str, Any] = {"began": time.monotonic(), "observed": observed}
 
         async def tracked_send(message: dict[str, Any]) -> None:
             nonlocal started
+            if not started:
+                observed.status = message.get("status", 200)
             started = True
             await send(message)
 
         try:
-            await self._dispatch(scope, receive, tracked_send, call)
+            await self._dispatch(scope, headers, receive, tracked_send, call)
         except ClientGone:
+            observed.status = observed.status or 499
             return
         except ApiError as exc:
             if call.get("principal") is not None and not call.get("admitted"):
                 self.gateway.refused(call["principal"], exc, action=call.get("action", ""),
                                      model=str(call.get("model", "")),
-                                     protocol=call.get("protocol", "rest"),
-                                     began=call["began"])
+                                     protocol=observed.protocol, began=call["began"])
             if not started:
-                await _send_json(send, exc.status, exc.body(), exc.headers)
+                await _send_json(tracked_send, exc.status, exc.body(), exc.headers)
         except Exception:
             logger.exception("unhandled error on %s", scope.get("path"))
             if not started:
                 error = ServerError("The server had an error processing your request.")
-                await _send_json(send, error.status, error.body())
+                await _send_json(tracked_send, error.status, error.body())
 
-    async def _dispatch(self, scope: Scope, receive: Receive, send: Send,
-                        call: dict[str, Any]) -> None:
+    async def _dispatch(self, scope: Scope, headers: dict[str, str], receive: Receive,
+                        send: Send, call: dict[str, Any]) -> None:
         """`call` collects what the audit of a refused call needs."""
         path = scope["path"].rstrip("/")
         if scope["method"] != "POST":
             raise BadRequest(f"{scope['method']} is not allowed on {path}; use POST.",
                              code="method_not_allowed")
-        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
         principal = await self.gateway.authenticate(headers.get("authorization"))
         call["principal"] = principal
         call["action"] = "embeddings" if path == "/v1/embeddings" else "chat.completions"
@@ -132,7 +142,8 @@ class LeanApp:
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        call["model"], call["protocol"] = req.model, "sse" if req.stream else "rest"
+        call["model"] = req.model
+        call["observed"].protocol = "sse" if req.stream else "rest"
         resume = _parse_event_id(headers.get("last-event-id"))
         if req.last_offset is not None:
             if not (req.stream and req.conversation_id):
@@ -157,7 +168,7 @@ class LeanApp:
                                  param="conversation_id") from None
         submitted = await self.gateway.chat(principal, req,
                                             idempotency_key=headers.get("idempotency-key"),
-                                            protocol=call["protocol"])
+                                            protocol=call["observed"].protocol)
         call["admitted"] = True
         if req.stream and submitted.conversation_id is not None:
             await self.gateway.client.remember_stream(principal.tenant_slug,

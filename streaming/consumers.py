@@ -14,6 +14,7 @@ Server -> client:
      "tool_calls": [...]}                       (tool_calls only when there are some)
     {"type": "embeddings.result", "id": "e1", "body": {<OpenAI embeddings body>}}
     {"type": "error", "id": "r1" | null, "error": {<OpenAI error>}}
+A request frame may carry `"traceparent": "<W3C traceparent>"` to join the caller's trace.
 Several requests may run at once (ids keep them apart, up to MAX_IN_FLIGHT); a cancel
 frame, or the socket closing, cancels the generation on the worker. When the platform
 cannot authenticate at all (a 5xx: its database or Redis is down), the socket closes
@@ -32,6 +33,7 @@ from typing import Any
 from channels.generic.websocket import AsyncWebsocketConsumer
 from pydantic import ValidationError
 
+from governance.observe import served
 from sluice.errors import ApiError, BadRequest, PermissionDenied
 from streaming import bodies
 from streaming.gateway import Gateway, Submitted, error_from_event, shared_gateway
@@ -120,8 +122,10 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 code="too_many_in_flight"))
             return
         request = frame.get("request")
-        task = asyncio.create_task(self._run(rid, kind, request if isinstance(request, dict)
-                                             else {}))
+        parent = frame.get("traceparent")
+        task = asyncio.create_task(self._observed(
+            rid, kind, request if isinstance(request, dict) else {},
+            {"traceparent": parent} if isinstance(parent, str) else None))
         self.tasks[rid] = task
 
         def forget(_: asyncio.Task[None]) -> None:
@@ -129,7 +133,20 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
 
         task.add_done_callback(forget)
 
-    async def _run(self, rid: str, kind: str, request: dict[str, Any]) -> None:
+    async def _observed(self, rid: str, kind: str, request: dict[str, Any],
+                        headers: dict[str, str] | None) -> None:
+        """One request frame as a served request (span, metrics, access log)."""
+        assert self.principal is not None  # noqa: S101 - receive() checked
+        with served("/v1/realtime", "websocket", method=kind, headers=headers) as scope:
+            scope.tenant = self.principal.tenant_slug
+            try:
+                scope.status = await self._run(rid, kind, request)
+            except asyncio.CancelledError:
+                scope.status = 499
+                raise
+
+    async def _run(self, rid: str, kind: str, request: dict[str, Any]) -> int:
+        """Serve one request frame; returns its HTTP-equivalent status."""
         assert self.principal is not None  # noqa: S101 - receive() checked
         began, sub = time.monotonic(), None
         action = "embeddings" if kind == "embeddings.request" else "chat.completions"
@@ -140,18 +157,20 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                     sub = await self.gateway.embed(self.principal, emb, protocol="websocket")
                     await self._send(rid, "embeddings.result",
                                      body=await bodies.embeddings(sub, emb))
-                    return
+                    return 200
                 req = ChatCompletionRequest.model_validate(request)
             except ValidationError as exc:
                 raise validation_error(exc) from None
             sub = await self.gateway.chat(self.principal, req, protocol="websocket")
             await self._stream(rid, sub)
+            return 200
         except ApiError as exc:
             if sub is None:
                 self.gateway.refused(self.principal, exc, action=action,
                                      model=str(request.get("model", "")),
                                      protocol="websocket", began=began)
             await self._error(rid, exc)
+            return exc.status
         except asyncio.CancelledError:
             if sub is not None:
                 with contextlib.suppress(Exception):

@@ -16,12 +16,13 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from opentelemetry.trace import Status, StatusCode
 
-from governance import audit
+from governance import audit, metrics
 from governance.admission import Admission, Governor
 from governance.redaction import redact
 from inference.cache import enabled_spec
@@ -29,6 +30,7 @@ from inference.client import InferenceClient, RequestHandle
 from inference.spec import DeploymentSpec, Kind
 from inference.toolschema import TOOL_MARKER, SchemaError
 from inference.toolschema import validate as validate_schema
+from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import (
     ApiError,
@@ -63,6 +65,9 @@ class Submitted:
     admission: Admission
     conversation_id: str | None = None
     messages: list[dict[str, str]] | None = None
+    # The request's trace context and start, for the wait span and time to first token.
+    trace_context: Any = field(default_factory=telemetry.current_context)
+    began: float = field(default_factory=lambda: _began())
 
     @property
     def headers(self) -> dict[str, str]:
@@ -74,19 +79,57 @@ class Submitted:
         stops early, once the worker's final event arrives)."""
         final: dict[str, Any] | None = None
         self.admission.request_id = self.handle.rid
+        # Not the current span: a generator's consumer may resume it in another context.
+        span = telemetry.tracer.start_span("sluice.wait", context=self.trace_context,
+                                           attributes={"sluice.request_id": self.handle.rid})
+        first: float | None = None
         try:
             async for event in self.handle.events():
                 if event["t"] in _FINAL:
                     final = event
                 elif event["t"] == "delta":
+                    if first is None:
+                        first = time.perf_counter()
+                        span.add_event("first_token")
                     self.admission.note_reply(event.get("text", ""))
                 yield event
         except BaseException as exc:
             self.admission.governor.finish_later(self.admission, final, exc, self.handle.rid,
                                                  self.handle.deadline_ms,
                                                  charge=not self.handle.replayed)
+            self._observed(span, final, first, exc)
             raise
+        self._observed(span, final, first, None)
         await self.admission.finish(final, charge=not self.handle.replayed)
+
+    def _observed(self, span: Any, final: dict[str, Any] | None, first: float | None,
+                  error: BaseException | None) -> None:
+        """End the wait span; time to first token and decode rate go to the metrics."""
+        usage = (final or {}).get("usage") or {}
+        prompt, completion = (int(usage.get("prompt_tokens", 0)),
+                              int(usage.get("completion_tokens", 0)))
+        now = time.perf_counter()
+        if span.is_recording():
+            span.set_attributes({
+                "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
+                "sluice.finish_reason": str((final or {}).get("finish") or ""),
+                "sluice.time_to_first_token_ms":
+                    round((first - self.began) * 1000, 3) if first is not None else -1.0})
+            if (final or {}).get("t") == "error" or error is not None:
+                code = (final or {}).get("code") or getattr(error, "code", None)
+                span.set_attribute("error.type", str(code or type(error).__name__))
+                span.set_status(Status(StatusCode.ERROR))
+        span.end()
+        if final is not None and not self.handle.replayed:
+            metrics.observe_generation(
+                self.spec.name, ttft_s=first - self.began if first is not None else None,
+                decode_s=now - first if first is not None else 0.0,
+                prompt_tokens=prompt, completion_tokens=completion)
+
+
+def _began() -> float:
+    scope = telemetry.current_scope()
+    return scope.began if scope is not None else time.perf_counter()
 
 
 def prompt_bound(texts: list[str], spec: DeploymentSpec) -> int:
@@ -209,29 +252,46 @@ class Gateway:
                 raise DeadlineExceeded("The request's deadline passed before it was queued.")
             limit = min(limit, timeout_s)
         try:
-            return await self.client.submit(spec, tenant=principal.tenant_slug, body=body,
-                                            timeout_s=limit, priority=principal.priority,
-                                            **kw)
+            with telemetry.stage("sluice.enqueue", **{"sluice.deployment": spec.name}) as span:
+                handle = await self.client.submit(
+                    spec, tenant=principal.tenant_slug, body=body, timeout_s=limit,
+                    priority=principal.priority, traceparent=telemetry.traceparent(), **kw)
+                if span.is_recording():
+                    span.set_attribute("sluice.request_id", handle.rid)
         except BaseException:
             await admission.release()
             raise
+        scope = telemetry.current_scope()
+        if scope is not None:
+            scope.request_id = handle.rid
+        return handle
 
     def refused(self, principal: Principal, exc: ApiError, *, action: str, model: str,
                 protocol: str, began: float) -> None:
         """Audit a call refused before admission (bad input, permissions, limits, quotas,
         shedding); an admitted call is audited by its settlement. Unauthenticated calls
         are not audited: there is no tenant to file them under."""
+        scope = telemetry.current_scope()
+        metrics.observe_refusal(scope.model if scope is not None else "", exc.code)
         self.governor.recorder.audit(audit.call_event(
             principal=principal, action=action or "unknown", model=model[:100],
             protocol=protocol, status=exc.status,
-            latency_ms=(time.monotonic() - began) * 1000,
+            latency_ms=(time.monotonic() - began) * 1000, trace_id=telemetry.ids()[0],
             detail={"code": exc.code, "type": exc.type}))
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization or not authorization.lower().startswith("bearer "):
             raise Unauthenticated("You didn't provide an API key. Use 'Authorization: Bearer "
                                   "<key>'.")
-        return await authenticate_cached(authorization[7:])
+        with telemetry.stage("sluice.auth") as span:
+            principal = await authenticate_cached(authorization[7:])
+            if span.is_recording():
+                span.set_attributes({"sluice.tenant": principal.tenant_slug,
+                                     "sluice.role": str(principal.role)})
+        scope = telemetry.current_scope()
+        if scope is not None:
+            scope.tenant = principal.tenant_slug
+        return principal
 
     async def _model(self, principal: Principal, name: str, kind: Kind) -> DeploymentSpec:
         if not principal.can(Action.MODEL_USE):
@@ -243,6 +303,9 @@ class Gateway:
         if spec.kind != kind:
             raise BadRequest(f"The model '{name}' is a {spec.kind.value} model.",
                              code="wrong_model_kind", param="model")
+        scope = telemetry.current_scope()
+        if scope is not None:
+            scope.model = spec.name  # only a resolved deployment ever becomes a label
         return spec
 
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,

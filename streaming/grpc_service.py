@@ -21,7 +21,9 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from pydantic import ValidationError
 
+from governance.observe import served
 from inference.selectors import models_for
+from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import ApiError
 from streaming import bodies
@@ -217,6 +219,57 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await self._guard(context, "models.list", "", run)
 
 
+_SUCCESS = 200
+_CANCELLED = 499
+
+
+class ObservingInterceptor(grpc.aio.ServerInterceptor):
+    """Every `sluice.v1.Inference` call as a served request: its server span (parented
+    on the caller's `traceparent` metadata), metrics and access log. Health checks and
+    reflection pass through unobserved."""
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+            details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        rpc = str(details.method)
+        if handler is None or not rpc.startswith(f"/{SERVICE}/"):
+            return handler
+        metadata = {k.lower(): v for k, v in details.invocation_metadata or ()
+                    if isinstance(v, str)}
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def observed_unary(request: Any, context: Any) -> Any:
+                with served(rpc, "grpc", method="", headers=metadata) as scope:
+                    try:
+                        reply = await unary(request, context)
+                    except asyncio.CancelledError:
+                        scope.status = scope.status or _CANCELLED
+                        raise
+                    scope.status = scope.status or _SUCCESS
+                    return reply
+            return grpc.unary_unary_rpc_method_handler(
+                observed_unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+
+            async def observed_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                with served(rpc, "grpc", method="", headers=metadata) as scope:
+                    try:
+                        async for item in stream(request, context):
+                            yield item
+                    except asyncio.CancelledError:
+                        scope.status = scope.status or _CANCELLED
+                        raise
+                    scope.status = scope.status or _SUCCESS
+            return grpc.unary_stream_rpc_method_handler(
+                observed_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler
+
+
 async def _cancel(sub: Submitted) -> None:
     """The client went away: stop the generation (billed what was made)."""
     with contextlib.suppress(Exception):
@@ -234,4 +287,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: ApiError) -> None:
         seconds = getattr(exc, "retry_after_s", 1.0)
         trailing += [("grpc-retry-pushback-ms", str(math.ceil(seconds * 1000)))]
     context.set_trailing_metadata(tuple(trailing))
+    scope = telemetry.current_scope()
+    if scope is not None:
+        scope.status = exc.status
     await context.abort(status_of(exc), error["message"])

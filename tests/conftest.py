@@ -19,7 +19,10 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connection
 from django.test import Client
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from sluice import telemetry
 from sluice.redis import sync_redis
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
@@ -28,6 +31,19 @@ from tenants.services import apikey_create
 
 PASSWORD = "correct horse battery staple"
 REPO = Path(__file__).resolve().parents[1]
+
+# Every span of the in-process servers and workers lands here (tracing recorded, as it
+# is in production with an OTLP endpoint); `spans` hands it to a test, emptied.
+SPANS = InMemorySpanExporter()
+telemetry.setup("sluice-test", mode="on")
+telemetry.provider().add_span_processor(SimpleSpanProcessor(SPANS))
+
+
+@pytest.fixture(autouse=True)
+def spans() -> Iterator[InMemorySpanExporter]:
+    SPANS.clear()
+    yield SPANS
+    SPANS.clear()
 
 
 @pytest.fixture(autouse=True, scope="session")

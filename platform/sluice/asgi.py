@@ -18,16 +18,22 @@ django_http = get_asgi_application()  # sets Django up before the imports below
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from governance import metrics  # noqa: E402
+from sluice import telemetry  # noqa: E402
 from sluice.websocket_urls import websocket_urlpatterns  # noqa: E402
 from streaming.asgi import LeanApp  # noqa: E402
 
+telemetry.setup("sluice-api")
 lean = LeanApp()
 
 
 async def http(scope: Any, receive: Any, send: Any) -> None:
-    """The /v1 inference routes take the lean path; everything else is Django."""
+    """The /v1 inference routes take the lean path, /metrics is Prometheus's; everything
+    else is Django."""
     if lean.handles(scope["path"]):
         await lean(scope, receive, send)
+    elif scope["path"] == "/metrics":
+        await metrics.serve(scope, receive, send)
     else:
         await django_http(scope, receive, send)
 
@@ -58,6 +64,7 @@ async def lifespan(receive: Any, send: Any) -> None:
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await lean.gateway.close()
+            telemetry.shutdown()
             await send({"type": "lifespan.shutdown.complete"})
             return
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         call_command("migrate", interactive=False, verbosity=0)
         creds = demo_seed()
+        # One /metrics for every local serving process (HTTP workers, gRPC, Celery):
+        # each writes its series here, and a scrape sums them. Fresh on every start.
+        metrics_dir = Path(settings.STATE_DIR) / "prometheus"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         deployments = [d for d in deployment_seed_defaults() if d.enabled]
         publish_guards()  # workers read the memory guard's thresholds from Redis
 
@@ -132,6 +139,7 @@ Sluice is running.
   gRPC (sluice.v1.Inference)  {grpc_address}   (reflection on: grpcurl -plaintext)
   Management API docs         {base}/api/docs
   Readiness                   {base}/readyz
+  Prometheus metrics          {base}/metrics   (loopback, or SLUICE_METRICS_TOKEN)
   JWKS                        {base}/.well-known/jwks.json
   Database                    {db["ENGINE"].rsplit(".", 1)[-1]} {db["NAME"]}
   Redis                       {redis_url}{redis_note}

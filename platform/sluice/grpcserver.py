@@ -18,7 +18,8 @@ from django.conf import settings
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from streaming.grpc_service import SERVICE, InferenceServicer
+from sluice import telemetry
+from streaming.grpc_service import SERVICE, InferenceServicer, ObservingInterceptor
 from streaming.protos import inference_pb2, inference_pb2_grpc
 
 logger = logging.getLogger("sluice.grpc")
@@ -41,7 +42,9 @@ def message_options() -> list[tuple[str, int]]:
 
 async def build(address: str) -> tuple[grpc.aio.Server, InferenceServicer, int]:
     """A started server on `address` ("host:port"; port 0 picks one)."""
-    server = grpc.aio.server(options=OPTIONS + message_options())
+    telemetry.setup("sluice-grpc")
+    server = grpc.aio.server(options=OPTIONS + message_options(),
+                             interceptors=[ObservingInterceptor()])
     servicer = InferenceServicer()
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     checker = health.aio.HealthServicer()

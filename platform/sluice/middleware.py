@@ -7,8 +7,33 @@ from collections.abc import Callable
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
+from governance.observe import served
 from sluice.errors import BadRequest, PayloadTooLarge, error_body
 from sluice.responses import error_response, json_response
+
+
+class TelemetryMiddleware:
+    """Every Django request (management API, auth, health aside) as a served request:
+    server span, metrics and sampled access log, labelled by its URL pattern (never the
+    raw path, which would make a label per id)."""
+
+    UNOBSERVED = ("/healthz", "/readyz")
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if request.path in self.UNOBSERVED:
+            return self.get_response(request)
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        with served("unmatched", "http", method=request.method or "GET",
+                    headers=headers) as scope:
+            response = self.get_response(request)
+            match = request.resolver_match
+            if match is not None:
+                scope.route = "/" + str(match.route)
+            scope.status = response.status_code
+            return response
 
 
 class BodySizeLimitMiddleware:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -28,8 +29,16 @@ class ProcessGroup:
         self.children: dict[str, Child] = {}
         self._stopping = threading.Event()
 
-    def start(self, name: str, argv: Sequence[str]) -> Child:
-        proc = subprocess.Popen(list(argv), env=self.env)  # noqa: S603 - our own commands
+    def start(self, name: str, argv: Sequence[str], *, output: Path | None = None) -> Child:
+        """Start `argv` as `name`; its stdout and stderr go to `output` (appended) when
+        given, else to ours."""
+        sink = output.open("ab") if output is not None else None
+        try:
+            proc = subprocess.Popen(list(argv), env=self.env,  # noqa: S603 - our commands
+                                    stdout=sink, stderr=subprocess.STDOUT if sink else None)
+        finally:
+            if sink is not None:
+                sink.close()  # the child holds its own descriptor
         child = Child(name=name, argv=list(argv), proc=proc)
         self.children[name] = child
         return child

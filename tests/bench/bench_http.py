@@ -91,13 +91,15 @@ def seed_demo(env: dict[str, str]) -> str:
                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
 
 
-def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True) -> None:
-    """The gateway (`http`: its server command), an echo worker, and the audit writer."""
+def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
+                 output: Path | None = None) -> None:
+    """The gateway (`http`: its server command), an echo worker, and the audit writer;
+    their output goes to `output` when given."""
     manage = [sys.executable, str(REPO / "manage.py")]
-    group.start("sluice", http)
-    group.start("worker", [*manage, "runworker", "--deployment", "echo"])
+    group.start("sluice", http, output=output)
+    group.start("worker", [*manage, "runworker", "--deployment", "echo"], output=output)
     if audit:
-        group.start("auditwriter", [*manage, "auditwriter"])
+        group.start("auditwriter", [*manage, "auditwriter"], output=output)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +36,8 @@ class Running:
     banner: str
     key: str
     redis_port: int
+    grpc_port: int
+    output: list[str]  # what the processes printed after the banner (kept drained)
 
 
 def _port_open(port: int) -> bool:
@@ -75,7 +78,16 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     key = re.search(r"API key\s+(sk-sluice-\S+)", banner)
     redis = re.search(r"Redis\s+redis://127\.0\.0\.1:(\d+)/", banner)
     assert key and redis, banner
-    yield Running(proc, f"http://127.0.0.1:{port}", banner, key.group(1), int(redis.group(1)))
+    output: list[str] = []
+
+    def drain() -> None:  # children log to this pipe: a full pipe would block them
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    yield Running(proc, f"http://127.0.0.1:{port}", banner, key.group(1), int(redis.group(1)),
+                  grpc_port, output)
     if proc.poll() is None:
         proc.kill()
 
@@ -189,6 +201,45 @@ def test_grpc_answers_with_the_printed_key(running: Running) -> None:
             raise AssertionError("gRPC server did not answer")
 
     assert "echo" in asyncio.run(models())
+
+
+def test_one_metrics_endpoint_and_json_logs_for_every_process(running: Running) -> None:
+    import grpc
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from streaming.protos import inference_pb2, inference_pb2_grpc
+
+    auth = {"Authorization": f"Bearer {running.key}", "Content-Type": "application/json"}
+    status, body = http("POST", f"{running.base}/v1/chat/completions", json.dumps(
+        {"model": "echo", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode(), auth)
+    assert status == 200, body
+    with grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        stub.Chat(inference_pb2.ChatRequest(model="echo", max_tokens=3, messages=[
+            inference_pb2.ChatMessage(role="user", content="hi")]),
+            metadata=(("authorization", f"Bearer {running.key}"),), timeout=30)
+    with urllib.request.urlopen(f"{running.base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    served = {(s.labels["protocol"], s.labels["route"]) for f in
+              text_string_to_metric_families(text) for s in f.samples
+              if s.name == "sluice_requests_total" and s.labels.get("model") == "echo"}
+    # Served by the HTTP process and by the gRPC process: one scrape sees both.
+    assert ("rest", "/v1/chat/completions") in served
+    assert ("grpc", "/sluice.v1.Inference/Chat") in served
+    assert "sluice_queue_depth{" in text and "sluice_workers{" in text
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in list(running.output)
+                 if line.startswith("{") and '"sluice.access"' in line]
+        chat = [x for x in lines if x.get("route") == "/v1/chat/completions"]
+        if chat:
+            break
+        time.sleep(0.1)
+    assert chat, "no JSON access line for the chat call"
+    assert chat[0]["tenant"] == "demo" and chat[0]["status"] == 200
+    assert len(chat[0]["trace_id"]) == 32 and chat[0]["request_id"]
+    assert body["id"] == f"chatcmpl-{chat[0]['request_id']}"
 
 
 def _children(pid: int) -> set[int]:

@@ -4,10 +4,12 @@ it. Clients are the official openai SDK."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis
@@ -19,6 +21,7 @@ from inference import cache as registry_cache
 from inference.models import Deployment
 from inference.weights import MINILM
 from inference.worker import Worker
+from sluice.grpcserver import build
 from sluice.localinfra import free_port
 from tenants import cache as auth_cache
 
@@ -84,4 +87,30 @@ def tiny(live: Live) -> Iterator[str]:
     thread.start()
     yield "tiny"
     worker.stopping.set()
+    thread.join(10)
+
+
+@pytest.fixture
+def grpc_target(live: Live) -> Iterator[str]:
+    started: dict[str, Any] = {}
+    stop = threading.Event()
+
+    def run() -> None:
+        async def main() -> None:
+            server, servicer, port = await build("127.0.0.1:0")
+            started["port"] = port
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            await server.stop(grace=1)
+            await servicer.close()
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while "port" not in started:
+        assert time.monotonic() < deadline, "gRPC server did not start"
+        time.sleep(0.02)
+    yield f"127.0.0.1:{started['port']}"
+    stop.set()
     thread.join(10)

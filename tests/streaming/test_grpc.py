@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -21,7 +19,6 @@ from governance import audit, breaker
 from governance import cache as policy_cache
 from governance.models import AuditEvent, BreakerPolicy, Quota
 from inference.models import Deployment
-from sluice.grpcserver import build
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
@@ -32,47 +29,22 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def grpc_target(live: Live) -> Iterator[str]:
-    started: dict[str, Any] = {}
-    stop = threading.Event()
-
-    def run() -> None:
-        async def main() -> None:
-            server, servicer, port = await build("127.0.0.1:0")
-            started["port"] = port
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
-            await server.stop(grace=1)
-            await servicer.close()
-        asyncio.run(main())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while "port" not in started:
-        assert time.monotonic() < deadline, "gRPC server did not start"
-        time.sleep(0.02)
-    yield f"127.0.0.1:{started['port']}"
-    stop.set()
-    thread.join(10)
-
-
-@pytest.fixture
 def org(live: Live) -> Org:
     return make_org("grpcorg", [Role.DEVELOPER, Role.AUDITOR])
 
 
 def call(target: str, method: str, request: Any, *, key: str | None = None,
-         timeout: float = 30) -> Any:
+         timeout: float = 30, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
     async def go() -> Any:
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.InferenceStub(channel)
-            metadata = (("authorization", f"Bearer {key}"),) if key else ()
+            auth = (("authorization", f"Bearer {key}"),) if key else ()
+            metadata_all = auth + metadata
             rpc = getattr(stub, method)
             if method == "ChatStream":
-                return [chunk async for chunk in rpc(request, metadata=metadata,
+                return [chunk async for chunk in rpc(request, metadata=metadata_all,
                                                      timeout=timeout)]
-            return await rpc(request, metadata=metadata, timeout=timeout)
+            return await rpc(request, metadata=metadata_all, timeout=timeout)
     return asyncio.run(go())
 
 

@@ -36,6 +36,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "sluice.middleware.TelemetryMiddleware",
     "sluice.middleware.JsonErrorMiddleware",
     "sluice.middleware.BodySizeLimitMiddleware",
     "django.middleware.security.SecurityMiddleware",
@@ -108,10 +109,13 @@ NINJA_PAGINATION_PER_PAGE = 50
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+                   "json": {"()": "sluice.telemetry.JsonFormatter"}},
     # Every record passes the redaction engine before a handler writes it.
     "filters": {"redact": {"()": "governance.logredact.RedactingFilter"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain",
+    "handlers": {"console": {"class": "logging.StreamHandler",
+                             "formatter": "plain" if env_str("SLUICE_LOG_FORMAT", "json") == "text"
+                             else "json",
                              "filters": ["redact"]}},
     "root": {"handlers": ["console"], "level": env_str("SLUICE_LOG_LEVEL", "INFO")},
     # django.request logs 4xx with the request line; our error bodies already say enough.
@@ -124,6 +128,7 @@ from sluice.settings.channels import *  # noqa: E402, F403
 from sluice.settings.governance import *  # noqa: E402, F403
 from sluice.settings.inference import *  # noqa: E402, F403
 from sluice.settings.redis import *  # noqa: E402, F403
+from sluice.settings.telemetry import *  # noqa: E402, F403
 
 SLUICE_JWT_ISSUER = SLUICE_JWT_ISSUER or PUBLIC_URL  # noqa: F405
 SLUICE_JWT_KEYS_DIR = SLUICE_JWT_KEYS_DIR or str(STATE_DIR / "jwt_keys")  # noqa: F405

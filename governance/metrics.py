@@ -1,0 +1,274 @@
+"""Prometheus metrics: what this process served, and the cluster's state read from Redis.
+
+Per process (counters and histograms, updated on the request path):
+    sluice_requests_total{route,protocol,model,status}
+    sluice_request_duration_seconds{route,protocol,model}
+    sluice_time_to_first_token_seconds{model}
+    sluice_output_tokens_per_second{model}            decode rate of each generation
+    sluice_tokens_total{model,kind}                   kind: prompt | completion
+    sluice_ratelimit_rejections_total{model,limit}    limit: requests | tokens | tenant_queue
+    sluice_quota_rejections_total{model}
+    sluice_load_shed_total{model,reason}              load_shed | circuit_open | memory_pressure
+Cluster-wide (collected from Redis at scrape time, by whichever process is scraped):
+    sluice_queue_depth{deployment}, sluice_queue_oldest_age_seconds{deployment}
+    sluice_workers{deployment}, sluice_workers_in_rotation{deployment}
+    sluice_worker_device_memory_bytes{deployment,worker,kind}   kind: used | total
+    sluice_batch_size{deployment}                     histogram of admitted batch sizes
+    sluice_breaker_state{deployment}                  0 closed, 1 half-open, 2 open
+    sluice_breaker_opens_total{deployment}
+    sluice_quota_used{tenant,model,period,metric} and sluice_quota_limit{...}
+
+`model` is only ever a deployment the pipeline resolved (never the caller's raw string),
+so the label's values stay bounded. With `PROMETHEUS_MULTIPROC_DIR` set (the run command
+sets it) every local serving process writes its series there and one scrape of /metrics
+sums them all.
+
+/metrics is served beside the API: with `SLUICE_METRICS_TOKEN` set it wants
+`Authorization: Bearer <token>`; without one it answers loopback clients only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
+
+from django.conf import settings
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from inference import queue as q
+
+_LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+_TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_BREAKER_VALUE = {"closed": 0, "half_open": 1, "open": 2}
+_CLUSTER_TTL_S = 1.0
+
+REQUESTS = Counter("sluice_requests", "Requests served, by route, protocol, model and "
+                   "HTTP-equivalent status.", ["route", "protocol", "model", "status"])
+DURATION = Histogram("sluice_request_duration_seconds", "Time from request to the last "
+                     "byte of the response.", ["route", "protocol", "model"],
+                     buckets=_LATENCY_BUCKETS)
+TTFT = Histogram("sluice_time_to_first_token_seconds", "Time from request to the first "
+                 "generated token.", ["model"], buckets=_LATENCY_BUCKETS)
+TOKENS_PER_S = Histogram("sluice_output_tokens_per_second", "Decode rate of each "
+                         "generation after its first token.", ["model"], buckets=_TPS_BUCKETS)
+TOKENS = Counter("sluice_tokens", "Tokens processed.", ["model", "kind"])
+RATELIMITED = Counter("sluice_ratelimit_rejections", "Calls refused by a rate limit.",
+                      ["model", "limit"])
+QUOTA_REFUSED = Counter("sluice_quota_rejections", "Calls refused by a quota.", ["model"])
+SHED = Counter("sluice_load_shed", "Calls refused to protect a deployment.",
+               ["model", "reason"])
+
+_REFUSALS: dict[str, Callable[[str], None]] = {
+    "rate_limit_requests": lambda m: RATELIMITED.labels(m, "requests").inc(),
+    "rate_limit_tokens": lambda m: RATELIMITED.labels(m, "tokens").inc(),
+    "tenant_queue_full": lambda m: RATELIMITED.labels(m, "tenant_queue").inc(),
+    "quota_exceeded": lambda m: QUOTA_REFUSED.labels(m).inc(),
+    "load_shed": lambda m: SHED.labels(m, "load_shed").inc(),
+    "circuit_open": lambda m: SHED.labels(m, "circuit_open").inc(),
+    "memory_pressure": lambda m: SHED.labels(m, "memory_pressure").inc(),
+}
+
+
+def observe_request(route: str, protocol: str, model: str, status: int,
+                    seconds: float) -> None:
+    REQUESTS.labels(route, protocol, model, str(status)).inc()
+    DURATION.labels(route, protocol, model).observe(seconds)
+
+
+def observe_refusal(model: str, code: str | None) -> None:
+    """Count a governance refusal (rate limit, quota, shedding) by its error code."""
+    count = _REFUSALS.get(code or "")
+    if count is not None and model:
+        count(model)
+
+
+def observe_generation(model: str, *, ttft_s: float | None, decode_s: float,
+                       prompt_tokens: int, completion_tokens: int) -> None:
+    if ttft_s is not None:
+        TTFT.labels(model).observe(ttft_s)
+    if completion_tokens > 1 and decode_s > 0:
+        TOKENS_PER_S.labels(model).observe((completion_tokens - 1) / decode_s)
+    if prompt_tokens:
+        TOKENS.labels(model, "prompt").inc(prompt_tokens)
+    if completion_tokens:
+        TOKENS.labels(model, "completion").inc(completion_tokens)
+
+
+# -- cluster state ------------------------------------------------------------------
+def batch_histogram(counts: dict[int, int]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative buckets and the sum, from exact counts per batch size."""
+    buckets = []
+    for bound in BATCH_BUCKETS:
+        buckets.append((floatToGoString(bound),
+                        float(sum(c for s, c in counts.items() if s <= bound))))
+    total = sum(counts.values())
+    buckets.append(("+Inf", float(total)))
+    return buckets, float(sum(s * c for s, c in counts.items()))
+
+
+class ClusterCollector(Collector):
+    """Deployment, worker, breaker and quota state from Redis (and the policy tables),
+    read at most once per second however often it is scraped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cached: tuple[float, list[Any]] = (0.0, [])
+
+    def describe(self) -> Iterable[Any]:
+        return []  # nothing to check at registration (that would read Redis)
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            at, families = self._cached
+            if time.monotonic() - at > _CLUSTER_TTL_S:
+                families = list(self._read())
+                self._cached = (time.monotonic(), families)
+        yield from families
+
+    def _read(self) -> Iterator[Any]:
+        from governance import breaker, quota
+        from governance.models import BreakerPolicy, Quota
+        from inference.models import Deployment
+        from sluice.redis import sync_redis
+
+        redis = sync_redis()
+        deployments = list(Deployment.objects.filter(enabled=True).order_by("name"))
+        policies = {p.deployment_id: p for p in BreakerPolicy.objects.filter(
+            deployment__in=deployments)}
+        depth = GaugeMetricFamily("sluice_queue_depth", "Requests queued or running.",
+                                  labels=["deployment"])
+        age = GaugeMetricFamily("sluice_queue_oldest_age_seconds", "Age of the oldest "
+                                "queued request.", labels=["deployment"])
+        workers = GaugeMetricFamily("sluice_workers", "Live workers (fresh heartbeat).",
+                                    labels=["deployment"])
+        rotation = GaugeMetricFamily("sluice_workers_in_rotation", "Live workers not held "
+                                     "out by the memory guard.", labels=["deployment"])
+        memory = GaugeMetricFamily("sluice_worker_device_memory_bytes", "Device memory of "
+                                   "each worker.", labels=["deployment", "worker", "kind"])
+        batches = HistogramMetricFamily("sluice_batch_size", "Requests admitted together "
+                                        "into a batch.", labels=["deployment"])
+        state = GaugeMetricFamily("sluice_breaker_state", "Circuit breaker: 0 closed, "
+                                  "1 half-open, 2 open.", labels=["deployment"])
+        opens = CounterMetricFamily("sluice_breaker_opens", "Times the breaker opened.",
+                                    labels=["deployment"])
+        now = q.now_ms()
+        for dep in deployments:
+            name = dep.name
+            suffixes = [s.decode() for s in redis.hkeys(q.streams_key(name))]
+            pipe = redis.pipeline(transaction=False)
+            pipe.get(q.depth_key(name))
+            pipe.hgetall(q.workers_key(name))
+            pipe.hgetall(q.batch_sizes_key(name))
+            policy = policies.get(dep.pk) or breaker.default_policy(dep.pk)
+            pipe.eval(breaker.PEEK_LUA, 4, *breaker.keys(name), *breaker.peek_args(policy))
+            for suffix in suffixes:
+                pipe.xrange(q.stream_key(name, suffix), count=1)
+            raw_depth, beats, sizes, peek, *firsts = pipe.execute()
+            stamps = [int(f[0][0].decode().split("-")[0]) for f in firsts if f]
+            depth.add_metric([name], float(int(raw_depth or 0)))
+            age.add_metric([name], max(0, now - min(stamps, default=now)) / 1000)
+            live = q.live_heartbeats(beats)
+            workers.add_metric([name], float(len(live)))
+            rotation.add_metric([name], float(sum(1 for b in live.values()
+                                                  if b.get("in_rotation", True))))
+            for wid, beat in sorted(live.items()):
+                if beat.get("mem_total"):
+                    memory.add_metric([name, wid, "used"], float(beat["mem_used"]))
+                    memory.add_metric([name, wid, "total"], float(beat["mem_total"]))
+            counts = {int(k): int(v) for k, v in sizes.items()}
+            buckets, total = batch_histogram(counts)
+            batches.add_metric([name], buckets, total)
+            snap = breaker.Snapshot.from_reply(peek)
+            state.add_metric([name], float(_BREAKER_VALUE.get(snap.state, 0)))
+            opens.add_metric([name], float(snap.times_opened))
+        yield from (depth, age, workers, rotation, memory, batches, state, opens)
+
+        used = GaugeMetricFamily("sluice_quota_used", "Use of each quota in its current "
+                                 "period (reservations included).",
+                                 labels=["tenant", "model", "period", "metric"])
+        limit = GaugeMetricFamily("sluice_quota_limit", "Each quota's limit.",
+                                  labels=["tenant", "model", "period", "metric"])
+        rows = list(Quota.objects.select_related("tenant").order_by("id")[:10_000])
+        pipe = redis.pipeline(transaction=False)
+        for row in rows:
+            pipe.eval(quota.PEEK_LUA, 3, *quota.keys_for(row.tenant.slug, [row]),
+                      *quota.peek_args([row]))
+        for row, reply in zip(rows, pipe.execute() if rows else [], strict=True):
+            use = quota.QuotaUse.from_reply(reply[0])
+            labels = [row.tenant.slug, row.model or "*", row.period]
+            for metric, value, cap in (
+                    ("requests", use.requests, row.max_requests),
+                    ("tokens", use.tokens + use.reserved_tokens, row.max_tokens),
+                    ("concurrent", use.open_reservations, row.max_concurrent)):
+                if cap is not None:
+                    used.add_metric([*labels, metric], float(value))
+                    limit.add_metric([*labels, metric], float(cap))
+        yield from (used, limit)
+
+
+_registry: CollectorRegistry | None = None
+
+
+def registry() -> CollectorRegistry:
+    """What /metrics shows: this process's series (or every local process's, in
+    multiprocess mode) plus the cluster state."""
+    global _registry
+    if _registry is None:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            reg = CollectorRegistry()
+            multiprocess.MultiProcessCollector(reg)
+        else:
+            reg = REGISTRY
+        reg.register(ClusterCollector())
+        _registry = reg
+    return _registry
+
+
+def allowed(client_host: str | None, authorization: str | None) -> bool:
+    token = settings.SLUICE_METRICS_TOKEN
+    if token:
+        given = (authorization or "")[7:] if (authorization or "").lower().startswith(
+            "bearer ") else ""
+        return hmac.compare_digest(given.encode(), token.encode())
+    try:
+        return client_host is not None and ipaddress.ip_address(client_host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
+                send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    """The /metrics endpoint (ASGI)."""
+    headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    client = (scope.get("client") or (None,))[0]
+    if not allowed(client, headers.get("authorization")):
+        status, body, kind = 403, json.dumps({"error": {
+            "message": "Metrics need the scrape token (SLUICE_METRICS_TOKEN) or a loopback "
+                       "client.", "type": "permission_error", "param": None,
+            "code": "forbidden"}}).encode(), "application/json"
+    else:
+        status, kind = 200, CONTENT_TYPE_LATEST
+        body = await asyncio.to_thread(generate_latest, registry())
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", kind.encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,125 @@
+"""One served request, observed the same way on every protocol: its server span, its
+request scope (tenant, model, request id for logs), its metrics and its access log line.
+
+    with served("/v1/chat/completions", "rest", method="POST", headers=h) as scope:
+        ... the adapter runs the call, and sets scope.status ...
+
+Access logs are sampled dynamically: errors (status >= 400) and slow requests
+(>= SLUICE_LOG_SLOW_MS) are always written, routes under SLUICE_LOG_CRITICAL_ROUTES
+always, and the rest at about SLUICE_LOG_SAMPLE_PER_S lines per second per process,
+so the kept fraction falls as QPS rises. Each line says the rate it was kept at
+(`sample_rate`), so counts can be re-weighted.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from django.conf import settings
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from governance import metrics
+from sluice import telemetry
+
+access_logger = logging.getLogger("sluice.access")
+
+
+class LogSampler:
+    """Decides, in a few hundred nanoseconds, whether a request's access line is kept."""
+
+    def __init__(self, per_second: float, slow_s: float, critical: tuple[str, ...]) -> None:
+        self.per_second = per_second
+        self.slow_s = slow_s
+        self.critical = critical
+        self._window_start = time.monotonic()
+        self._count = 0
+        self._rate = 0.0  # requests per second over the last full window
+        self._random = random.Random()  # noqa: S311 - sampling, not security
+
+    def rate(self, route: str, status: int, seconds: float) -> float:
+        """1.0 to keep always, else the keep probability (0 < p <= 1) for this request;
+        0.0 means dropped. Counts the request towards the QPS estimate."""
+        now = time.monotonic()
+        if now - self._window_start >= 1.0:
+            self._rate = self._count / (now - self._window_start)
+            self._window_start, self._count = now, 0
+        self._count += 1
+        if status >= 400 or seconds >= self.slow_s or route.startswith(self.critical):
+            return 1.0
+        qps = max(self._rate, float(self._count))
+        if qps <= self.per_second:
+            return 1.0
+        p = self.per_second / qps
+        return p if self._random.random() < p else 0.0
+
+
+_sampler: LogSampler | None = None
+
+
+def sampler() -> LogSampler:
+    global _sampler
+    if _sampler is None:
+        _sampler = LogSampler(float(settings.SLUICE_LOG_SAMPLE_PER_S),
+                              float(settings.SLUICE_LOG_SLOW_MS) / 1000,
+                              tuple(settings.SLUICE_LOG_CRITICAL_ROUTES))
+    return _sampler
+
+
+@contextmanager
+def served(route: str, protocol: str, *, method: str = "POST",
+           headers: Mapping[str, str] | None = None) -> Iterator[telemetry.RequestScope]:
+    """Observe one request. The adapter sets `scope.status` (an HTTP-equivalent status)
+    and may refine `scope.protocol` (rest -> sse) and `scope.route`; an exception that
+    escapes counts as 500 unless a status was set."""
+    scope = telemetry.RequestScope(route=route, protocol=protocol)
+    token = telemetry.enter_scope(scope)
+    parent = telemetry.extract(headers) if headers and "traceparent" in headers else None
+    try:
+        with telemetry.tracer.start_as_current_span(
+                _span_name(method, route), context=parent, kind=SpanKind.SERVER,
+                record_exception=False, set_status_on_exception=False) as span:
+            try:
+                yield scope
+            except BaseException:
+                scope.status = scope.status or 500
+                raise
+            finally:
+                seconds = time.perf_counter() - scope.began
+                if span.is_recording():
+                    span.update_name(_span_name(method, scope.route))
+                    span.set_attributes({
+                        **({"rpc.system": "grpc", "rpc.method": scope.route}
+                           if protocol == "grpc" else
+                           {"http.request.method": method, "http.route": scope.route}),
+                        "http.response.status_code": scope.status,
+                        "sluice.protocol": scope.protocol, "sluice.tenant": scope.tenant,
+                        "gen_ai.request.model": scope.model,
+                        "sluice.request_id": scope.request_id})
+                    if scope.status >= 500:
+                        span.set_status(Status(StatusCode.ERROR))
+                metrics.observe_request(scope.route, scope.protocol, scope.model,
+                                        scope.status, seconds)
+                _access_log(method, scope, seconds)
+    finally:
+        telemetry.leave_scope(token)
+
+
+def _span_name(method: str, route: str) -> str:
+    """`POST /v1/chat/completions`; a gRPC method is named as gRPC does
+    (`sluice.v1.Inference/Chat`)."""
+    return f"{method} {route}" if method else route.lstrip("/")
+
+
+def _access_log(method: str, scope: telemetry.RequestScope, seconds: float) -> None:
+    if not access_logger.isEnabledFor(logging.INFO):
+        return
+    rate = sampler().rate(scope.route, scope.status, seconds)
+    if rate:
+        fields = {"protocol": scope.protocol, "status": scope.status,
+                  "duration_ms": round(seconds * 1000, 2), "sample_rate": round(rate, 4)}
+        access_logger.info("%s %s %d", method or scope.protocol, scope.route, scope.status,
+                           extra=fields)
