@@ -152,9 +152,9 @@ class Governor:
                                                          "sluice.quota.count": len(quotas)}):
                     await self._limits_and_quotas(adm, limits, quotas)
             adm.policy = await cache.breaker_policy(spec.name)
-            with telemetry.stage("sluice.shed"):
-                await self._shed(adm, adm.policy)
+            # The breaker policy's checks: load shedding, the memory guard, the breaker.
             with telemetry.stage("sluice.breaker") as span:
+                await self._shed(adm, adm.policy)
                 await self._breaker(adm, adm.policy)
                 if span.is_recording():
                     span.set_attribute("sluice.breaker.probe", adm.probe)

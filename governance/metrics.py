@@ -17,6 +17,9 @@ Cluster-wide (collected from Redis at scrape time, by whichever process is scrap
     sluice_breaker_state{deployment}                  0 closed, 1 half-open, 2 open
     sluice_breaker_opens_total{deployment}
     sluice_quota_used{tenant,model,period,metric} and sluice_quota_limit{...}
+    sluice_autoscaler_desired_replicas{deployment}, ..._running_replicas{deployment}
+    sluice_cold_start_seconds{deployment}             worker start to first heartbeat
+    sluice_autoscaler_events_total{deployment,kind}   kind: scale | restart | ready
 
 `model` is only ever a deployment the pipeline resolved (never the caller's raw string),
 so the label's values stay bounded. With `PROMETHEUS_MULTIPROC_DIR` set (the run command
@@ -169,7 +172,6 @@ class ClusterCollector(Collector):
                                   "1 half-open, 2 open.", labels=["deployment"])
         opens = CounterMetricFamily("sluice_breaker_opens", "Times the breaker opened.",
                                     labels=["deployment"])
-        now = q.now_ms()
         for dep in deployments:
             name = dep.name
             suffixes = [s.decode() for s in redis.hkeys(q.streams_key(name))]
@@ -182,9 +184,8 @@ class ClusterCollector(Collector):
             for suffix in suffixes:
                 pipe.xrange(q.stream_key(name, suffix), count=1)
             raw_depth, beats, sizes, peek, *firsts = pipe.execute()
-            stamps = [int(f[0][0].decode().split("-")[0]) for f in firsts if f]
             depth.add_metric([name], float(int(raw_depth or 0)))
-            age.add_metric([name], max(0, now - min(stamps, default=now)) / 1000)
+            age.add_metric([name], q.oldest_age_ms(firsts) / 1000)
             live = q.live_heartbeats(beats)
             workers.add_metric([name], float(len(live)))
             rotation.add_metric([name], float(sum(1 for b in live.values()
@@ -200,6 +201,7 @@ class ClusterCollector(Collector):
             state.add_metric([name], float(_BREAKER_VALUE.get(snap.state, 0)))
             opens.add_metric([name], float(snap.times_opened))
         yield from (depth, age, workers, rotation, memory, batches, state, opens)
+        yield from _autoscaler_families(redis, [d.name for d in deployments])
 
         used = GaugeMetricFamily("sluice_quota_used", "Use of each quota in its current "
                                  "period (reservations included).",
@@ -225,6 +227,41 @@ class ClusterCollector(Collector):
 
 
 _registry: CollectorRegistry | None = None
+
+
+def _autoscaler_families(redis: Any, names: list[str]) -> Iterator[Any]:
+    from inference import autoscaler
+
+    desired = GaugeMetricFamily("sluice_autoscaler_desired_replicas", "Workers the "
+                                "autoscaler wants (KEDA scales Kubernetes workers to this).",
+                                labels=["deployment"])
+    running = GaugeMetricFamily("sluice_autoscaler_running_replicas", "Worker processes "
+                                "the autoscaler runs (or live workers, without its local "
+                                "driver).", labels=["deployment"])
+    cold = HistogramMetricFamily("sluice_cold_start_seconds", "From starting a worker to "
+                                 "its first heartbeat (model loaded).", labels=["deployment"])
+    events = CounterMetricFamily("sluice_autoscaler_events", "Scaling decisions, restarts "
+                                 "of dead workers, workers ready.", labels=["deployment", "kind"])
+    states = autoscaler.state(redis)
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(autoscaler.cold_start_key(name))
+    pipe.hgetall(autoscaler.counts_key())
+    *colds, counts = pipe.execute()
+    for name, raw in zip(names, colds, strict=True):
+        if name in states:
+            desired.add_metric([name], float(states[name]["desired"]))
+            running.add_metric([name], float(states[name]["running"]))
+        fields = {k.decode(): float(v) for k, v in raw.items()}
+        if fields:
+            buckets = [(floatToGoString(b), fields.get(str(b), 0.0))
+                       for b in autoscaler.COLD_START_BUCKETS]
+            cold.add_metric([name], [*buckets, ("+Inf", fields.get("count", 0.0))],
+                            fields.get("sum", 0.0))
+    for key, value in counts.items():
+        name, _, kind = key.decode().partition("|")
+        events.add_metric([name, kind], float(value))
+    yield from (desired, running, cold, events)
 
 
 def registry() -> CollectorRegistry:

@@ -14,6 +14,7 @@ from inference.schemas import (
     DeploymentUpdateIn,
     ModelListOut,
     ModelOut,
+    ScalingOut,
 )
 from sluice.errors import NotFound
 from tenants.api import actor_of
@@ -44,6 +45,13 @@ def deployment_get(request: HttpRequest, name: str):
 def deployment_update(request: HttpRequest, name: str, data: DeploymentUpdateIn):
     return services.deployment_update(actor=actor_of(request), name=name,
                                       **data.model_dump(exclude_none=True))
+
+
+@router.get("/deployments/{name}/scaling", response=ScalingOut)
+def deployment_scaling(request: HttpRequest, name: str, limit: int = 50):
+    """The autoscaler's view of a deployment and its recent decisions, restarts and cold
+    starts (newest first), each with its reason."""
+    return selectors.scaling(actor=actor_of(request), name=name, limit=max(1, min(limit, 500)))
 
 
 def _model(deployment: Deployment) -> ModelOut:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -108,7 +109,8 @@ class Scaler:
                                       f"last {p.down_delay_s:g}s")
         return None
 
-    def _window(self, now: float, span: float, pick: type[min] | type[max]) -> int | None:
+    def _window(self, now: float, span: float,
+                pick: Callable[[list[int]], int]) -> int | None:
         """min/max of the recommendations over the last `span` seconds, or None until
         the scaler has watched that long."""
         if self.started_at is None or now - self.started_at < span:

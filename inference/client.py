@@ -279,6 +279,4 @@ class InferenceClient:
         for suffix in suffixes:
             pipe.xrange(q.stream_key(deployment, suffix), count=1)
         depth, *firsts = await pipe.execute()
-        stamps = [int(f[0][0].decode().split("-")[0]) for f in firsts if f]
-        oldest = min(stamps, default=q.now_ms())
-        return {"depth": int(depth or 0), "oldest_age_ms": max(0, q.now_ms() - oldest)}
+        return {"depth": int(depth or 0), "oldest_age_ms": q.oldest_age_ms(firsts)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
@@ -31,6 +32,23 @@ class Deployment(models.Model):
         default=3, validators=[MinValueValidator(1), MaxValueValidator(100)])
     echo_token_delay_ms = models.FloatField(default=0.0, validators=[MinValueValidator(0.0)])
     enabled = models.BooleanField(default=True)
+    # Autoscaling (inference/autoscale.py): min 0 lets the deployment scale to zero.
+    min_replicas = models.PositiveIntegerField(default=1, validators=[MaxValueValidator(64)])
+    max_replicas = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(64)])
+    target_inflight = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100_000)],
+        help_text="Requests in flight per worker the autoscaler aims for "
+                  "(default: max_batch_size).")
+    scale_up_delay_s = models.FloatField(
+        default=1.0, validators=[MinValueValidator(0.0), MaxValueValidator(3600.0)])
+    scale_down_delay_s = models.FloatField(
+        default=30.0, validators=[MinValueValidator(0.0), MaxValueValidator(86_400.0)])
+    scale_to_zero_delay_s = models.FloatField(
+        default=300.0, validators=[MinValueValidator(0.0), MaxValueValidator(86_400.0)])
+    max_queue_age_s = models.FloatField(
+        default=2.0, validators=[MinValueValidator(0.1), MaxValueValidator(3600.0)],
+        help_text="A queued request older than this asks for one more worker.")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -38,6 +56,10 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        if self.min_replicas > self.max_replicas:
+            raise ValidationError({"min_replicas": "must not exceed max_replicas"})
 
     def to_spec(self) -> DeploymentSpec:
         return DeploymentSpec(

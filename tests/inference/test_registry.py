@@ -31,6 +31,11 @@ def test_platform_admin_registers_and_tunes_a_deployment(ops: Org) -> None:
     {"name": "x", "runtime": "echo", "tenant_queue_share": 1.5},
     {"name": "x", "runtime": "echo", "device": "tpu"},
     {"name": "{x}", "runtime": "echo"},
+    {"name": "x", "runtime": "echo", "min_replicas": 3, "max_replicas": 2},
+    {"name": "x", "runtime": "echo", "max_replicas": 0},
+    {"name": "x", "runtime": "echo", "scale_up_delay_s": -1},
+    {"name": "x", "runtime": "echo", "max_queue_age_s": 0},
+    {"name": "x", "runtime": "echo", "target_inflight": 0},
 ])
 def test_invalid_deployments_are_422_and_not_saved(ops: Org, body: dict[str, object]) -> None:
     error = assert_openai_error(ops.client(Role.PLATFORM_ADMIN).post("/api/v1/deployments", body),

@@ -248,14 +248,58 @@ def _children(pid: int) -> set[int]:
     return {int(p) for p in out.split()}
 
 
+def _descendants(pid: int) -> set[int]:
+    out = set()
+    for child in _children(pid):
+        out |= {child, *_descendants(child)}
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_process_that_dies_is_restarted(running: Running) -> None:
+    grpc = [p for p in _children(running.proc.pid) if "rungrpc" in _cmdline(p)]
+    assert len(grpc) == 1
+    os.kill(grpc[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    replacement: list[int] = []
+    while time.monotonic() < deadline:
+        replacement = [p for p in _children(running.proc.pid)
+                       if "rungrpc" in _cmdline(p) and p != grpc[0]]
+        if replacement and _port_open(running.grpc_port):
+            break
+        time.sleep(0.2)
+    assert replacement and _port_open(running.grpc_port), "gRPC server not restarted"
+    assert any("'grpc' exited" in line and "restarting" in line for line in running.output)
+
+
 def test_ctrl_c_stops_every_process_it_started(running: Running) -> None:
     port = int(running.base.rsplit(":", 1)[1])
     assert _port_open(port) and _port_open(running.redis_port)
-    children = _children(running.proc.pid)
-    assert len(children) >= 5, "redis, uvicorn and three workers"
+    children = _descendants(running.proc.pid)
+    assert len(children) >= 9, "redis, uvicorn, gRPC, audit writer, Celery, the " \
+        "autoscaler and its three workers"
     running.proc.send_signal(signal.SIGINT)
     assert running.proc.wait(timeout=30) == 0
-    alive = {pid for pid in children if Path(f"/proc/{pid}").exists()}
+    deadline = time.monotonic() + 5  # a grandchild may take a moment after its parent
+    while time.monotonic() < deadline:
+        alive = {pid: _cmdline(pid) for pid in children if _running(pid)}
+        if not alive:
+            break
+        time.sleep(0.1)
     assert not alive, f"children left running after Ctrl-C: {alive}"
     deadline = time.monotonic() + 10
     while (_port_open(port) or _port_open(running.redis_port)) and time.monotonic() < deadline:

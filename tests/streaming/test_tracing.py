@@ -26,8 +26,7 @@ pytestmark = pytest.mark.slow
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 PII = "jane.doe@example.com"
-STAGES = {"sluice.auth", "sluice.limits", "sluice.shed", "sluice.breaker", "sluice.enqueue",
-          "sluice.wait"}
+STAGES = {"sluice.auth", "sluice.limits", "sluice.breaker", "sluice.enqueue", "sluice.wait"}
 
 
 def _hex(value: int, width: int) -> str:

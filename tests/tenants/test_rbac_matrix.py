@@ -131,6 +131,9 @@ MATRIX: dict[str, Row] = {
                              lambda c: {"max_batch_size": 4},
                              {PA: 200, TA: 403, DEV: 403, AUD: 403},
                              "api/v1/deployments/<name>"),
+    "deployment scaling": Row("GET", lambda c: f"/api/v1/deployments/{c.deployment()}/scaling",
+                              None, {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                              "api/v1/deployments/<name>/scaling"),
     # Auditors use no models, so they have no conversations; the others their own.
     "conversation list": Row("GET", lambda c: "/api/v1/conversations", None,
                              {PA: 200, TA: 200, DEV: 200, AUD: 403}, "api/v1/conversations"),

@@ -1,0 +1,186 @@
+"""The autoscaler as it runs: `manage.py autoscale` as a real process with its workers as
+real child processes, the live gateway in front, the test Redis and database behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from inference import autoscaler
+from inference.models import Deployment
+from inference.worker import heartbeats
+from sluice.redis import sync_redis
+from tenants.roles import Role
+from tests.conftest import REPO, make_org, process_env
+from tests.governance.test_metrics import scrape, value
+from tests.streaming.conftest import Live
+
+pytestmark = pytest.mark.slow
+
+SCALED = {"runtime": "echo", "echo_token_delay_ms": 20, "max_batch_size": 8,
+          "min_replicas": 0, "max_replicas": 3, "target_inflight": 2,
+          "scale_up_delay_s": 0.5, "scale_down_delay_s": 1.0, "scale_to_zero_delay_s": 2.0,
+          "max_queue_age_s": 5.0}
+
+
+def live_pids(name: str = "scaled") -> set[int]:
+    return {int(b["pid"]) for b in heartbeats(sync_redis(), name, max_age_s=2.0).values()}
+
+
+def scale_events(name: str = "scaled", kind: str | None = None) -> list[dict[str, Any]]:
+    rows = autoscaler.events(sync_redis(), deployment=name, limit=500)
+    return [e for e in reversed(rows) if kind is None or e["kind"] == kind]
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def start_autoscaler(live: Live) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(**policy: Any) -> subprocess.Popen[bytes]:
+        Deployment.objects.create(name="scaled", **{**SCALED, **policy})
+        proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "autoscale",
+                                 "--deployment", "scaled", "--tick", "0.1"], cwd=REPO,
+                                env=process_env(SLUICE_LOG_LEVEL="WARNING"))
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(30)
+    # The workers drain and leave with their parent.
+    wait_until(lambda: not live_pids(), 15, "the workers to stop")
+
+
+@pytest.fixture
+def caller(live: Live) -> OpenAI:
+    org = make_org("scaling", [Role.DEVELOPER])
+    return OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER], max_retries=0,
+                  timeout=30)
+
+
+def chat(client: OpenAI, tokens: int = 5) -> str:
+    reply = client.chat.completions.create(
+        model="scaled", max_tokens=tokens,
+        messages=[{"role": "user", "content": " ".join(["word"] * 50)}])
+    return reply.choices[0].message.content or ""
+
+
+def load(client: OpenAI, threads: int, seconds: float, *, tokens: int,
+         pause: Callable[[], float] = lambda: 0.0) -> threading.Thread:
+    """`threads` callers each sending one request after another for `seconds`."""
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                chat(client, tokens)
+            except BaseException as exc:  # surfaced by the runner below
+                errors.append(exc)
+                return
+            time.sleep(pause())
+
+    def run() -> None:
+        workers = [threading.Thread(target=caller) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert not errors, errors
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    return runner
+
+
+def test_a_request_at_zero_is_served_and_the_cold_start_is_recorded(
+        start_autoscaler: Callable[..., Any], caller: OpenAI, live: Live) -> None:
+    start_autoscaler()
+    time.sleep(1.5)
+    assert not live_pids(), "min_replicas is 0: nothing runs before demand"
+    began = time.monotonic()
+    assert chat(caller).strip()
+    cold_ttft = time.monotonic() - began
+    assert cold_ttft < 10
+    scaled = scale_events(kind="scale")
+    assert scaled[0]["to"] == "1" and "scale from zero" in scaled[0]["reason"]
+    ready = wait_until(lambda: scale_events(kind="ready"), 5, "the ready event")
+    assert 0 < float(ready[0]["cold_start_s"]) < cold_ttft
+    def published() -> dict[Any, float] | None:
+        samples = scrape(live)
+        wanted = value(samples, "sluice_autoscaler_desired_replicas", deployment="scaled")
+        return samples if wanted == 1 else None
+
+    samples = wait_until(published, 5, "the autoscaler's series on /metrics")
+    assert value(samples, "sluice_cold_start_seconds_count", deployment="scaled") == 1
+    assert value(samples, "sluice_autoscaler_events_total", deployment="scaled",
+                 kind="scale") >= 1
+
+
+def test_a_burst_scales_out_and_idle_returns_to_zero(
+        start_autoscaler: Callable[..., Any], caller: OpenAI) -> None:
+    start_autoscaler()
+    began = time.monotonic()
+    runner = load(caller, threads=8, seconds=6, tokens=30)  # ~8 in flight: 4+ workers' worth
+    wait_until(lambda: len(live_pids()) >= 3, 8, "3 workers (the max)")
+    reached = time.monotonic() - began
+    assert reached < 8
+    assert len(live_pids()) <= 3, "never past max_replicas"
+    runner.join()
+    stopped = time.monotonic()
+    wait_until(lambda: not live_pids(), 15, "scale to zero")
+    # Down to one after the down delay, to zero only after the zero delay.
+    tail = [e for e in scale_events(kind="scale") if float(e["ts"]) > time.time() - 20]
+    assert [e["to"] for e in tail][-1] == "0" and "scale to zero" in tail[-1]["reason"]
+    assert "1" in [e["to"] for e in tail]
+    assert time.monotonic() - stopped >= SCALED["scale_to_zero_delay_s"]
+
+
+def test_a_killed_worker_is_replaced(start_autoscaler: Callable[..., Any],
+                                     caller: OpenAI) -> None:
+    start_autoscaler(min_replicas=1)
+    first = wait_until(live_pids, 15, "the minimum worker")
+    victim = next(iter(first))
+    os.kill(victim, signal.SIGKILL)
+    replacement = wait_until(lambda: live_pids() - {victim}, 15, "a replacement")
+    assert victim not in replacement
+    restart = scale_events(kind="restart")
+    assert restart and f"worker pid {victim} exited" in restart[-1]["reason"]
+    assert chat(caller).strip()
+
+
+def test_steady_load_near_the_threshold_does_not_flap(
+        start_autoscaler: Callable[..., Any], caller: OpenAI) -> None:
+    import random
+
+    start_autoscaler(scale_up_delay_s=1.0, scale_down_delay_s=5.0)
+    # About 2-3 requests in flight against a target of 2 per worker: right at the line
+    # between one worker and two.
+    runner = load(caller, threads=3, seconds=10, tokens=10,
+                  pause=lambda: random.uniform(0, 0.1))
+    time.sleep(3)  # from zero, and settling
+    settled = len(scale_events(kind="scale"))
+    runner.join()
+    changes = scale_events(kind="scale")[settled:]
+    during = [e for e in changes if "idle" not in e["reason"]]
+    assert len(during) <= 1, during
