@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from typing import Any
 
 from django.conf import settings
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from governance import metrics
@@ -69,43 +71,53 @@ def sampler() -> LogSampler:
     return _sampler
 
 
-@contextmanager
-def served(route: str, protocol: str, *, method: str = "POST",
-           headers: Mapping[str, str] | None = None) -> Iterator[telemetry.RequestScope]:
+class served:  # used like a function: `with served(...) as scope:`
     """Observe one request. The adapter sets `scope.status` (an HTTP-equivalent status)
     and may refine `scope.protocol` (rest -> sse) and `scope.route`; an exception that
-    escapes counts as 500 unless a status was set."""
-    scope = telemetry.RequestScope(route=route, protocol=protocol)
-    token = telemetry.enter_scope(scope)
-    parent = telemetry.extract(headers) if headers and "traceparent" in headers else None
-    try:
-        with telemetry.tracer.start_as_current_span(
-                _span_name(method, route), context=parent, kind=SpanKind.SERVER,
-                record_exception=False, set_status_on_exception=False) as span:
-            try:
-                yield scope
-            except BaseException:
+    escapes counts as 500 unless a status was set. A plain class rather than a generator
+    context manager: this runs for every request, and the difference is measurable."""
+
+    __slots__ = ("_context", "_method", "_span", "_token", "scope")
+
+    def __init__(self, route: str, protocol: str, *, method: str = "POST",
+                 headers: Mapping[str, str] | None = None) -> None:
+        self.scope = telemetry.RequestScope(route=route, protocol=protocol)
+        self._method = method
+        parent = telemetry.extract(headers) if headers and "traceparent" in headers else None
+        self._span = telemetry.tracer.start_span(_span_name(method, route), context=parent,
+                                                 kind=SpanKind.SERVER)
+        self._context = otel_context.attach(trace.set_span_in_context(self._span, parent))
+        self._token = telemetry.enter_scope(self.scope)
+
+    def __enter__(self) -> telemetry.RequestScope:
+        return self.scope
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 _tb: Any) -> None:
+        scope, span, method = self.scope, self._span, self._method
+        try:
+            if exc is not None:
                 scope.status = scope.status or 500
-                raise
-            finally:
-                seconds = time.perf_counter() - scope.began
-                if span.is_recording():
-                    span.update_name(_span_name(method, scope.route))
-                    span.set_attributes({
-                        **({"rpc.system": "grpc", "rpc.method": scope.route}
-                           if protocol == "grpc" else
-                           {"http.request.method": method, "http.route": scope.route}),
-                        "http.response.status_code": scope.status,
-                        "sluice.protocol": scope.protocol, "sluice.tenant": scope.tenant,
-                        "gen_ai.request.model": scope.model,
-                        "sluice.request_id": scope.request_id})
-                    if scope.status >= 500:
-                        span.set_status(Status(StatusCode.ERROR))
-                metrics.observe_request(scope.route, scope.protocol, scope.model,
-                                        scope.status, seconds)
-                _access_log(method, scope, seconds)
-    finally:
-        telemetry.leave_scope(token)
+            seconds = time.perf_counter() - scope.began
+            if span.is_recording():
+                span.update_name(_span_name(method, scope.route))
+                span.set_attributes({
+                    **({"rpc.system": "grpc", "rpc.method": scope.route}
+                       if scope.protocol == "grpc" else
+                       {"http.request.method": method, "http.route": scope.route}),
+                    "http.response.status_code": scope.status,
+                    "sluice.protocol": scope.protocol, "sluice.tenant": scope.tenant,
+                    "gen_ai.request.model": scope.model,
+                    "sluice.request_id": scope.request_id})
+                if scope.status >= 500:
+                    span.set_status(Status(StatusCode.ERROR))
+            span.end()
+            metrics.observe_request(scope.route, scope.protocol, scope.model, scope.status,
+                                    seconds)
+            _access_log(method, scope, seconds)
+        finally:
+            otel_context.detach(self._context)
+            telemetry.leave_scope(self._token)
 
 
 def _span_name(method: str, route: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import importlib
 import logging
 import multiprocessing
 import os
@@ -31,16 +32,26 @@ _CRASH_WINDOW_S = 60.0
 _PR_SET_PDEATHSIG = 1
 
 
+# Imported once by the autoscaler, inherited by every forked worker. transformers imports
+# model code lazily, on first use: the architectures the shipped models use (Llama:
+# SmolLM2 and the tiny LM; BERT: MiniLM) are named here so that a new worker does not
+# pay ~2 s for them on its first load.
+PRELOAD = (
+    "inference.worker", "inference.runtimes.echo", "inference.runtimes.causal_lm",
+    "inference.runtimes.encoder", "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto", "transformers.models.llama.modeling_llama",
+    "transformers.models.bert.modeling_bert", "transformers.generation.utils",
+    "transformers.tokenization_utils_fast",
+)
+
+
 def preload() -> None:
     """Import what workers need, once, in the parent (forked children inherit it)."""
-    import inference.runtimes.echo
-    import inference.worker
-
-    try:
-        import inference.runtimes.causal_lm
-        import inference.runtimes.encoder  # noqa: F401
-    except ImportError:  # pragma: no cover - torch is a dependency
-        logger.warning("torch runtimes could not be preloaded")
+    for module in PRELOAD:
+        try:
+            importlib.import_module(module)
+        except ImportError:  # pragma: no cover - a transformers layout change
+            logger.warning("could not preload %s", module)
 
 
 def _child(spec_json: str, redis_url: str) -> None:

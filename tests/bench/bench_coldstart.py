@@ -89,7 +89,7 @@ def main() -> None:
             warm = min(first_token_s(client, model, kind) for _ in range(3))
             ready = [e for e in autoscaler.events(rds, deployment=model)
                      if e["kind"] == "ready"]
-            rows.append((model, cold, warm, float(ready[0]["cold_start_s"]) if ready
+            rows.append((model, cold, warm, float(ready[-1]["cold_start_s"]) if ready
                          else float("nan")))
 
         # Scale-up reaction: one warm worker, then 16 streams of ~1 s each against 4 in

@@ -30,6 +30,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
+import redis  # noqa: E402
+
 from sluice.localinfra import ensure_redis, free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
 
@@ -72,9 +74,13 @@ def wrk(url: str, connections: int, seconds: int, script: str | None = None) -> 
 
 def bench_env() -> tuple[dict[str, str], str, Any]:
     """(environment, state dir, private Redis or None) for a throwaway platform: SQLite
-    in a temporary state dir (the run command's default), Redis database 11."""
+    in a temporary state dir (the run command's default), and the benchmarks' own Redis
+    database (SLUICE_BENCH_REDIS_URL, default database 11), emptied first: nothing an
+    earlier run left queued may skew this one."""
     state = tempfile.mkdtemp(prefix="sluice-bench-")
-    redis_url, private = ensure_redis(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/11"))
+    redis_url, private = ensure_redis(os.environ.get("SLUICE_BENCH_REDIS_URL",
+                                                     "redis://127.0.0.1:6379/11"))
+    redis.Redis.from_url(redis_url).flushdb()
     env = {**os.environ, "SLUICE_STATE_DIR": state, "REDIS_URL": redis_url,
            "DJANGO_SETTINGS_MODULE": "sluice.settings.base", "SLUICE_LOG_LEVEL": "WARNING"}
     env.pop("DATABASE_URL", None)
