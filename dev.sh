@@ -37,11 +37,27 @@ setup() {
         --grpc_python_out=. streaming/protos/*.proto
 }
 
+# The admin UI's browser tests drive Debian's chromium through Playwright (no browser is
+# downloaded). Installed with apt when missing and possible; without it they are skipped
+# locally, and fail under CI=true.
+browser() {
+    if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then
+        return
+    fi
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "sluice: installing chromium (Debian package) for the browser tests"
+        apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null
+    else
+        echo "sluice: no chromium and no apt as root: the browser tests will be skipped" >&2
+    fi
+}
+
 cmd=${1:-}
 case "$cmd" in
     run|test)
         shift
         setup
+        if [ "$cmd" = test ]; then browser; fi
         exec "$VENV/bin/sluice" "$cmd" "$@"
         ;;
     *)

@@ -5,7 +5,6 @@ Handlers only parse, call a selector or service, and serialize."""
 
 
 from datetime import UTC, date, datetime
-from pathlib import Path
 from typing import Any
 
 from django.http import FileResponse, HttpRequest
@@ -13,7 +12,8 @@ from ninja import Router, Status
 from ninja.pagination import LimitOffsetPagination, paginate
 
 from governance import live, selectors, services
-from governance.models import BreakerPolicy, ExportStatus, Quota
+from governance.exports import export_file
+from governance.models import BreakerPolicy, Quota
 from governance.schemas import (
     AuditEventOut,
     AuditExportIn,
@@ -32,7 +32,6 @@ from governance.schemas import (
     RedactionPatternOut,
     UsageOut,
 )
-from sluice.errors import Conflict
 from tenants.api import actor_of
 
 router = Router(tags=["governance"])
@@ -166,14 +165,8 @@ def audit_export_get(request: HttpRequest, export_id: int):
 
 @router.get("/audit/exports/{int:export_id}/download")
 def audit_export_download(request: HttpRequest, export_id: int) -> FileResponse:
-    export = selectors.audit_export_get(actor=actor_of(request), export_id=export_id)
-    if export.status != ExportStatus.DONE:
-        raise Conflict(f"The export is {export.status}; download it when it is done.",
-                       code="export_not_ready")
-    content_type = "text/csv" if export.format == "csv" else "application/x-ndjson"
-    return FileResponse(Path(export.path).open("rb"), as_attachment=True,
-                        filename=f"audit-{export.pk}.{export.format}",
-                        content_type=content_type)
+    return export_file(selectors.audit_export_get(actor=actor_of(request),
+                                                  export_id=export_id))
 
 
 # -- redaction patterns ----------------------------------------------------------------

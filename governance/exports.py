@@ -12,10 +12,12 @@ from typing import Any
 
 from django.conf import settings
 from django.db import OperationalError
+from django.http import FileResponse
 from django.utils import timezone
 
 from governance.models import AuditEvent, AuditExport, ExportStatus
 from governance.selectors import filter_events
+from sluice.errors import Conflict
 
 COLUMNS = ["chain", "seq", "at", "tenant_id", "actor", "role", "key_prefix", "action",
            "target", "model", "protocol", "status", "latency_ms", "prompt_tokens",
@@ -75,3 +77,14 @@ def run(export_id: int) -> str:
         AuditExport.objects.filter(pk=job.pk).update(
             status=ExportStatus.FAILED, error=type(exc).__name__, finished_at=timezone.now())
         raise
+
+
+def export_file(export: AuditExport) -> FileResponse:
+    """A finished export as a download (409 while it is still running)."""
+    if export.status != ExportStatus.DONE:
+        raise Conflict(f"The export is {export.status}; download it when it is done.",
+                       code="export_not_ready")
+    content_type = "text/csv" if export.format == "csv" else "application/x-ndjson"
+    return FileResponse(Path(export.path).open("rb"), as_attachment=True,
+                        filename=f"audit-{export.pk}.{export.format}",
+                        content_type=content_type)

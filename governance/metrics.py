@@ -55,8 +55,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from inference import queue as q
-
 _LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -147,15 +145,12 @@ class ClusterCollector(Collector):
         yield from families
 
     def _read(self) -> Iterator[Any]:
-        from governance import breaker, quota
-        from governance.models import BreakerPolicy, Quota
-        from inference.models import Deployment
+        from governance import quota
+        from governance.live import deployment_states
+        from governance.models import Quota
         from sluice.redis import sync_redis
 
         redis = sync_redis()
-        deployments = list(Deployment.objects.filter(enabled=True).order_by("name"))
-        policies = {p.deployment_id: p for p in BreakerPolicy.objects.filter(
-            deployment__in=deployments)}
         depth = GaugeMetricFamily("sluice_queue_depth", "Requests queued or running.",
                                   labels=["deployment"])
         age = GaugeMetricFamily("sluice_queue_oldest_age_seconds", "Age of the oldest "
@@ -172,36 +167,24 @@ class ClusterCollector(Collector):
                                   "1 half-open, 2 open.", labels=["deployment"])
         opens = CounterMetricFamily("sluice_breaker_opens", "Times the breaker opened.",
                                     labels=["deployment"])
-        for dep in deployments:
+        states = deployment_states()
+        for dep in states:
             name = dep.name
-            suffixes = [s.decode() for s in redis.hkeys(q.streams_key(name))]
-            pipe = redis.pipeline(transaction=False)
-            pipe.get(q.depth_key(name))
-            pipe.hgetall(q.workers_key(name))
-            pipe.hgetall(q.batch_sizes_key(name))
-            policy = policies.get(dep.pk) or breaker.default_policy(dep.pk)
-            pipe.eval(breaker.PEEK_LUA, 4, *breaker.keys(name), *breaker.peek_args(policy))
-            for suffix in suffixes:
-                pipe.xrange(q.stream_key(name, suffix), count=1)
-            raw_depth, beats, sizes, peek, *firsts = pipe.execute()
-            depth.add_metric([name], float(int(raw_depth or 0)))
-            age.add_metric([name], q.oldest_age_ms(firsts) / 1000)
-            live = q.live_heartbeats(beats)
-            workers.add_metric([name], float(len(live)))
-            rotation.add_metric([name], float(sum(1 for b in live.values()
+            depth.add_metric([name], float(dep.depth))
+            age.add_metric([name], dep.oldest_age_s)
+            workers.add_metric([name], float(len(dep.live)))
+            rotation.add_metric([name], float(sum(1 for b in dep.live.values()
                                                   if b.get("in_rotation", True))))
-            for wid, beat in sorted(live.items()):
+            for wid, beat in sorted(dep.live.items()):
                 if beat.get("mem_total"):
                     memory.add_metric([name, wid, "used"], float(beat["mem_used"]))
                     memory.add_metric([name, wid, "total"], float(beat["mem_total"]))
-            counts = {int(k): int(v) for k, v in sizes.items()}
-            buckets, total = batch_histogram(counts)
+            buckets, total = batch_histogram(dep.batch_sizes)
             batches.add_metric([name], buckets, total)
-            snap = breaker.Snapshot.from_reply(peek)
-            state.add_metric([name], float(_BREAKER_VALUE.get(snap.state, 0)))
-            opens.add_metric([name], float(snap.times_opened))
+            state.add_metric([name], float(_BREAKER_VALUE.get(dep.breaker.state, 0)))
+            opens.add_metric([name], float(dep.breaker.times_opened))
         yield from (depth, age, workers, rotation, memory, batches, state, opens)
-        yield from _autoscaler_families(redis, [d.name for d in deployments])
+        yield from _autoscaler_families(redis, [d.name for d in states])
 
         used = GaugeMetricFamily("sluice_quota_used", "Use of each quota in its current "
                                  "period (reservations included).",

@@ -40,7 +40,7 @@ Write = tuple[str, list[str], list[Any]]
 class _Pending:
     writes: list[Write] = field(default_factory=list)
     usage: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
-    latency: dict[str, dict[int, int]] = field(default_factory=dict)
+    latency: dict[tuple[str, str], dict[int, int]] = field(default_factory=dict)
     outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
         default_factory=dict)
     audit: list[str] = field(default_factory=list)
@@ -72,8 +72,9 @@ class Recorder:
         row[2] += completion
         self._ensure_running()
 
-    def latency(self, deployment: str, ms: float) -> None:
-        histogram = self._pending.latency.setdefault(deployment, {})
+    def latency(self, deployment: str, ms: float, metric: str = "lat") -> None:
+        """A call's latency ("lat") or time to first token ("ttft"), see signals.py."""
+        histogram = self._pending.latency.setdefault((deployment, metric), {})
         bucket = signals.bucket_of(ms)
         histogram[bucket] = histogram.get(bucket, 0) + 1
         self._ensure_running()
@@ -116,8 +117,8 @@ class Recorder:
         for (tenant, model, prefix), (requests, prompt, completion) in pending.usage.items():
             usage.count(pipe, tenant=tenant, model=model, key_prefix=prefix,
                         requests=requests, prompt=prompt, completion=completion)
-        for deployment, histogram in pending.latency.items():
-            signals.record_latencies(pipe, deployment, histogram)
+        for (deployment, metric), histogram in pending.latency.items():
+            signals.record_latencies(pipe, deployment, histogram, metric)
         for wire in pending.audit:
             pipe.xadd(audit.STREAM, {"e": wire}, maxlen=audit.STREAM_MAXLEN, approximate=True)
         names = list(pending.outcomes)

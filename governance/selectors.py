@@ -23,6 +23,7 @@ from governance.models import (
 )
 from inference.models import Deployment
 from sluice.errors import NotFound
+from tenants.models import ApiKey
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -94,6 +95,14 @@ def usage_list(*, actor: Principal, tenant_id: int | None = None, model: str | N
     if until is not None:
         rows = rows.filter(day__lte=until)
     return rows
+
+
+def own_usage(*, actor: Principal) -> QuerySet[UsageRecord]:
+    """Usage of the API keys the caller created (what a developer may see of usage)."""
+    require(actor, Action.APIKEY_MANAGE_OWN)
+    prefixes = ApiKey.objects.filter(tenant_id=actor.tenant_id,
+                                     created_by=actor.subject).values("prefix")
+    return UsageRecord.objects.filter(tenant_id=actor.tenant_id, key_prefix__in=prefixes)
 
 
 def filter_events(rows: QuerySet[AuditEvent], *, tenant_id: int | None = None,

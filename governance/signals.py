@@ -33,13 +33,16 @@ def upper_ms(bucket: int) -> float:
     return float(_GROWTH ** bucket)
 
 
-def latency_key(deployment: str, slot: int) -> str:
-    return deployment_key(deployment, f"lat:{slot}")
+def latency_key(deployment: str, slot: int, metric: str = "lat") -> str:
+    """`metric`: "lat" (whole calls: the adaptive limits) or "ttft" (time to first
+    token: the dashboard)."""
+    return deployment_key(deployment, f"{metric}:{slot}")
 
 
-def record_latencies(pipe: Any, deployment: str, histogram: dict[int, int]) -> None:
+def record_latencies(pipe: Any, deployment: str, histogram: dict[int, int],
+                     metric: str = "lat") -> None:
     """Queue the commands that add a histogram of calls' latencies on a pipeline."""
-    key = latency_key(deployment, int(time.time()) // SLOT_S)
+    key = latency_key(deployment, int(time.time()) // SLOT_S, metric)
     for bucket, count in histogram.items():
         pipe.hincrby(key, f"b{bucket}", count)
     pipe.expire(key, _KEEP_S)
@@ -50,6 +53,7 @@ class LatencyStats:
     qps: float
     p99_ms: float | None  # None without samples
     samples: int
+    p50_ms: float | None = None
 
 
 def percentile(histogram: dict[int, int], fraction: float) -> float | None:
@@ -64,13 +68,14 @@ def percentile(histogram: dict[int, int], fraction: float) -> float | None:
     return upper_ms(max(histogram))
 
 
-def _window(redis: Any, deployment: str, window_s: int) -> tuple[Any, int]:
+def _window(redis: Any, deployment: str, window_s: int,
+            metric: str = "lat") -> tuple[Any, int]:
     """A pipeline reading the complete five-second slots of the last `window_s` seconds."""
     slots = max(1, math.ceil(window_s / SLOT_S))
     current = int(time.time()) // SLOT_S
     pipe = redis.pipeline(transaction=False)
     for slot in range(current - slots, current):
-        pipe.hgetall(latency_key(deployment, slot))
+        pipe.hgetall(latency_key(deployment, slot, metric))
     return pipe, slots
 
 
@@ -80,9 +85,10 @@ async def latency_stats(redis: Any, deployment: str, window_s: int) -> LatencySt
     return _stats(await pipe.execute(), slots)
 
 
-def latency_stats_sync(redis: Any, deployment: str, window_s: int) -> LatencyStats:
-    """The same with a blocking client (management API)."""
-    pipe, slots = _window(redis, deployment, window_s)
+def latency_stats_sync(redis: Any, deployment: str, window_s: int,
+                       metric: str = "lat") -> LatencyStats:
+    """The same with a blocking client (management API, dashboard)."""
+    pipe, slots = _window(redis, deployment, window_s, metric)
     return _stats(pipe.execute(), slots)
 
 
@@ -94,4 +100,4 @@ def _stats(replies: list[dict[bytes, bytes]], slots: int) -> LatencyStats:
             histogram[bucket] = histogram.get(bucket, 0) + int(count)
     samples = sum(histogram.values())
     return LatencyStats(qps=samples / (slots * SLOT_S), p99_ms=percentile(histogram, 0.99),
-                        samples=samples)
+                        samples=samples, p50_ms=percentile(histogram, 0.5))

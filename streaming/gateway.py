@@ -121,6 +121,9 @@ class Submitted:
                 span.set_status(Status(StatusCode.ERROR))
         span.end()
         if final is not None and not self.handle.replayed:
+            if first is not None:  # the dashboard's cluster-wide TTFT
+                self.admission.governor.recorder.latency(
+                    self.spec.name, (first - self.began) * 1000, metric="ttft")
             metrics.observe_generation(
                 self.spec.name, ttft_s=first - self.began if first is not None else None,
                 decode_s=now - first if first is not None else 0.0,

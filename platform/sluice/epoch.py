@@ -7,6 +7,7 @@ own TTL still bounds staleness when Redis is unreachable.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -25,6 +26,7 @@ class Epoch:
         self._seen: bytes | None = None
         self._checked = 0.0
         self._redis: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def moved(self) -> bool:
         """True when the epoch changed since the last look (looks at most once a second)."""
@@ -33,8 +35,12 @@ class Epoch:
             return False
         self._checked = now
         try:
-            if self._redis is None:
-                self._redis = async_redis()
+            # One client per event loop (async_redis's rule): a connection made on one
+            # loop must never be used from another (a server restarted in-process, a
+            # second server in another thread).
+            loop = asyncio.get_running_loop()
+            if self._redis is None or self._loop is not loop:
+                self._redis, self._loop = async_redis(), loop
             value = await self._redis.get(self.key)
         except Exception:  # Redis down: keep serving from the TTL-bounded cache
             logger.warning("%s unavailable; relying on the cache TTL", self.key, exc_info=True)
@@ -55,4 +61,4 @@ class Epoch:
         transaction.on_commit(bump)
 
     def reset(self) -> None:
-        self._seen, self._checked, self._redis = None, 0.0, None
+        self._seen, self._checked, self._redis, self._loop = None, 0.0, None, None

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from django.urls import path
+from django.urls import include, path
 
 from sluice import health
 from sluice.api import api
@@ -14,6 +14,7 @@ urlpatterns = [
     path(".well-known/jwks.json", tenant_views.jwks, name="jwks"),
     path(".well-known/openid-configuration", tenant_views.openid_configuration,
          name="openid-configuration"),
+    path("ui/", include("frontend.urls")),
     path("", api.urls),
 ]
 

@@ -1,0 +1,3 @@
+"""The live server (uvicorn + in-thread workers) for the browser tests."""
+
+from tests.streaming.conftest import live  # noqa: F401
