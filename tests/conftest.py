@@ -9,10 +9,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from django.conf import settings
@@ -29,6 +30,7 @@ from tenants.principal import AuthMethod, Principal
 from tenants.roles import Role
 from tenants.services import apikey_create
 
+T = TypeVar("T")
 PASSWORD = "correct horse battery staple"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,6 +165,22 @@ def assert_openai_error(response: Response, status: int) -> dict[str, Any]:
     assert isinstance(error["message"], str) and error["message"]
     assert "Traceback" not in error["message"]
     return error
+
+
+def eventually(check: Callable[[], T], timeout: float = 5.0, *,
+               what: str | None = None) -> T:
+    """`check()`'s first truthy result, polling every 0.1 s; after `timeout`, its last
+    result, or an AssertionError naming `what` when given."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            if what is not None:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            return result
+        time.sleep(0.1)
 
 
 def process_env(**extra: str) -> dict[str, str]:

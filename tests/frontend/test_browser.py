@@ -2,13 +2,13 @@
 downloaded at test time) against the live server: changes made in the browser govern
 the very next API calls, an auditor finds an event without seeing its secrets, a
 developer cannot reach admin pages, and the dashboard updates itself. Screenshots of
-the main pages go to docs/screenshots/ (SLUICE_SCREENSHOTS overrides)."""
+the main pages are test artifacts in test-artifacts/screenshots/; to refresh the
+README's copies: `SLUICE_SCREENSHOTS=docs/screenshots ./dev.sh test tests/frontend`."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,13 +19,13 @@ from openai import APIStatusError, OpenAI
 from governance import audit
 from governance.models import BreakerPolicy, Quota
 from tenants.roles import Role
-from tests.conftest import PASSWORD, REPO, Org, make_org
+from tests.conftest import PASSWORD, REPO, Org, eventually, make_org
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-SHOTS = Path(os.environ.get("SLUICE_SCREENSHOTS", REPO / "docs" / "screenshots"))
+SHOTS = Path(os.environ.get("SLUICE_SCREENSHOTS", REPO / "test-artifacts" / "screenshots"))
 
 if CHROMIUM is None:
     if os.environ.get("CI"):
@@ -77,15 +77,6 @@ def shot(page: Page, name: str) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
-def until(check: Callable[[], Any], timeout: float = 6.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(0.1)
-
-
 def refused(client: OpenAI, status: int) -> APIStatusError | None:
     """The error of a chat call refused with `status`, None if it went through."""
     try:
@@ -119,7 +110,7 @@ def test_admin_changes_a_quota_and_a_breaker_and_the_next_calls_obey(
     assert Quota.objects.get(tenant=acme.tenant).max_requests == 2
     shot(page, "quotas")
 
-    error = until(lambda: refused(client, 429))
+    error = eventually(lambda: refused(client, 429), 6)
     assert error is not None and error.body["code"] == "quota_exceeded", error
 
     # The memory guard at 1% of memory with "reject": every echo worker leaves the
@@ -137,7 +128,7 @@ def test_admin_changes_a_quota_and_a_breaker_and_the_next_calls_obey(
     assert BreakerPolicy.objects.get(deployment__name="echo").memory_high == 0.01
     shot(page, "breaker")
 
-    error = until(lambda: refused(client, 503))
+    error = eventually(lambda: refused(client, 503), 6)
     assert error is not None and error.body["code"] == "memory_pressure", error
 
 

@@ -3,8 +3,6 @@ requests, and only loopback (or the scrape token) may read them."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -15,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from governance import metrics
 from governance.models import Quota, RateLimitPolicy, RateLimitScope
 from tenants.roles import Role
-from tests.conftest import make_org
+from tests.conftest import eventually, make_org
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
@@ -43,15 +41,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def has(samples: Samples, name: str, **labels: str) -> bool:
     want = set(labels.items())
     return any(n == name and want <= ls for (n, ls) in samples)
-
-
-def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(0.1)
 
 
 def test_series_exist_and_move_after_requests(live: Live) -> None:

@@ -20,7 +20,7 @@ from inference.models import Deployment
 from inference.worker import heartbeats
 from sluice.redis import sync_redis
 from tenants.roles import Role
-from tests.conftest import REPO, make_org, process_env
+from tests.conftest import REPO, eventually, make_org, process_env
 from tests.governance.test_metrics import scrape, value
 from tests.streaming.conftest import Live
 
@@ -41,16 +41,6 @@ def scale_events(name: str = "scaled", kind: str | None = None) -> list[dict[str
     return [e for e in reversed(rows) if kind is None or e["kind"] == kind]
 
 
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture
 def start_autoscaler(live: Live) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
@@ -68,7 +58,7 @@ def start_autoscaler(live: Live) -> Iterator[Callable[..., subprocess.Popen[byte
         proc.terminate()
         proc.wait(30)
     # The workers drain and leave with their parent.
-    wait_until(lambda: not live_pids(), 15, "the workers to stop")
+    eventually(lambda: not live_pids(), 15, what="the workers to stop")
 
 
 @pytest.fixture
@@ -124,14 +114,14 @@ def test_a_request_at_zero_is_served_and_the_cold_start_is_recorded(
     assert cold_ttft < 10
     scaled = scale_events(kind="scale")
     assert scaled[0]["to"] == "1" and "scale from zero" in scaled[0]["reason"]
-    ready = wait_until(lambda: scale_events(kind="ready"), 5, "the ready event")
+    ready = eventually(lambda: scale_events(kind="ready"), 5, what="the ready event")
     assert 0 < float(ready[0]["cold_start_s"]) < cold_ttft
     def published() -> dict[Any, float] | None:
         samples = scrape(live)
         wanted = value(samples, "sluice_autoscaler_desired_replicas", deployment="scaled")
         return samples if wanted == 1 else None
 
-    samples = wait_until(published, 5, "the autoscaler's series on /metrics")
+    samples = eventually(published, 5, what="the autoscaler's series on /metrics")
     assert value(samples, "sluice_cold_start_seconds_count", deployment="scaled") == 1
     assert value(samples, "sluice_autoscaler_events_total", deployment="scaled",
                  kind="scale") >= 1
@@ -142,13 +132,13 @@ def test_a_burst_scales_out_and_idle_returns_to_zero(
     start_autoscaler()
     began = time.monotonic()
     runner = load(caller, threads=8, seconds=6, tokens=30)  # ~8 in flight: 4+ workers' worth
-    wait_until(lambda: len(live_pids()) >= 3, 8, "3 workers (the max)")
+    eventually(lambda: len(live_pids()) >= 3, 8, what="3 workers (the max)")
     reached = time.monotonic() - began
     assert reached < 8
     assert len(live_pids()) <= 3, "never past max_replicas"
     runner.join()
     stopped = time.monotonic()
-    wait_until(lambda: not live_pids(), 15, "scale to zero")
+    eventually(lambda: not live_pids(), 15, what="scale to zero")
     # Down to one after the down delay, to zero only after the zero delay.
     tail = [e for e in scale_events(kind="scale") if float(e["ts"]) > time.time() - 20]
     assert [e["to"] for e in tail][-1] == "0" and "scale to zero" in tail[-1]["reason"]
@@ -159,10 +149,10 @@ def test_a_burst_scales_out_and_idle_returns_to_zero(
 def test_a_killed_worker_is_replaced(start_autoscaler: Callable[..., Any],
                                      caller: OpenAI) -> None:
     start_autoscaler(min_replicas=1)
-    first = wait_until(live_pids, 15, "the minimum worker")
+    first = eventually(live_pids, 15, what="the minimum worker")
     victim = next(iter(first))
     os.kill(victim, signal.SIGKILL)
-    replacement = wait_until(lambda: live_pids() - {victim}, 15, "a replacement")
+    replacement = eventually(lambda: live_pids() - {victim}, 15, what="a replacement")
     assert victim not in replacement
     restart = scale_events(kind="restart")
     assert restart and f"worker pid {victim} exited" in restart[-1]["reason"]
