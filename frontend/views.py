@@ -44,7 +44,7 @@ NAV: list[tuple[str, str, tuple[Action, ...]]] = [
     ("Dashboard", "/ui/dashboard", (Action.MODEL_LIST,)),
     ("Tenants", "/ui/tenants", (Action.TENANT_LIST,)),
     ("Deployments", "/ui/deployments", (Action.DEPLOYMENT_MANAGE,)),
-    ("Quotas", "/ui/quotas", (Action.GOVERNANCE_MANAGE_ANY,)),
+    ("Quotas", "/ui/quotas", (Action.GOVERNANCE_MANAGE,)),
     ("Rate limits", "/ui/limits", (Action.GOVERNANCE_MANAGE,)),
     ("Members", "/ui/members", (Action.MEMBER_READ,)),
     ("API keys", "/ui/keys", (Action.APIKEY_MANAGE_OWN,)),
@@ -190,11 +190,14 @@ def breaker(request: HttpRequest, actor: Principal, name: str) -> HttpResponse:
 
 
 # -- quotas and limits -----------------------------------------------------------------
-@page(Action.GOVERNANCE_MANAGE_ANY)
+@page(Action.GOVERNANCE_MANAGE)
 def quotas(request: HttpRequest, actor: Principal) -> HttpResponse:
+    """Tenant admins read their tenant's quotas and current use; platform admins set
+    them (the API's rule)."""
     rows = keyset(request, gov.quota_list(actor=actor).select_related("tenant"))
     return _page(request, actor, "quotas.html", page=rows,
-                 rows=[(q, live.quota_use(q)) for q in rows.rows])
+                 rows=[(q, live.quota_use(q)) for q in rows.rows],
+                 can_edit=actor.can(Action.GOVERNANCE_MANAGE_ANY))
 
 
 @page(Action.GOVERNANCE_MANAGE_ANY)

@@ -162,6 +162,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         began = time.monotonic()
         principal: Principal | None = None
         sub: Submitted | None = None
+        ended = False  # the worker sent its final event
         try:
             principal = await self._principal(context)
             req = _chat_request(request)
@@ -173,8 +174,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     parts.append(event["text"])
                     yield pb.ChatChunk(id=rid, delta=event["text"])
                 elif event["t"] == "error":
+                    ended = True
                     raise error_from_event(event)
                 elif event["t"] == "done":
+                    ended = True
                     yield pb.ChatChunk(
                         id=rid, finish_reason=bodies.finish_reason(event),
                         tool_calls=_tool_calls(bodies.tool_calls(event.get("tool_calls") or [])),
@@ -185,10 +188,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 self.gateway.refused(principal, exc, action="chat.completions",
                                      model=request.model, protocol="grpc", began=began)
             await _abort(context, exc)
-        except asyncio.CancelledError:
-            if sub is not None:
+        finally:
+            # However the stream stopped before its end (the call cancelled while we
+            # waited for a token, or while gRPC was sending one and the generator was
+            # closed instead), the generation stops on the worker too.
+            if sub is not None and not ended:
                 await _cancel(sub)
-            raise
 
     async def Embed(self, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
@@ -257,12 +262,15 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
 
             async def observed_stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 with served(rpc, "grpc", method="", headers=metadata) as scope:
+                    inner = stream(request, context)
                     try:
-                        async for item in stream(request, context):
+                        async for item in inner:
                             yield item
-                    except asyncio.CancelledError:
+                    except (asyncio.CancelledError, GeneratorExit):
                         scope.status = scope.status or _CANCELLED
                         raise
+                    finally:
+                        await inner.aclose()  # the servicer's own clean-up runs now
                     scope.status = scope.status or _SUCCESS
             return grpc.unary_stream_rpc_method_handler(
                 observed_stream, request_deserializer=handler.request_deserializer,

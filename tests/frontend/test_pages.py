@@ -39,7 +39,7 @@ def test_pages_need_a_session() -> None:
     assert response.status_code == 302 and response["Location"].startswith("/ui/login?next=")
 
 
-ADMIN_PAGES = ["/ui/tenants", "/ui/deployments", "/ui/quotas", "/ui/quotas/new",
+ADMIN_PAGES = ["/ui/tenants", "/ui/tenants/new", "/ui/deployments", "/ui/quotas/new",
                "/ui/deployments/echo", "/ui/deployments/echo/breaker"]
 
 
@@ -59,7 +59,7 @@ def test_each_role_sees_its_own_pages(ops: Org, alice: Org) -> None:
         (ops, Role.PLATFORM_ADMIN, [*ADMIN_PAGES, "/ui/dashboard", "/ui/limits",
                                     "/ui/members", "/ui/keys", "/ui/audit"]),
         (alice, Role.TENANT_ADMIN, ["/ui/limits", "/ui/members", "/ui/keys", "/ui/audit",
-                                    "/ui/usage", "/ui/dashboard"]),
+                                    "/ui/usage", "/ui/dashboard", "/ui/quotas"]),
         (alice, Role.DEVELOPER, ["/ui/keys", "/ui/usage", "/ui/conversations",
                                  "/ui/dashboard"]),
         (alice, Role.AUDITOR, ["/ui/audit", "/ui/audit/verify", "/ui/keys"]),
@@ -69,7 +69,19 @@ def test_each_role_sees_its_own_pages(ops: Org, alice: Org) -> None:
         for url in urls:
             assert client.get(url).status_code == 200, (role, url)
     assert signed_in(alice, Role.DEVELOPER).get("/ui/audit").status_code == 403
+    assert signed_in(alice, Role.DEVELOPER).get("/ui/quotas").status_code == 403
     assert signed_in(alice, Role.AUDITOR).get("/ui/members").status_code == 403
+
+
+def test_tenant_admins_read_their_quotas_and_platform_admins_set_them(ops: Org, alice: Org,
+                                                                      bob: Org) -> None:
+    mine = Quota.objects.create(tenant=alice.tenant, model="echo", max_tokens=1000)
+    Quota.objects.create(tenant=bob.tenant, model="echo", max_tokens=7777)
+    page = signed_in(alice, Role.TENANT_ADMIN).get("/ui/quotas").content.decode()
+    assert "/ 1000" in page and "7777" not in page  # their own tenant's only
+    assert "/ui/quotas/new" not in page and f"/ui/quotas/{mine.pk}" not in page
+    admin = signed_in(ops, Role.PLATFORM_ADMIN).get("/ui/quotas").content.decode()
+    assert "7777" in admin and f"/ui/quotas/{mine.pk}" in admin
 
 
 def _counts() -> tuple[int, ...]:
