@@ -33,17 +33,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform"), str(REPO / "tests" / "bench")]
 
-from bench_http import bench_env, seed_demo, start_sluice, wait_http, wrk  # noqa: E402
+from bench_http import WRK_LUA, bench_env, seed_demo, start_sluice, wait_http, wrk  # noqa: E402
 
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
 
-WRK_LUA = """
-wrk.method = "POST"
-wrk.body = '{"model": "echo", "messages": [{"role": "user", "content": "hello"}]}'
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer %s"
-"""
 POLICIES = ("import django; django.setup(); from governance.models import Quota, "
             "RateLimitPolicy as R; from tenants.models import Tenant; "
             "t = Tenant.objects.get(slug='demo'); "
