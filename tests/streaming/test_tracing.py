@@ -1,9 +1,12 @@
-"""End-to-end traces: one REST call and one gRPC call, each a single trace from the
-adapter's server span through the pipeline stages to the enqueue, joined by the worker's
-batch span through a span link (the traceparent travels inside the queue message)."""
+"""End-to-end traces: a REST call, a gRPC call and a WebSocket request, each a single
+trace from the adapter's server span through the pipeline stages to the enqueue, joined
+by the worker's batch span through a span link (the traceparent travels inside the
+queue message)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,13 +23,15 @@ from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
 from tests.streaming.test_grpc import call
+from tests.streaming.test_websocket import frames_until, socket
 
 pytestmark = pytest.mark.slow
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 PII = "jane.doe@example.com"
-STAGES = {"sluice.auth", "sluice.limits", "sluice.breaker", "sluice.enqueue", "sluice.wait"}
+STAGES = frozenset({"sluice.auth", "sluice.limits", "sluice.breaker", "sluice.enqueue",
+                    "sluice.wait"})
 
 
 def _hex(value: int, width: int) -> str:
@@ -46,15 +51,16 @@ def _wait_for(spans: InMemorySpanExporter, name: str, trace_id: str) -> list[Rea
     raise AssertionError(f"no finished span {name!r} in trace {trace_id}")
 
 
-def _assert_one_trace(finished: Sequence[ReadableSpan], server_name: str,
-                      secret: str) -> tuple[ReadableSpan, dict[str, ReadableSpan]]:
+def _assert_one_trace(finished: Sequence[ReadableSpan], server_name: str, secret: str,
+                      stages: frozenset[str] = STAGES
+                      ) -> tuple[ReadableSpan, dict[str, ReadableSpan]]:
     in_trace = [s for s in finished if _hex(s.context.trace_id, 32) == CALLER_TRACE]
     by_name = {s.name: s for s in in_trace}
     server = by_name[server_name]
     assert server.kind == SpanKind.SERVER
     assert server.parent is not None and _hex(server.parent.span_id, 16) == CALLER_SPAN
-    assert set(by_name) >= STAGES, f"missing stages: {STAGES - set(by_name)}"
-    for name in STAGES:  # every stage is a child of the server span
+    assert set(by_name) >= stages, f"missing stages: {stages - set(by_name)}"
+    for name in stages:  # every stage is a child of the server span
         assert by_name[name].parent is not None
         assert by_name[name].parent.span_id == server.context.span_id, name
     enqueue = by_name["sluice.enqueue"]
@@ -123,6 +129,35 @@ def test_a_grpc_call_is_one_trace_from_adapter_to_batch(live: Live, grpc_target:
     assert attrs["sluice.protocol"] == "grpc"
     assert attrs["gen_ai.request.model"] == "echo"
     assert reply.id == f"chatcmpl-{attrs['sluice.request_id']}"
+
+
+def test_a_websocket_request_is_one_trace_from_frame_to_batch(
+        live: Live, org: Any, spans: InMemorySpanExporter) -> None:
+    key = org.keys[Role.DEVELOPER]
+
+    async def go() -> list[dict[str, Any]]:
+        ws = socket(key)
+        await ws.connect()
+        await ws.send_to(text_data=json.dumps({
+            "type": "chat.request", "id": "r1",
+            "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01",
+            "request": {"model": "echo", "max_tokens": 4,
+                        "messages": [{"role": "user", "content": f"mail {PII}"}]}}))
+        frames = await frames_until(ws, {"r1"})
+        await ws.disconnect()
+        return frames
+
+    frames = asyncio.run(go())
+    assert frames[-1]["type"] == "chat.done"
+    name = "chat.request /v1/realtime"
+    # The socket authenticated once, at connect: a frame's trace has no auth stage.
+    server, _ = _assert_one_trace(_wait_for(spans, name, CALLER_TRACE), name, key,
+                                  STAGES - {"sluice.auth"})
+    attrs = dict(server.attributes or {})
+    assert attrs["sluice.protocol"] == "websocket"
+    assert attrs["http.response.status_code"] == 200
+    assert attrs["sluice.tenant"] == org.tenant.slug
+    assert attrs["gen_ai.request.model"] == "echo"
 
 
 def test_a_refused_call_marks_its_stage_and_status(live: Live, org: Any,
