@@ -40,6 +40,7 @@ from tenants.conversations import conversation_list
 from tenants.principal import Principal
 from tenants.roles import Action, Role
 
+_STREAM_TICKS = 600  # one a second
 NAV: list[tuple[str, str, tuple[Action, ...]]] = [
     ("Dashboard", "/ui/dashboard", (Action.MODEL_LIST,)),
     ("Tenants", "/ui/tenants", (Action.TENANT_LIST,)),
@@ -125,7 +126,10 @@ async def dashboard_stream(request: HttpRequest) -> StreamingHttpResponse | Http
         return HttpResponse(status=403)
 
     async def events() -> AsyncIterator[bytes]:
-        while True:
+        # Ten minutes, then the browser's EventSource reconnects by itself: a stream
+        # whose reader vanished without the server noticing cannot run forever.
+        yield b"retry: 1000\n\n"
+        for _ in range(_STREAM_TICKS):
             data = await sync_to_async(live.dashboard)()
             yield b"data: " + json.dumps(data).encode() + b"\n\n"
             await asyncio.sleep(1.0)

@@ -140,6 +140,7 @@ def _banner(base: str, redis_url: str, redis_started: Started | None, creds: obj
 Sluice is running.
   OpenAI-compatible base URL  {base}/v1
   gRPC (sluice.v1.Inference)  {grpc_address}   (reflection on: grpcurl -plaintext)
+  Admin UI                    {base}/ui/   (sign in with the login below)
   Management API docs         {base}/api/docs
   Readiness                   {base}/readyz
   Prometheus metrics          {base}/metrics   (loopback, or SLUICE_METRICS_TOKEN)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,7 +104,8 @@ def http(method: str, url: str, body: bytes | None = None,
 
 
 def test_banner_prints_urls_login_key_and_curl(running: Running) -> None:
-    for fragment in (f"{running.base}/v1", f"{running.base}/api/docs", "Login     admin / ",
+    for fragment in (f"{running.base}/v1", f"{running.base}/api/docs", f"{running.base}/ui/",
+                     f"{running.base}/metrics", "Login     admin / ",
                      f'curl -s {running.base}/api/v1/me -H "Authorization: Bearer {running.key}"',
                      "(private, stops with Sluice)", "sqlite3",
                      "smollm2-135m-instruct, all-minilm-l6-v2, echo"):
@@ -138,6 +140,28 @@ def test_seeded_models_are_listed_and_their_workers_come_up(running: Running) ->
             break
         time.sleep(0.5)
     assert live == {"echo", "all-minilm-l6-v2", "smollm2-135m-instruct"}
+
+
+def test_the_admin_ui_signs_in_with_the_printed_login(running: Running) -> None:
+    import http.cookiejar
+
+    match = re.search(r"Login\s+(\S+) / (\S+)", running.banner)
+    assert match
+    jar = http.cookiejar.CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    with opener.open(f"{running.base}/ui/login", timeout=10) as page:
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.read().decode())
+    assert token
+    body = urllib.parse.urlencode({"csrfmiddlewaretoken": token.group(1),
+                                   "username": match.group(1),
+                                   "password": match.group(2)}).encode()
+    request = urllib.request.Request(f"{running.base}/ui/login", data=body, headers={
+        "Referer": f"{running.base}/ui/login"})
+    with opener.open(request, timeout=10) as landed:  # redirected to the dashboard
+        html = landed.read().decode()
+    assert landed.url.endswith("/ui/dashboard") and "Live dashboard" in html
+    with opener.open(f"{running.base}/ui/static/app.js", timeout=10) as script:
+        assert script.headers["Content-Type"].startswith("text/javascript")
 
 
 def test_printed_login_works(running: Running) -> None:
