@@ -11,6 +11,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, QueryDict
 
 PER_PAGE = 50
+_MAX_ID = 2**63 - 1
 
 
 @dataclass
@@ -32,7 +33,8 @@ def _url(request: HttpRequest, **params: Any) -> str:
 def keyset(request: HttpRequest, rows: QuerySet[Any], *, newest_first: bool = False,
            per_page: int = PER_PAGE) -> Page:
     raw = request.GET.get("before" if newest_first else "after", "")
-    cursor = int(raw) if raw.isdigit() else None
+    # Ids are 64-bit: a larger cursor means "past the end" (the database would refuse it).
+    cursor = min(int(raw), _MAX_ID) if raw.isdigit() else None
     if newest_first:
         rows = rows.order_by("-pk")
         if cursor is not None:

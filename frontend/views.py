@@ -391,6 +391,7 @@ def export_new(request: HttpRequest, actor: Principal) -> HttpResponse:
     if request.method == "POST" and form.is_valid():
         data = {k: v for k, v in form.cleaned_data.items() if v not in (None, "")}
         export = gov_services.audit_export_create(actor=actor, format=data.pop("format"),
+                                                  actor_filter=data.pop("actor", None),
                                                   **data)
         return redirect(f"/ui/audit/exports/{export.pk}")
     return _page(request, actor, "form.html", status=422 if form.errors else 200,

@@ -155,7 +155,8 @@ def audit_events(request: HttpRequest, tenant_id: int | None = None,
 @router.post("/audit/exports", response={202: AuditExportOut})
 def audit_export_create(request: HttpRequest, data: AuditExportIn):
     fields = data.model_dump(exclude_none=True)
-    return Status(202, services.audit_export_create(actor=actor_of(request), **fields))
+    return Status(202, services.audit_export_create(
+        actor=actor_of(request), actor_filter=fields.pop("actor", None), **fields))
 
 
 @router.get("/audit/exports/{int:export_id}", response=AuditExportOut)

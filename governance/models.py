@@ -75,7 +75,9 @@ class RateLimitPolicy(models.Model):
     def clean(self) -> None:
         if self.requests_per_minute is None and self.tokens_per_minute is None:
             raise ValidationError("Set requests_per_minute, tokens_per_minute or both.")
-        if self.qps_min > self.qps_max:
+        # clean() runs even when a field failed its own check (None here): compare only
+        # what is there.
+        if None not in (self.qps_min, self.qps_max) and self.qps_min > self.qps_max:
             raise ValidationError("qps_min must not exceed qps_max.")
         if self.api_key_id is not None and self.scope != RateLimitScope.API_KEY:
             raise ValidationError("api_key is only for scope 'api_key'.")
@@ -173,9 +175,11 @@ class BreakerPolicy(models.Model):
         return f"breaker of {self.deployment_id}"
 
     def clean(self) -> None:
-        if self.memory_low >= self.memory_high:
+        if None not in (self.memory_low, self.memory_high) and \
+                self.memory_low >= self.memory_high:
             raise ValidationError("memory_low must be below memory_high.")
-        if self.min_calls > self.window_size and self.window_kind == WindowKind.COUNT:
+        if None not in (self.min_calls, self.window_size) and \
+                self.min_calls > self.window_size and self.window_kind == WindowKind.COUNT:
             raise ValidationError("min_calls cannot exceed a count window's size.")
 
 

@@ -174,12 +174,16 @@ def publish_guard(policy: BreakerPolicy) -> None:
 
 @transaction.atomic
 def audit_export_create(*, actor: Principal, format: str, tenant_id: int | None = None,
-                        **filters: Any) -> AuditExport:
-    """Queue an export of the events the caller may read; the Celery job starts on
-    commit."""
+                        actor_filter: str | None = None, **filters: Any) -> AuditExport:
+    """Queue an export of the events the caller may read (`actor_filter`: only that
+    principal's events); the Celery job starts on commit."""
     require(actor, Action.AUDIT_READ)
+    if actor_filter:
+        filters["actor"] = actor_filter
     if not actor.can(Action.TENANT_READ_ANY):
         tenant_id = actor.tenant_id
+    elif tenant_id is not None:
+        _tenant(tenant_id)  # 404 for a tenant that does not exist
     clean = {k: (v.isoformat() if hasattr(v, "isoformat") else v)
              for k, v in filters.items() if v is not None}
     export = AuditExport.objects.create(tenant_id=tenant_id, requested_by=actor.subject,

@@ -58,7 +58,8 @@ class Deployment(models.Model):
         return self.name
 
     def clean(self) -> None:
-        if self.min_replicas > self.max_replicas:
+        if None not in (self.min_replicas, self.max_replicas) and \
+                self.min_replicas > self.max_replicas:
             raise ValidationError({"min_replicas": "must not exceed max_replicas"})
 
     def to_spec(self) -> DeploymentSpec:

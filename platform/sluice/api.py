@@ -6,7 +6,9 @@ import logging
 from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
+from django.db import DataError
 from django.http import Http404, HttpRequest, HttpResponse
+from django.http.multipartparser import MultiPartParserError
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
@@ -103,6 +105,21 @@ def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
 @api.exception_handler(RequestDataTooBig)
 def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
     return error_response(PayloadTooLarge("Request body is too large."))
+
+
+@api.exception_handler(DataError)
+def _unstorable(request: HttpRequest, exc: DataError) -> HttpResponse:
+    # A number past the database's range (a 64-bit id, an offset) or a NUL character in
+    # text: the caller's input, not our failure.
+    return error_response(BadRequest("A value in the request is out of range or cannot be "
+                                     "stored (numbers must fit in 64 bits; text must not "
+                                     "contain NUL characters).", code="invalid_value"))
+
+
+@api.exception_handler(MultiPartParserError)
+def _bad_multipart(request: HttpRequest, exc: MultiPartParserError) -> HttpResponse:
+    return error_response(BadRequest("The multipart body could not be parsed (a boundary "
+                                     "is missing or malformed).", code="invalid_multipart"))
 
 
 @api.exception_handler(Exception)
