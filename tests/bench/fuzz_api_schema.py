@@ -1,7 +1,13 @@
 """Schemathesis against the management API's OpenAPI document, as each role: whatever
-the generated input, no server error (bad input is a typed 4xx). Derandomized so that CI
-runs the same cases every time; run with `--hypothesis-seed` unset and a larger
-`SLUICE_FUZZ_EXAMPLES` to explore further."""
+the generated input, no server error (bad input is a typed 4xx). Derandomized: the same
+cases every run; a larger `SLUICE_FUZZ_EXAMPLES` explores further.
+
+Run on its own, not in the suite (it calls the ASGI app in-process on schemathesis' own
+event loop; after the suite's live servers have run in other loops, process-wide async
+caches bound to those loops make it fail for reasons that are not the API's):
+
+    ./dev.sh test tests/bench/fuzz_api_schema.py      (~4 min; 224 cases, 0 server errors)
+"""
 
 from __future__ import annotations
 
