@@ -108,13 +108,22 @@ def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
         group.start("auditwriter", [*manage, "auditwriter"], output=output)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None) -> argparse.Namespace:
+    """The options every wrk benchmark takes (--connections, --seconds, and --rounds
+    where it alternates modes); exits with a hint when wrk is missing."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--seconds", type=int, default=seconds)
+    if rounds is not None:
+        parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is needed: apt-get install wrk")
+    return args
+
+
+def main() -> None:
+    args = wrk_args(__doc__)
     env, state, private = bench_env()
     group = ProcessGroup(env)
     try:

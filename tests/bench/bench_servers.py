@@ -11,7 +11,6 @@ not a project dependency); daphne and uvicorn are dependencies.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform"), str(REPO / "tests" / "bench")]
 
-from bench_http import WRK_LUA, bench_env, seed_demo, wait_http, wrk  # noqa: E402
+from bench_http import WRK_LUA, bench_env, seed_demo, wait_http, wrk, wrk_args  # noqa: E402
 
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
@@ -45,12 +44,7 @@ def servers(app: str, port: int) -> dict[str, list[str]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--seconds", type=int, default=8)
-    args = parser.parse_args()
-    if shutil.which("wrk") is None:
-        sys.exit("wrk is needed: apt-get install wrk")
+    args = wrk_args(__doc__, seconds=8)
     if importlib.util.find_spec("granian") is None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "granian"], check=True)
     env, state, private = bench_env()

@@ -20,7 +20,6 @@ The baseline row is a bare ASGI app under the same server in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -33,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform"), str(REPO / "tests" / "bench")]
 
-from bench_http import WRK_LUA, bench_env, seed_demo, start_sluice, wait_http, wrk  # noqa: E402
+from bench_http import WRK_LUA, bench_env, seed_demo, start_sluice, wait_http, wrk, wrk_args  # noqa: E402
 
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
@@ -88,13 +87,7 @@ def micro() -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--seconds", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
-    if shutil.which("wrk") is None:
-        sys.exit("wrk is needed: apt-get install wrk")
+    args = wrk_args(__doc__, rounds=2)
     env, state, private = bench_env()
     sink = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()
