@@ -35,7 +35,6 @@ from inference.client import InferenceClient
 from inference.spec import DeploymentSpec
 from sluice import telemetry
 from sluice.errors import ApiError, DeadlineExceeded, QuotaExceeded, RateLimited, Unavailable
-from sluice.redis import ScriptBatch
 from sluice.ttlcache import AsyncTTLCache
 from tenants.principal import Principal
 
@@ -178,7 +177,8 @@ class Governor:
                                  limits: list[tuple[RateLimitPolicy, str]],
                                  quotas: list[Quota]) -> None:
         """The token buckets and the quota reservation in one round trip (both scripts
-        touch only the tenant's slot). A refusal by one undoes the other on release."""
+        touch only the tenant's slot), shared with concurrent calls' scripts. A refusal
+        by one undoes the other on release."""
         tenant = adm.principal.tenant_slug
         buckets: list[ratelimit.Bucket] = []
         try:
@@ -187,16 +187,23 @@ class Governor:
                 buckets += ratelimit.buckets_for(policy, tenant=tenant, subject=subject,
                                                  factor=factor)
             costs = [1 if b.kind == "requests" else adm.tokens for b in buckets]
-            batch = ScriptBatch(self.redis)
+            scripts = self.client.scripts  # with other calls' scripts: one round trip
+            calls = []
             if buckets:
-                batch.script(ratelimit.BUCKETS_LUA, [b.key for b in buckets],
-                             ratelimit.args_for(buckets, costs, "check"))
+                calls.append(scripts.script(ratelimit.BUCKETS_LUA, [b.key for b in buckets],
+                                            ratelimit.args_for(buckets, costs, "check")))
             if quotas:
                 hold = settings.SLUICE_REQUEST_TIMEOUT_S + 30
-                batch.script(quota.RESERVE_LUA, quota.keys_for(tenant, quotas),
-                             quota.reserve_args(adm.id, hold, quotas, adm.tokens))
-            replies = await batch.run_async()
+                calls.append(scripts.script(
+                    quota.RESERVE_LUA, quota.keys_for(tenant, quotas),
+                    quota.reserve_args(adm.id, hold, quotas, adm.tokens)))
+            replies = await asyncio.gather(*calls)
         except RedisError:
+            if quotas:
+                # The reservation may have been made with only its reply lost: release
+                # it when Redis answers again (releasing one never made is a no-op).
+                self.recorder.write(quota.SETTLE_LUA, quota.keys_for(tenant, quotas),
+                                    quota.settle_args(adm.id, quotas, requests=0, tokens=0))
             self._without_redis(adm, limits, quotas)
             return
         if quotas and replies[-1][0] == 1:

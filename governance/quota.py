@@ -81,14 +81,16 @@ local function used(key, first)
   end
   return r, tk
 end
--- drop one open reservation; the running totals (#n, #t) follow
+-- drop one open reservation; the running totals (#n, #t) follow. -> whether it was open
 local function unhold(rkey, rid)
   local v = redis.call('HGET', rkey, rid)
   if v then
     redis.call('HDEL', rkey, rid)
     redis.call('HINCRBY', rkey, '#n', -1)
     redis.call('HINCRBY', rkey, '#t', 0 - tonumber(v))
+    return true
   end
+  return false
 end
 -- -> open reservations (count, tokens), after dropping expired ones
 local function held(rkey, xkey)
@@ -140,14 +142,16 @@ return {1, unpack(shadows)}
 """
 
 # KEYS: 3 per quota. ARGV: clock, rid, requests to charge (0/1), tokens to charge, then
-# per quota: period length, rolling. Drops the reservation and books the real usage.
+# per quota: period length, rolling. Drops the reservation and books the real usage, once:
+# a reservation no longer open (settled already, expired) is not charged again.
 SETTLE_LUA = _PRELUDE + """
 local rid, req, tok = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 for q = 0, #KEYS / 3 - 1 do
   local len, rolling = tonumber(ARGV[5 + q * 2]), tonumber(ARGV[6 + q * 2])
-  unhold(KEYS[3 * q + 2], rid)
+  local open = unhold(KEYS[3 * q + 2], rid)
   redis.call('ZREM', KEYS[3 * q + 3], rid)
-  if req > 0 or tok > 0 then
+  -- Only an open reservation is charged: settling twice (a retried write) charges once.
+  if open and (req > 0 or tok > 0) then
     local slot = window(len, rolling)
     redis.call('HINCRBY', KEYS[3 * q + 1], 'r:' .. slot, req)
     redis.call('HINCRBY', KEYS[3 * q + 1], 't:' .. slot, tok)

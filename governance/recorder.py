@@ -10,8 +10,11 @@ the breakers (one script call per deployment per flush, so a breaker reacts with
 FLUSH_S). Audit events ride along: appended to the audit stream with each flush.
 
 A gateway that crashes loses at most FLUSH_S of these counters and audit events; its
-open reservations expire at their deadline. Redis failing a flush loses that flush
-(logged), never a call.
+open reservations expire at their deadline. A flush that Redis fails (restart, failover)
+is kept and retried with the next one, for up to RETRY_FOR_S or MAX_HELD_AUDIT events
+(then dropped, logged); never a call. Quota settlements are idempotent (a reservation is
+charged once), so a retried flush cannot double-charge; a flush that Redis applied but
+whose reply was lost would count its usage rows and audit events twice.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +35,8 @@ from sluice.redis import ScriptBatch
 
 logger = logging.getLogger("sluice.governance")
 FLUSH_S = 0.1
+RETRY_FOR_S = 60.0  # how long a failed flush is kept for retrying
+MAX_HELD_AUDIT = 100_000  # audit events held while Redis is away, at most
 
 # A queued per-call write: (Lua source, keys, args).
 Write = tuple[str, list[str], list[Any]]
@@ -48,6 +54,23 @@ class _Pending:
     def __bool__(self) -> bool:
         return bool(self.writes or self.usage or self.latency or self.outcomes or self.audit)
 
+    def merge(self, later: _Pending) -> _Pending:
+        """This (failed, older) flush followed by `later`, as one."""
+        self.writes += later.writes
+        for usage_key, (requests, prompt, completion) in later.usage.items():
+            row = self.usage.setdefault(usage_key, [0, 0, 0])
+            row[0] += requests
+            row[1] += prompt
+            row[2] += completion
+        for key, histogram in later.latency.items():
+            mine = self.latency.setdefault(key, {})
+            for bucket, count in histogram.items():
+                mine[bucket] = mine.get(bucket, 0) + count
+        for name, (policy, calls) in later.outcomes.items():
+            self.outcomes.setdefault(name, (policy, []))[1].extend(calls)
+        self.audit += later.audit
+        return self
+
 
 class Recorder:
     def __init__(self, redis: Any, on_open: Callable[[str], None]) -> None:
@@ -57,6 +80,7 @@ class Recorder:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._failing_since: float | None = None  # when the held flush first failed
 
     # -- what calls report -------------------------------------------------------------
     def write(self, script: str, keys: list[str], args: list[Any]) -> None:
@@ -129,13 +153,31 @@ class Recorder:
         try:
             replies = await batch.run_async()
         except RedisError:
-            logger.warning("governance flush failed (Redis): %d settlements, %d audit "
-                           "events and the counters of %.1f s lost", len(pending.writes),
-                           len(pending.audit), FLUSH_S, exc_info=True)
+            self._hold(pending)
             return
+        if self._failing_since is not None:
+            logger.warning("governance flush succeeded again after %.1f s",
+                           time.monotonic() - self._failing_since)
+            self._failing_since = None
         for name, reply in zip(names, replies[len(replies) - len(names):], strict=True):
             if reply == b"open":
                 self._on_open(name)
+
+    def _hold(self, failed: _Pending) -> None:
+        """Keep a failed flush for the next one, within bounds."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+            logger.warning("governance flush failed (Redis); retrying with the next one",
+                           exc_info=True)
+        if now - self._failing_since > RETRY_FOR_S or len(failed.audit) > MAX_HELD_AUDIT:
+            logger.error("governance flush failing for %.0f s: %d settlements and %d audit "
+                         "events dropped", now - self._failing_since, len(failed.writes),
+                         len(failed.audit))
+            self._failing_since = now
+            return
+        self._pending = failed.merge(self._pending)
+        self._ensure_running()
 
     async def close(self) -> None:
         """Write everything pending, then stop."""

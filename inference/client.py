@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from inference import queue as q
 from inference.spec import DeploymentSpec
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
+from sluice.redis import Coalescer
 
 logger = logging.getLogger("sluice.inference")
 _FINAL = ("done", "error")
@@ -87,7 +88,9 @@ class InferenceClient:
         self.key = q.gateway_key(self.gateway_id)
         self._waiting: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._router: asyncio.Task[None] | None = None
-        self._enqueue = self.redis.register_script(q.ENQUEUE_LUA)
+        # Enqueues (and the governance scripts that run before them) of concurrent
+        # requests share pipelines.
+        self.scripts = Coalescer(self.redis)
         self._last_id = "0-0"
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
@@ -118,26 +121,30 @@ class InferenceClient:
     async def _route(self) -> None:
         while not self._closing.is_set():
             try:
-                reply = await self._reader.xread({self.key: self._last_id},
-                                                 block=_ROUTER_BLOCK_MS, count=1000)
+                await self._route_once()
             except Exception:
-                # A Redis blip: retry from the same position, nothing is lost.
-                logger.warning("result router: Redis read failed; retrying", exc_info=True)
+                # A Redis blip (a restart, a failover): retry from the same position,
+                # nothing is lost. The router must outlive any error: every waiting
+                # request of this process depends on it.
+                logger.warning("result router: Redis failed; retrying", exc_info=True)
                 await asyncio.sleep(0.2)
-                continue
-            for _key, entries in reply or []:
-                for msg_id, fields in entries:
-                    self._last_id = msg_id.decode()
-                    for rid, event in json.loads(fields[b"b"]):
-                        waiting = self._waiting.get(rid)
-                        if waiting is not None:
-                            waiting.put_nowait(event)
-            if reply:
-                # Our own stream: keep it short and let it vanish if this process dies.
-                pipe = self._reader.pipeline(transaction=False)
-                pipe.xtrim(self.key, minid=self._last_id)
-                pipe.expire(self.key, 3600)
-                await pipe.execute()
+
+    async def _route_once(self) -> None:
+        reply = await self._reader.xread({self.key: self._last_id}, block=_ROUTER_BLOCK_MS,
+                                         count=1000)
+        for _key, entries in reply or []:
+            for msg_id, fields in entries:
+                self._last_id = msg_id.decode()
+                for rid, event in json.loads(fields[b"b"]):
+                    waiting = self._waiting.get(rid)
+                    if waiting is not None:
+                        waiting.put_nowait(event)
+        if reply:
+            # Our own stream: keep it short and let it vanish if this process dies.
+            pipe = self._reader.pipeline(transaction=False)
+            pipe.xtrim(self.key, minid=self._last_id)
+            pipe.expire(self.key, 3600)
+            await pipe.execute()
 
     def _forget(self, rid: str) -> None:
         self._waiting.pop(rid, None)
@@ -173,10 +180,9 @@ class InferenceClient:
         flat = [x for kv in request.fields().items() for x in kv]
         cap = q.tenant_cap(spec.max_queue_depth, spec.tenant_queue_share)
         suffix = q.stream_suffix(tenant, request.priority)
-        status, _detail = await self._enqueue(
-            keys=q.queue_keys(spec.name, suffix),
-            args=[spec.max_queue_depth, cap, tenant, suffix, *flat],
-        )
+        status, _detail = await self.scripts.script(
+            q.ENQUEUE_LUA, q.queue_keys(spec.name, suffix),
+            [spec.max_queue_depth, cap, tenant, suffix, *flat])
         if status != 1:
             self._forget(rid)
             if idempotency_key is not None:

@@ -196,6 +196,27 @@ end
 return 1
 """
 
+# A request's last events, written once: the first worker to set `done` appends its final
+# event (and the events of the same step before it) to the request's stream, in the same
+# script, so a worker killed mid-write never leaves `done` set without a final event.
+# KEYS: done key, out key. ARGV: worker id, TTL seconds, encoded events (final last).
+# Returns 1 when this worker wrote them; when the request was already finished, the final
+# event that was stored (its worker may have died before telling the gateway), or 0.
+FINAL_LUA = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  for _, entry in ipairs(redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 64)) do
+    local e = entry[2][2]
+    if string.find(e, '"t":"done"', 1, true) or string.find(e, '"t":"error"', 1, true) then
+      return e
+    end
+  end
+  return 0
+end
+for i = 3, #ARGV do redis.call('XADD', KEYS[2], '*', 'e', ARGV[i]) end
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
 # Forget a stream that is still empty (workers call it for streams idle a while).
 # KEYS: stream, streams hash. ARGV: suffix.
 CLEANUP_LUA = """

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sluice.worker")
 _EMBED_CHUNK = 64
+_FINAL_EVENTS = ("done", "error")
 _RELEASE_IDLE_MS = 10**9  # "idle forever": the next reaper takes it at once
 _IDLE_POLL_S = 0.05  # how soon an idle worker notices a stream that did not exist
 _CANCEL_CHECK_S = 0.05  # how often cancellations are looked up (bounds their latency)
@@ -517,10 +518,16 @@ class Worker:
         return prompt
 
     def _resume_state(self, active: Active) -> bool:
-        """Load what an earlier delivery already streamed. False if it finished."""
-        for _id, fields in self.redis.xrange(q.out_key(active.req.tenant, active.req.rid)):
+        """Load what an earlier delivery already streamed. False if it finished: then
+        its final event goes to the gateway again (the worker that wrote it may have
+        died before telling the gateway; a gateway that has it ignores the repeat)."""
+        req = active.req
+        for _id, fields in self.redis.xrange(q.out_key(req.tenant, req.rid)):
             event = json.loads(fields[b"e"])
-            if event["t"] in ("done", "error"):
+            if event["t"] in _FINAL_EVENTS:
+                self.redis.xadd(q.gateway_key(req.gateway),
+                                {"b": f'[["{req.rid}",{q.encode_event(event)}]]'},
+                                maxlen=q.GATEWAY_STREAM_MAXLEN, approximate=True)
                 return False
             if event["t"] == "delta":
                 active.ids += event["ids"]
@@ -670,28 +677,48 @@ class Worker:
 
     def _write(self, outbox: list[tuple[q.QueuedRequest, dict[str, Any]]],
                acks: list[Pending]) -> None:
-        # One final event per request, ever: the first worker to set `done` owns it.
-        finals = [(req, ev) for req, ev in outbox if ev["t"] in ("done", "error")]
-        owned = set()
-        if finals:
-            pipe = self.redis.pipeline(transaction=False)
-            for req, _ in finals:
-                pipe.set(q.done_key(req.tenant, req.rid), self.id, nx=True, ex=q.OUT_TTL_S)
-            owned = {req.rid for (req, _), won in zip(finals, pipe.execute(), strict=True) if won}
+        encoded = [(req, event, q.encode_event(event)) for req, event in outbox]
+        # One final event per request, ever: the first worker to set `done` owns it
+        # (FINAL_LUA writes it with the request's other events of this step).
+        finishing: dict[str, tuple[q.QueuedRequest, list[str]]] = {}
+        for req, event, _data in encoded:
+            if event["t"] in _FINAL_EVENTS:
+                finishing[req.rid] = (req, [])
+        owned: set[str] = set()
+        stored: dict[str, str] = {}  # rid -> the final another delivery wrote
+        if finishing:
+            for req, _event, data in encoded:
+                if req.rid in finishing:
+                    finishing[req.rid][1].append(data)
+            claims = ScriptBatch(self.redis)
+            for req, events in finishing.values():
+                claims.script(q.FINAL_LUA, [q.done_key(req.tenant, req.rid),
+                                            q.out_key(req.tenant, req.rid)],
+                              [self.id, q.OUT_TTL_S, *events])
+            for rid, reply in zip(finishing, claims.run(), strict=True):
+                if reply == 1:
+                    owned.add(rid)
+                elif reply:
+                    stored[rid] = _s(reply)
         batch = ScriptBatch(self.redis)
         pipe = batch.pipe
         # Events first, acks after: a crash in between leaves the entry pending, and the
         # next delivery resumes from (or just acknowledges) what was written.
         by_gateway: dict[str, list[str]] = {}
-        for req, event in outbox:
-            final = event["t"] in ("done", "error")
-            if final and req.rid not in owned:
-                continue
-            data = q.encode_event(event)
-            out = q.out_key(req.tenant, req.rid)
-            pipe.xadd(out, {"e": data})
-            if final or event["seq"] == 0:
-                pipe.expire(out, q.OUT_TTL_S)
+        for req, event, data in encoded:
+            if req.rid in finishing:
+                if req.rid not in owned:
+                    # Finished by another delivery: its events stand, and its final goes
+                    # to the gateway again (which fills any gap from the request's stream
+                    # and ignores a repeat); this delivery's own events are dropped.
+                    if event["t"] not in _FINAL_EVENTS or req.rid not in stored:
+                        continue
+                    data = stored[req.rid]
+            else:
+                out = q.out_key(req.tenant, req.rid)
+                pipe.xadd(out, {"e": data})
+                if event["seq"] == 0:
+                    pipe.expire(out, q.OUT_TTL_S)
             by_gateway.setdefault(req.gateway, []).append(f'["{req.rid}",{data}]')
         # One message per gateway per iteration carries every event of the step.
         for gateway, items in by_gateway.items():

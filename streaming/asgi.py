@@ -17,12 +17,13 @@ from typing import Any
 import orjson
 from django.conf import settings
 from pydantic import TypeAdapter, ValidationError
+from redis.exceptions import RedisError
 
 from governance.observe import served
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from sluice.telemetry import RequestScope
 from streaming import bodies
-from streaming.gateway import Submitted, error_from_event, shared_gateway
+from streaming.gateway import Submitted, error_from_event, queue_unavailable, shared_gateway
 from streaming.schemas import (
     ChatCompletionRequest,
     ConversationId,
@@ -96,7 +97,9 @@ class LeanApp:
         except ClientGone:
             observed.status = observed.status or 499
             return
-        except ApiError as exc:
+        except (ApiError, RedisError) as caught:
+            # Redis failing under a call (a restart, a failover) is retriable, not a 500.
+            exc = queue_unavailable() if isinstance(caught, RedisError) else caught
             if call.get("principal") is not None and not call.get("admitted"):
                 self.gateway.refused(call["principal"], exc, action=call.get("action", ""),
                                      model=str(call.get("model", "")),

@@ -21,6 +21,7 @@ from typing import Any
 
 from django.conf import settings
 from opentelemetry.trace import Status, StatusCode
+from redis.exceptions import RedisError
 
 from governance import audit, metrics
 from governance.admission import Admission, Governor
@@ -54,6 +55,7 @@ from tenants.principal import Principal
 from tenants.roles import Action
 
 _FINAL = ("done", "error")
+QUEUE_UNAVAILABLE = "queue_unavailable"
 _MESSAGE_OVERHEAD = 8  # chat-template tokens around one message, generously
 
 
@@ -128,6 +130,12 @@ class Submitted:
                 self.spec.name, ttft_s=first - self.began if first is not None else None,
                 decode_s=now - first if first is not None else 0.0,
                 prompt_tokens=prompt, completion_tokens=completion)
+
+
+def queue_unavailable() -> Unavailable:
+    """What a caller gets when Redis (the queue) fails under its call: retriable."""
+    return Unavailable("The request queue is unavailable; try again shortly.",
+                       code=QUEUE_UNAVAILABLE, headers={"Retry-After": "1"})
 
 
 def _began() -> float:
@@ -262,6 +270,9 @@ class Gateway:
                     **kw)
                 if span.is_recording():
                     span.set_attribute("sluice.request_id", handle.rid)
+        except RedisError:
+            await admission.release()
+            raise queue_unavailable() from None
         except BaseException:
             await admission.release()
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 from typing import Any
@@ -53,26 +54,83 @@ class ScriptBatch:
         self._scripts[len(self.pipe.command_stack)] = (source, argv)
         self.pipe.evalsha(sha1(source), *argv)
 
-    def _failures(self, replies: list[Any]) -> list[tuple[int, str, list[Any]]]:
+    def _failures(self, replies: list[Any], raise_errors: bool
+                  ) -> list[tuple[int, str, list[Any]]]:
         missing = []
         for i, reply in enumerate(replies):
             if isinstance(reply, NoScriptError) and i in self._scripts:
                 missing.append((i, *self._scripts[i]))
-            elif isinstance(reply, Exception):
+            elif isinstance(reply, Exception) and raise_errors:
                 raise reply
         return missing
 
     def run(self) -> list[Any]:
         replies = self.pipe.execute(raise_on_error=False)
-        for i, source, argv in self._failures(replies):
+        for i, source, argv in self._failures(replies, True):
             replies[i] = self.client.eval(source, *argv)
         return list(replies)
 
-    async def run_async(self) -> list[Any]:
+    async def run_async(self, *, raise_errors: bool = True) -> list[Any]:
+        """The replies; with raise_errors=False a failed command's reply is its
+        exception (connection errors still raise)."""
         replies = await self.pipe.execute(raise_on_error=False)
-        for i, source, argv in self._failures(replies):
-            replies[i] = await self.client.eval(source, *argv)
+        for i, source, argv in self._failures(replies, raise_errors):
+            try:
+                replies[i] = await self.client.eval(source, *argv)
+            except redis.ResponseError as exc:
+                if raise_errors:
+                    raise
+                replies[i] = exc
         return list(replies)
+
+
+class Coalescer:
+    """Scripts that many concurrent calls run go to Redis together: each call awaits
+    its own reply, and what the calls of one event-loop turn (and of the turns while a
+    batch is in flight) ask for leaves as one pipeline. Under load, hundreds of calls
+    share a round trip and redis-py's per-execute cost; idle, a call waits for nothing
+    but its own round trip. One per asyncio client (and so per event loop).
+
+    A reply that is an error fails only its own call; a connection error fails every
+    call of that batch (each sees the RedisError)."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self._queued: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]] = []
+        self._flushing: asyncio.Task[None] | None = None
+
+    def script(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """The script's reply, as a future to await."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queued.append((source, keys, args, future))
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        return future
+
+    async def _flush(self) -> None:
+        try:
+            while self._queued:
+                await asyncio.sleep(0)  # let this turn's other calls add theirs
+                calls, self._queued = self._queued, []
+                batch = ScriptBatch(self.client)
+                for source, keys, args, _ in calls:
+                    batch.script(source, keys, args)
+                try:
+                    replies = await batch.run_async(raise_errors=False)
+                except Exception as exc:  # the connection: every call of the batch fails
+                    for *_, future in calls:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for (*_, future), reply in zip(calls, replies, strict=True):
+                    if future.done():
+                        continue  # its caller was cancelled
+                    if isinstance(reply, Exception):
+                        future.set_exception(reply)
+                    else:
+                        future.set_result(reply)
+        finally:
+            self._flushing = None
 
 
 @functools.cache
