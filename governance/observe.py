@@ -84,8 +84,7 @@ class served:  # used like a function: `with served(...) as scope:`
         self.scope = telemetry.RequestScope(route=route, protocol=protocol)
         self._method = method
         parent = telemetry.extract(headers) if headers and "traceparent" in headers else None
-        self._span = telemetry.tracer.start_span(_span_name(method, route), context=parent,
-                                                 kind=SpanKind.SERVER)
+        self._span = telemetry.server_span(_span_name(method, route), parent, SpanKind.SERVER)
         self._context = otel_context.attach(trace.set_span_in_context(self._span, parent))
         self._token = telemetry.enter_scope(self.scope)
 

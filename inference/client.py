@@ -21,12 +21,13 @@ import redis.asyncio as aioredis
 from inference import queue as q
 from inference.spec import DeploymentSpec
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
-from sluice.redis import Coalescer
+from sluice.redis import Coalescer, fast_pool_options
 
 logger = logging.getLogger("sluice.inference")
 _FINAL = ("done", "error")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
 _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
+_EXPIRED: dict[str, Any] = {"t": "expired"}  # put in a request's queue at its deadline
 
 
 class RequestHandle:
@@ -41,16 +42,17 @@ class RequestHandle:
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Events in order, each once; ends after the final `done` or `error` event."""
+        # The deadline arrives as an event of its own: one timer per request, not a
+        # timeout context per event.
+        expiry = asyncio.get_running_loop().call_later(
+            max((self.deadline_ms - q.now_ms()) / 1000 + _GRACE_S, 0.001),
+            self._queue.put_nowait, _EXPIRED)
         try:
             while not self.finished:
-                timeout = (self.deadline_ms - q.now_ms()) / 1000 + _GRACE_S
-                try:
-                    # asyncio.timeout, not wait_for: no extra task per event.
-                    async with asyncio.timeout(max(timeout, 0.001)):
-                        event = await self._queue.get()
-                except TimeoutError:
+                event = await self._queue.get()
+                if event is _EXPIRED:
                     await self.cancel()
-                    raise DeadlineExceeded("The request's deadline passed.") from None
+                    raise DeadlineExceeded("The request's deadline passed.")
                 if event["seq"] < self.next_seq and event["t"] not in _FINAL:
                     continue  # a duplicate from a worker that took over
                 if event["seq"] > self.next_seq:
@@ -65,6 +67,7 @@ class RequestHandle:
                     self.finished = True
                 yield event
         finally:
+            expiry.cancel()
             self.client._forget(self.rid)
 
     async def cancel(self) -> None:
@@ -79,7 +82,7 @@ class InferenceClient:
         # submits must queue here, not fail with "Too many connections".
         pool = aioredis.BlockingConnectionPool.from_url(
             redis_url, max_connections=max_connections, timeout=10, socket_timeout=10,
-            socket_connect_timeout=5)
+            socket_connect_timeout=5, **fast_pool_options(redis_url))
         self.redis = aioredis.Redis(connection_pool=pool)
         # The router's blocking read gets its own connection and a longer timeout.
         self._reader = aioredis.Redis.from_url(redis_url, socket_timeout=30,

@@ -163,13 +163,18 @@ def _message(message: Any) -> dict[str, str]:
     """An OpenAI message as role + text, tool traffic written the way the tool prompt
     tells the model to write it."""
     content = _text(message.content)
-    calls = getattr(message, "tool_calls", None) or []
+    if message.role not in ("assistant", "tool"):
+        return {"role": message.role, "content": content}
+    # Tool traffic rides in the message's extra fields (a plain getattr on a missing one
+    # costs pydantic an exception: this runs for every message of every call).
+    extra = message.model_extra or {}
+    calls = extra.get("tool_calls") or []
     if message.role == "assistant" and calls:
         content += "".join(
             f'{TOOL_MARKER}{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
             f'{c["function"].get("arguments") or "{}"}}}' for c in calls)
     if message.role == "tool":
-        content = f"[result of {getattr(message, 'tool_call_id', 'the call')}] {content}"
+        content = f"[result of {extra.get('tool_call_id', 'the call')}] {content}"
     return {"role": message.role, "content": content}
 
 
@@ -339,7 +344,8 @@ class Gateway:
                              code="max_tokens_too_large")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         tools = _tool_body(req)
-        messages = [_message(m) for m in req.messages]
+        turn = [_message(m) for m in req.messages]  # what the conversation keeps
+        messages = list(turn)
         if tools and req.tools:
             messages.insert(0, _tool_prompt(req.tools))
         max_tokens = max_tokens or min(1024, spec.max_context // 2)
@@ -366,7 +372,7 @@ class Gateway:
         handle = await self._submit(principal, spec, body, admission, timeout_s=timeout_s,
                                     idempotency_key=idempotency_key)
         return Submitted(principal, spec, handle, admission, conversation_id,
-                         [_message(m) for m in req.messages])
+                         turn)
 
     async def remember(self, sub: Submitted, reply: str) -> None:
         """Append the request's messages and the reply to its conversation."""

@@ -12,7 +12,34 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from redis.exceptions import NoScriptError
 
+_hiredis_pack: Any
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # hiredis is a dependency; without it redis-py packs in Python
+    _hiredis_pack = None
+
 _sync: redis.Redis | None = None
+
+
+class PackedConnection(aioredis.Connection):
+    """redis-py's asyncio TCP connection, with commands packed by hiredis (C) instead of
+    redis-py's Python packer, which was ~8% of the gateway's CPU under load."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        if _hiredis_pack is None:
+            return super().pack_command(*args)
+        first = args[0]
+        # Like redis-py: a command name with a space ("SCRIPT LOAD") is several words.
+        if (isinstance(first, str) and " " in first) or (
+                isinstance(first, bytes) and b" " in first):
+            args = (*first.split(), *args[1:])
+        return [_hiredis_pack(args)]
+
+
+def fast_pool_options(url: str) -> dict[str, Any]:
+    """Connection-pool options for a hot-path asyncio client of `url`: hiredis packing
+    on plain TCP (TLS and unix sockets keep redis-py's own connection classes)."""
+    return {"connection_class": PackedConnection} if url.startswith("redis://") else {}
 
 
 def sync_redis() -> redis.Redis:

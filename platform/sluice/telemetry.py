@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -39,12 +40,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _configured: str | None = None
+_ids_only = False  # the sampler records nothing: spans are only ids (see server_span)
 tracer = trace.get_tracer("sluice")  # a proxy: follows the provider set by setup()
 
 
 def setup(service: str, mode: str | None = None) -> str:
     """Install the tracer provider for this process (idempotent); returns the mode."""
-    global _configured
+    global _configured, _ids_only
     if _configured is not None:
         return _configured
     mode = (mode or os.environ.get("SLUICE_TRACING", "auto")).strip().lower()
@@ -74,6 +76,7 @@ def setup(service: str, mode: str | None = None) -> str:
         kwargs["sampler"] = ParentBased(TraceIdRatioBased(ratio))
     else:
         kwargs["sampler"] = ALWAYS_OFF  # ids without the cost of recording
+        _ids_only = True
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service),
                                 "service.namespace": "sluice"})
     provider = TracerProvider(resource=resource, **kwargs)
@@ -84,6 +87,19 @@ def setup(service: str, mode: str | None = None) -> str:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     return mode
+
+
+def server_span(name: str, parent: Context | None, kind: trace.SpanKind) -> trace.Span:
+    """The span of one served request. When nothing is recorded, only its ids are made
+    (the parent's trace id, or a new one), without the SDK's span machinery: this runs
+    for every request."""
+    if not _ids_only:
+        return tracer.start_span(name, context=parent, kind=kind)
+    caller = trace.get_current_span(parent).get_span_context() if parent is not None else None
+    trace_id = caller.trace_id if caller is not None and caller.is_valid else \
+        random.getrandbits(128)
+    return trace.NonRecordingSpan(trace.SpanContext(trace_id, random.getrandbits(64),
+                                                    is_remote=False))
 
 
 def provider() -> Any:
