@@ -55,7 +55,7 @@ def wait_http(url: str, timeout: float = 60) -> None:
 
 
 def wrk(url: str, connections: int, seconds: int, script: str | None = None) -> dict[str, float]:
-    cmd = ["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--latency", url]
+    cmd = ["wrk", f"-t{min(2, connections)}", f"-c{connections}", f"-d{seconds}s", "--latency", url]
     if script:
         cmd[1:1] = ["-s", script]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -142,6 +142,8 @@ def main() -> None:
         # warm-up: caches, connections, the worker's first batch
         wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
         bare = wrk(f"http://127.0.0.1:{bare_port}/", args.connections, args.seconds)
+        # Moderate load: one connection, one request at a time (the added latency).
+        bare_one = wrk(f"http://127.0.0.1:{bare_port}/", 1, args.seconds)
         group.stop()  # the bare server's core goes back to the pipeline
         group = ProcessGroup(env)
         start_sluice(group, sluice)
@@ -164,17 +166,23 @@ def main() -> None:
         wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
         governed = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions",
                        args.connections, args.seconds, str(script))
+        governed_one = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 1,
+                           args.seconds, str(script))
         print(json.dumps({"connections": args.connections, "seconds": args.seconds}))
         print(f"{'server':34} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
         rows = [("bare ASGI (uvicorn, 1 proc)", bare),
                 ("sluice /v1/chat, no policies", full),
-                ("sluice /v1/chat, governed", governed)]
+                ("sluice /v1/chat, governed", governed),
+                ("bare ASGI, 1 connection", bare_one),
+                ("sluice governed, 1 connection", governed_one)]
         for label, r in rows:
             print(f"{label:34} {r['rps']:9.0f} {r['p50']:8.2f} {r['p99']:8.2f} "
                   f"{r['errors']:8.0f}")
         print(f"ratio: {full['rps'] / bare['rps']:.1%} of bare ASGI without policies, "
               f"{governed['rps'] / bare['rps']:.1%} governed "
               f"(governance costs {1 - governed['rps'] / full['rps']:.0%})")
+        print(f"added p50 at one connection (governed pipeline, echo worker included): "
+              f"{governed_one['p50'] - bare_one['p50']:.2f} ms")
     finally:
         group.stop()
         if private:
