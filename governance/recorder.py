@@ -10,11 +10,12 @@ the breakers (one script call per deployment per flush, so a breaker reacts with
 FLUSH_S). Audit events ride along: appended to the audit stream with each flush.
 
 A gateway that crashes loses at most FLUSH_S of these counters and audit events; its
-open reservations expire at their deadline. A flush that Redis fails (restart, failover)
-is kept and retried with the next one, for up to RETRY_FOR_S or MAX_HELD_AUDIT events
-(then dropped, logged); never a call. Quota settlements are idempotent (a reservation is
-charged once), so a retried flush cannot double-charge; a flush that Redis applied but
-whose reply was lost would count its usage rows and audit events twice.
+open reservations expire at their deadline. A flush that fails because Redis is away
+(restart, failover) is kept and retried with the next one, for up to RETRY_FOR_S or
+MAX_HELD_AUDIT audit events (then dropped, logged); never a call. Quota settlements are
+idempotent (a reservation is charged once), so a retried flush cannot double-charge; a
+flush that Redis applied but whose reply was lost would count its usage rows and audit
+events twice.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from governance import audit, breaker, signals, usage
 from governance.models import BreakerPolicy
@@ -152,8 +155,12 @@ class Recorder:
                          breaker.record_args("", calls, policy))
         try:
             replies = await batch.run_async()
-        except RedisError:
-            self._hold(pending)
+        except (RedisConnectionError, RedisTimeoutError):
+            self._hold(pending)  # Redis away (restart, failover): try again with the next
+            return
+        except RedisError:  # a command refused: retrying would not help
+            logger.exception("governance flush refused by Redis: %d settlements and %d "
+                             "audit events lost", len(pending.writes), len(pending.audit))
             return
         if self._failing_since is not None:
             logger.warning("governance flush succeeded again after %.1f s",

@@ -97,6 +97,19 @@ def seed_demo(env: dict[str, str]) -> str:
                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
 
 
+def govern_demo(env: dict[str, str]) -> None:
+    """Policies on the demo tenant that every call runs but none reaches: a tenant rate
+    limit (requests and tokens), an adaptive per-model limit, a daily token quota."""
+    policies = ("import django; django.setup(); from governance.models import Quota, "
+                "RateLimitPolicy as R; from tenants.models import Tenant; "
+                "t = Tenant.objects.get(slug='demo'); "
+                "R.objects.create(scope='tenant', tenant=t, requests_per_minute=10**8, "
+                "tokens_per_minute=10**10); R.objects.create(scope='model', tenant=t, "
+                "requests_per_minute=10**8, adaptive=True, qps_ref=1); "
+                "Quota.objects.create(tenant=t, max_tokens=10**12)")
+    subprocess.run([sys.executable, "-c", policies], cwd=REPO, env=env, check=True)
+
+
 def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
                  output: Path | None = None) -> None:
     """The gateway (`http`: its server command), an echo worker, and the audit writer;
@@ -151,14 +164,7 @@ def main() -> None:
         wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 8, 2, str(script))
         full = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", args.connections,
                    args.seconds, str(script))
-        policies = ("import django; django.setup(); from governance.models import Quota, "
-                    "RateLimitPolicy as R; from tenants.models import Tenant; "
-                    "t = Tenant.objects.get(slug='demo'); "
-                    "R.objects.create(scope='tenant', tenant=t, requests_per_minute=10**8, "
-                    "tokens_per_minute=10**10); R.objects.create(scope='model', tenant=t, "
-                    "requests_per_minute=10**8, adaptive=True, qps_ref=1); "
-                    "Quota.objects.create(tenant=t, max_tokens=10**12)")
-        subprocess.run([sys.executable, "-c", policies], cwd=REPO, env=env, check=True)
+        govern_demo(env)
         group.stop()  # a fresh process: no cached "no policies" for the demo tenant
         group = ProcessGroup(env)
         start_sluice(group, sluice)

@@ -1,0 +1,99 @@
+"""Where a call's CPU goes: CPU time per request of each process of the pipeline.
+
+The governed `/v1/chat/completions` setup of bench_http.py (tenant and model rate
+limits, a daily token quota; one echo worker; the audit writer), driven by wrk; each
+process's CPU seconds (user + system, children included, from /proc/<pid>/stat) over
+the run, divided by the requests served. Redis is counted when it runs on this machine
+(the first `redis-server` process). Linux only.
+
+    .venv/bin/python tests/bench/bench_cpu.py [--connections 64] [--seconds 10]
+        [--workers 1]  (uvicorn processes)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bench_http as bench
+
+from sluice.localinfra import free_port
+from sluice.processes import ProcessGroup
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its reaped children, in seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        children = []
+    return [pid, *(p for child in children for p in process_tree(int(child)))]
+
+
+def main() -> None:
+    parser_doc = __doc__ or ""
+    sys.argv, workers = _take_workers(sys.argv)
+    args = bench.wrk_args(parser_doc)
+    env, state, private = bench.bench_env()
+    group = ProcessGroup(env)
+    try:
+        key = bench.seed_demo(env)
+        bench.govern_demo(env)
+        port = free_port()
+        bench.start_sluice(group, [
+            sys.executable, "-m", "uvicorn", "--workers", str(workers), "--no-access-log",
+            "--lifespan", "off", "--log-level", "warning", "--host", "127.0.0.1", "--port",
+            str(port), "sluice.asgi:application"])
+        bench.wait_http(f"http://127.0.0.1:{port}/healthz")
+        script = Path(state) / "post.lua"
+        script.write_text(bench.WRK_LUA % key)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        bench.wrk(url, 8, 2, str(script))  # warm-up
+        pids = {name: process_tree(child.proc.pid) for name, child in group.children.items()}
+        found = subprocess.run(["pgrep", "-o", "redis-server"], capture_output=True,
+                               text=True).stdout.split()
+        if found and private is None:
+            pids["redis"] = [int(found[0])]
+        before = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
+        began = time.monotonic()
+        result = bench.wrk(url, args.connections, args.seconds, str(script))
+        wall = time.monotonic() - began
+        after = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
+        served = result["rps"] * args.seconds
+        print(f"governed /v1/chat/completions, {workers} uvicorn process(es), "
+              f"{args.connections} connections: {result['rps']:.0f} req/s, "
+              f"p50 {result['p50']:.1f} ms")
+        print(f"{'process':12} {'CPU s':>7} {'µs/request':>11} {'of a core':>10}")
+        total = 0.0
+        for name in pids:
+            used = after[name] - before[name]
+            total += used
+            print(f"{name:12} {used:7.2f} {used / served * 1e6:11.0f} {used / wall:10.0%}")
+        print(f"{'all':12} {total:7.2f} {total / served * 1e6:11.0f} {total / wall:10.0%}")
+    finally:
+        group.stop()
+        if private:
+            private.stop()
+
+
+def _take_workers(argv: list[str]) -> tuple[list[str], int]:
+    """--workers N is ours; the rest goes to wrk_args."""
+    if "--workers" in argv:
+        i = argv.index("--workers")
+        return argv[:i] + argv[i + 2:], int(argv[i + 1])
+    return argv, 1
+
+
+if __name__ == "__main__":
+    main()
