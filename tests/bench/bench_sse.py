@@ -1,0 +1,147 @@
+"""Many concurrent SSE streams on one box: errors, added inter-token delay, memory per
+stream.
+
+One uvicorn gateway process and one echo worker that batches every stream at once and
+emits a token per stream every `--token-ms` (a model's pace; the streams are idle in
+between). `--streams` clients (asyncio, raw sockets, opened over `--ramp` seconds) each
+stream `--tokens` tokens. Reported: streams that failed, the delay between consecutive
+tokens beyond the model's own pace (p50/p99), and the gateway's resident memory per
+open stream. The file limit is raised for this process and its children.
+
+    .venv/bin/python tests/bench/bench_sse.py [--streams 10000] [--tokens 10]
+        [--token-ms 1000] [--ramp 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bench_http as bench
+
+from sluice.localinfra import free_port
+from sluice.processes import ProcessGroup
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p))] if ordered else float("nan")
+
+
+async def stream(port: int, request: bytes, tokens: list[float]) -> str | None:
+    """One stream; appends each token's arrival time; None, or what went wrong."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError as exc:
+        return f"connect: {exc.__class__.__name__}"
+    try:
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            return head.split(b"\r\n")[0].decode()
+        while True:
+            line = await reader.readline()
+            if not line:
+                return "closed early"
+            if line.startswith(b"data: [DONE]"):
+                return None
+            if line.startswith(b"data: ") and b'"content":"' in line \
+                    and b'"content":""' not in line:
+                tokens.append(time.monotonic())
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        return exc.__class__.__name__
+    finally:
+        writer.close()
+
+
+async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
+                ) -> dict[str, object]:
+    body = (b'{"model": "sse-bench", "stream": true, "max_tokens": %d, "messages": '
+            b'[{"role": "user", "content": "%s"}]}' % (args.tokens, b"s" * args.tokens))
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer "
+               + key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+               + str(len(body)).encode() + b"\r\n\r\n" + body)
+    arrivals: list[list[float]] = [[] for _ in range(args.streams)]
+    before = rss_mb(gateway_pid)
+    tasks = []
+    began = time.monotonic()
+    for i in range(args.streams):
+        tasks.append(asyncio.create_task(stream(port, request, arrivals[i])))
+        await asyncio.sleep(max(0.0, began + args.ramp * (i + 1) / args.streams
+                                - time.monotonic()))
+    peak = rss_mb(gateway_pid)
+    results = await asyncio.gather(*tasks)
+    gaps = [(b - a) * 1000 - args.token_ms
+            for times in arrivals for a, b in itertools.pairwise(times)]
+    errors: dict[str, int] = {}
+    for result in results:
+        if result is not None:
+            errors[result] = errors.get(result, 0) + 1
+    return {"streams": args.streams, "errors": errors, "tokens": sum(map(len, arrivals)),
+            "added_p50_ms": percentile(gaps, 0.5), "added_p99_ms": percentile(gaps, 0.99),
+            "rss_before_mb": before, "rss_open_mb": peak,
+            "kb_per_stream": (peak - before) * 1024 / args.streams,
+            "seconds": time.monotonic() - began}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--streams", type=int, default=10_000)
+    parser.add_argument("--tokens", type=int, default=10)
+    parser.add_argument("--token-ms", type=int, default=1000)
+    parser.add_argument("--ramp", type=float, default=10.0)
+    args = parser.parse_args()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, args.streams + 4096)  # each side (client, gateway) is one process
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    if want < args.streams + 256:
+        sys.exit(f"the file limit ({hard}) is too low for {args.streams} streams")
+    env, _state, private = bench.bench_env()
+    group = ProcessGroup(env)
+    try:
+        key = bench.seed_demo(env)
+        deployment = (
+            "import django; django.setup(); from inference.models import Deployment; "
+            f"Deployment.objects.create(name='sse-bench', runtime='echo', "
+            f"max_batch_size={args.streams}, max_wait_ms=50, "
+            f"echo_token_delay_ms={args.token_ms}, max_queue_depth={args.streams * 2}, "
+            "tenant_queue_share=1.0)")
+        subprocess.run([sys.executable, "-c", deployment], cwd=bench.REPO, env=env, check=True)
+        port = free_port()
+        gateway = group.start("sluice", [
+            sys.executable, "-m", "uvicorn", "--workers", "1", "--no-access-log",
+            "--lifespan", "off", "--log-level", "warning", "--host", "127.0.0.1",
+            "--backlog", "4096", "--port", str(port), "sluice.asgi:application"])
+        group.start("worker", [sys.executable, str(bench.REPO / "manage.py"), "runworker",
+                               "--deployment", "sse-bench"])
+        bench.wait_http(f"http://127.0.0.1:{port}/healthz")
+        result = asyncio.run(drive(port, key, args, gateway.proc.pid))
+        print(result)
+        errors = result["errors"]
+        assert isinstance(errors, dict)
+        print(f"{args.streams} streams x {args.tokens} tokens at {args.token_ms} ms/token: "
+              f"{sum(errors.values())} failed; added inter-token delay p50 "
+              f"{result['added_p50_ms']:.1f} ms, "
+              f"p99 {result['added_p99_ms']:.1f} ms (goal <= 50); gateway memory "
+              f"{result['kb_per_stream']:.0f} KB per open stream")
+    finally:
+        group.stop()
+        if private:
+            private.stop()
+
+
+if __name__ == "__main__":
+    main()
