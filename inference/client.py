@@ -24,7 +24,7 @@ from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
 from sluice.redis import Coalescer, fast_pool_options
 
 logger = logging.getLogger("sluice.inference")
-_FINAL = ("done", "error")
+_FINAL = q.FINAL_EVENTS
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
 _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
 _EXPIRED: dict[str, Any] = {"t": "expired"}  # put in a request's queue at its deadline

@@ -250,5 +250,20 @@ def live_heartbeats(raw: dict[Any, Any], *, max_age_s: float = HEARTBEAT_MAX_AGE
     return {k: v for k, v in beats.items() if now - v["ts"] <= max_age_s}
 
 
+FINAL_EVENTS = ("done", "error")  # the event types that end a request
+
+
 def encode_event(event: dict[str, Any]) -> str:
     return json.dumps(event, separators=(",", ":"))
+
+
+def gateway_item(rid: str, data: str) -> str:
+    """One request's encoded event, as an item of a gateway message."""
+    return f'["{rid}",{data}]'
+
+
+def add_gateway_message(client: Any, gateway: str, items: list[str]) -> None:
+    """Append one message carrying `items` to a gateway's event stream (a client or a
+    pipeline): the gateway's router reads it as [[rid, event], ...]."""
+    client.xadd(gateway_key(gateway), {"b": "[" + ",".join(items) + "]"},
+                maxlen=GATEWAY_STREAM_MAXLEN, approximate=True)

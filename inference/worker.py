@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sluice.worker")
 _EMBED_CHUNK = 64
-_FINAL_EVENTS = ("done", "error")
 _RELEASE_IDLE_MS = 10**9  # "idle forever": the next reaper takes it at once
 _IDLE_POLL_S = 0.05  # how soon an idle worker notices a stream that did not exist
 _CANCEL_CHECK_S = 0.05  # how often cancellations are looked up (bounds their latency)
@@ -524,10 +523,9 @@ class Worker:
         req = active.req
         for _id, fields in self.redis.xrange(q.out_key(req.tenant, req.rid)):
             event = json.loads(fields[b"e"])
-            if event["t"] in _FINAL_EVENTS:
-                self.redis.xadd(q.gateway_key(req.gateway),
-                                {"b": f'[["{req.rid}",{q.encode_event(event)}]]'},
-                                maxlen=q.GATEWAY_STREAM_MAXLEN, approximate=True)
+            if event["t"] in q.FINAL_EVENTS:
+                q.add_gateway_message(self.redis, req.gateway,
+                                      [q.gateway_item(req.rid, q.encode_event(event))])
                 return False
             if event["t"] == "delta":
                 active.ids += event["ids"]
@@ -680,10 +678,9 @@ class Worker:
         encoded = [(req, event, q.encode_event(event)) for req, event in outbox]
         # One final event per request, ever: the first worker to set `done` owns it
         # (FINAL_LUA writes it with the request's other events of this step).
-        finishing: dict[str, tuple[q.QueuedRequest, list[str]]] = {}
-        for req, event, _data in encoded:
-            if event["t"] in _FINAL_EVENTS:
-                finishing[req.rid] = (req, [])
+        finishing: dict[str, tuple[q.QueuedRequest, list[str]]] = {
+            req.rid: (req, []) for req, event, _data in encoded
+            if event["t"] in q.FINAL_EVENTS}
         owned: set[str] = set()
         stored: dict[str, str] = {}  # rid -> the final another delivery wrote
         if finishing:
@@ -711,7 +708,7 @@ class Worker:
                     # Finished by another delivery: its events stand, and its final goes
                     # to the gateway again (which fills any gap from the request's stream
                     # and ignores a repeat); this delivery's own events are dropped.
-                    if event["t"] not in _FINAL_EVENTS or req.rid not in stored:
+                    if event["t"] not in q.FINAL_EVENTS or req.rid not in stored:
                         continue
                     data = stored[req.rid]
             else:
@@ -719,11 +716,10 @@ class Worker:
                 pipe.xadd(out, {"e": data})
                 if event["seq"] == 0:
                     pipe.expire(out, q.OUT_TTL_S)
-            by_gateway.setdefault(req.gateway, []).append(f'["{req.rid}",{data}]')
+            by_gateway.setdefault(req.gateway, []).append(q.gateway_item(req.rid, data))
         # One message per gateway per iteration carries every event of the step.
         for gateway, items in by_gateway.items():
-            pipe.xadd(q.gateway_key(gateway), {"b": "[" + ",".join(items) + "]"},
-                      maxlen=q.GATEWAY_STREAM_MAXLEN, approximate=True)
+            q.add_gateway_message(pipe, gateway, items)
         for pending in acks:
             batch.script(q.ACK_LUA, q.queue_keys(self.spec.name, pending.stream),
                          [pending.req.tenant, pending.stream, pending.msg_id])

@@ -28,6 +28,7 @@ from governance.admission import Admission, Governor
 from governance.redaction import redact
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
+from inference.queue import FINAL_EVENTS
 from inference.spec import DeploymentSpec, Kind
 from inference.toolschema import TOOL_MARKER, SchemaError
 from inference.toolschema import validate as validate_schema
@@ -54,8 +55,7 @@ from tenants.conversations import conversation_append, conversation_history
 from tenants.principal import Principal
 from tenants.roles import Action
 
-_FINAL = ("done", "error")
-QUEUE_UNAVAILABLE = "queue_unavailable"
+_FINAL = FINAL_EVENTS
 _MESSAGE_OVERHEAD = 8  # chat-template tokens around one message, generously
 
 
@@ -135,7 +135,7 @@ class Submitted:
 def queue_unavailable() -> Unavailable:
     """What a caller gets when Redis (the queue) fails under its call: retriable."""
     return Unavailable("The request queue is unavailable; try again shortly.",
-                       code=QUEUE_UNAVAILABLE, headers={"Retry-After": "1"})
+                       code="queue_unavailable", headers={"Retry-After": "1"})
 
 
 def _began() -> float:
@@ -275,11 +275,10 @@ class Gateway:
                     **kw)
                 if span.is_recording():
                     span.set_attribute("sluice.request_id", handle.rid)
-        except RedisError:
+        except BaseException as exc:
             await admission.release()
-            raise queue_unavailable() from None
-        except BaseException:
-            await admission.release()
+            if isinstance(exc, RedisError):
+                raise queue_unavailable() from None
             raise
         scope = telemetry.current_scope()
         if scope is not None:
