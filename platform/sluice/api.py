@@ -17,6 +17,7 @@ from governance.api import router as governance_router
 from inference.api import models_router
 from inference.api import router as inference_router
 from sluice.errors import (
+    ERROR_SCHEMA,
     ApiError,
     BadRequest,
     NotFound,
@@ -42,7 +43,26 @@ class BearerAuth(HttpBearer):
         return authenticate(token)
 
 
-api = NinjaAPI(
+class SluiceAPI(NinjaAPI):
+    """NinjaAPI whose OpenAPI document also says what every operation answers when it
+    refuses: any 4XX carries the OpenAI error envelope (clients and Schemathesis can
+    check error bodies against it, not just successes)."""
+
+    def get_openapi_schema(self, *args: Any, **kwargs: Any) -> Any:
+        schema = super().get_openapi_schema(*args, **kwargs)
+        schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+        refusal = {"description": "Refused: an OpenAI-style error envelope (400 bad input, "
+                                  "401 credentials, 403 role or tenant, 404, 409, 413, "
+                                  "422 validation, 429 limits).",
+                   "content": {"application/json": {
+                       "schema": {"$ref": "#/components/schemas/Error"}}}}
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation.setdefault("responses", {}).setdefault("4XX", refusal)
+        return schema
+
+
+api = SluiceAPI(
     title="Sluice management API",
     version="1",
     description="Tenants, members, API keys and tokens. Inference lives under /v1.",

@@ -49,6 +49,24 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# The envelope above as a JSON Schema (OpenAPI 3.1), for the documents that describe it.
+ERROR_SCHEMA: dict[str, Any] = {
+    "title": "Error",
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {
+            "message": {"type": "string"},
+            "type": {"type": "string"},
+            "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]},
+        },
+    }},
+}
+
+
 class BadRequest(ApiError):
     status = 400
     type = "invalid_request_error"
