@@ -21,6 +21,8 @@ from pathlib import Path
 
 from sluice.localinfra import Started, ensure_postgres, ensure_redis
 from sluice.processes import ProcessGroup
+from sluice.servers import DEFAULT as DEFAULT_SERVER
+from sluice.servers import SERVERS, http_command
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -85,11 +87,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         publish_guards()  # workers read the memory guard's thresholds from Redis
 
         group.env = dict(os.environ)
-        group.start("http", [
-            sys.executable, "-m", "uvicorn", "sluice.asgi:application",
-            "--host", args.host, "--port", str(args.port), "--workers", str(args.workers),
-            "--no-access-log", "--lifespan", "on", "--timeout-graceful-shutdown", "5",
-        ])
+        group.start("http", http_command(args.server, "sluice.asgi:application",
+                                         host=args.host, port=args.port,
+                                         workers=args.workers))
         grpc_address = f"{args.host}:{args.grpc_port}"
         group.start("grpc", [sys.executable, str(REPO / "manage.py"), "rungrpc",
                              "--address", grpc_address])
@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"))
     run.add_argument("--port", type=int, default=int(os.environ.get("SLUICE_PORT", "8000")))
     run.add_argument("--workers", type=int, default=int(os.environ.get("SLUICE_HTTP_WORKERS", "1")))
+    run.add_argument("--server", choices=SERVERS,
+                     default=os.environ.get("SLUICE_HTTP_SERVER", DEFAULT_SERVER),
+                     help=f"ASGI server for REST, SSE and WebSocket (default {DEFAULT_SERVER})")
     run.add_argument("--grpc-port", type=int,
                      default=int(os.environ.get("SLUICE_GRPC_PORT", "50051")))
     test = sub.add_parser("test", help="run the test suite (extra args go to pytest)")

@@ -1,15 +1,17 @@
 """Requests/s of Sluice's OpenAI path against a bare ASGI app, same server, same run.
 
-Both run under uvicorn with one worker process on loopback; wrk (Debian package `wrk`)
-drives them with the same connections and duration. Sluice's side is the full path a
-client takes today: bearer API key (cached), model lookup (cached), governance admission,
-enqueue on Redis, one echo worker (no model compute), events back, settlement, JSON
-response; the audit writer process moves the audit events into the database meanwhile.
+Both run under the same ASGI server (--server, default the run command's: granian) with
+one worker process on loopback; wrk (Debian package `wrk`) drives them with the same
+connections and duration. Sluice's side is the full path a client takes today: bearer
+API key (cached), model lookup (cached), governance admission, enqueue on Redis, one
+echo worker (no model compute), events back, settlement, JSON response; the audit
+writer process moves the audit events into the database meanwhile.
 It is measured twice: with no policies (breaker and shedding checks only), and
 "governed": a tenant rate limit, a per-model rate limit and a daily token quota (limits
 far above what the run reaches), so every request runs the bucket and quota scripts.
 
     .venv/bin/python tests/bench/bench_http.py [--connections 64] [--seconds 10]
+        [--server granian|uvicorn|daphne]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import redis  # noqa: E402
 
 from sluice.localinfra import ensure_redis, free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
+from sluice.servers import DEFAULT, SERVERS, http_command  # noqa: E402
 
 WRK_LUA = """
 wrk.method = "POST"
@@ -122,10 +125,12 @@ def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
 
 
 def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None) -> argparse.Namespace:
-    """The options every wrk benchmark takes (--connections, --seconds, and --rounds
-    where it alternates modes); exits with a hint when wrk is missing."""
+    """The options every wrk benchmark takes (--connections, --seconds, --server, and
+    --rounds where it alternates modes); exits with a hint when wrk is missing."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--server", choices=SERVERS, default=DEFAULT,
+                        help=f"ASGI server (default {DEFAULT}, the run command's)")
     parser.add_argument("--seconds", type=int, default=seconds)
     if rounds is not None:
         parser.add_argument("--rounds", type=int, default=rounds)
@@ -142,11 +147,10 @@ def main() -> None:
     try:
         key = seed_demo(env)
         bare_port, sluice_port = free_port(), free_port()
-        uvicorn = [sys.executable, "-m", "uvicorn", "--workers", "1", "--no-access-log",
-                   "--lifespan", "off", "--log-level", "warning", "--host", "127.0.0.1"]
-        group.start("bare", [*uvicorn, "--app-dir", str(REPO / "tests" / "bench"),
-                             "--port", str(bare_port), "bare_asgi:app"])
-        sluice = [*uvicorn, "--port", str(sluice_port), "sluice.asgi:application"]
+        group.start("bare", http_command(args.server, "bare_asgi:app", host="127.0.0.1",
+                                         port=bare_port, app_dir=str(REPO / "tests" / "bench")))
+        sluice = http_command(args.server, "sluice.asgi:application", host="127.0.0.1",
+                              port=sluice_port)
         start_sluice(group, sluice, audit=False)
         wait_http(f"http://127.0.0.1:{bare_port}/")
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
@@ -174,9 +178,10 @@ def main() -> None:
                        args.connections, args.seconds, str(script))
         governed_one = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 1,
                            args.seconds, str(script))
-        print(json.dumps({"connections": args.connections, "seconds": args.seconds}))
+        print(json.dumps({"server": args.server, "connections": args.connections,
+                          "seconds": args.seconds}))
         print(f"{'server':34} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
-        rows = [("bare ASGI (uvicorn, 1 proc)", bare),
+        rows = [(f"bare ASGI ({args.server}, 1 proc)", bare),
                 ("sluice /v1/chat, no policies", full),
                 ("sluice /v1/chat, governed", governed),
                 ("bare ASGI, 1 connection", bare_one),

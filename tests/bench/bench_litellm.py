@@ -52,6 +52,7 @@ from bench_http import (  # noqa: E402
 
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
+from sluice.servers import DEFAULT, SERVERS, http_command  # noqa: E402
 
 BENCH_DIR = REPO / "tests" / "bench"
 BENCH_KEY = "sk-bench-litellm-0001"
@@ -140,6 +141,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--server", choices=SERVERS, default=DEFAULT,
+                        help="ASGI server for Sluice and the mock upstream")
     parser.add_argument("--venv", type=Path, default=REPO / "var" / "bench" / "litellm-venv")
     parser.add_argument("--litellm", default="litellm[proxy]",
                         help="pip requirement for LiteLLM (pin a version to compare like "
@@ -162,10 +165,9 @@ def main() -> None:
     group = ProcessGroup(env)
     try:
         upstream = free_port()
-        group.start("upstream", [sys.executable, "-m", "uvicorn", "--app-dir", str(BENCH_DIR),
-                                 "--host", "127.0.0.1", "--port", str(upstream), "--workers",
-                                 "1", "--no-access-log", "--log-level", "warning",
-                                 "--lifespan", "off", "mock_openai:app"])
+        group.start("upstream", http_command(args.server, "mock_openai:app",
+                                             host="127.0.0.1", port=upstream,
+                                             app_dir=str(BENCH_DIR)))
         body = json.dumps({"model": "echo", "messages": [
             {"role": "user", "content": "hello"}]}).encode()
         direct = work / "direct.lua"
@@ -197,10 +199,8 @@ def main() -> None:
         key = seed_demo(env)
         govern_demo(env)
         sluice_port = free_port()
-        gateway = [sys.executable, "-m", "uvicorn", "--workers", "1", "--no-access-log",
-                   "--lifespan", "off", "--log-level", "warning", "--host", "127.0.0.1",
-                   "--port", str(sluice_port), "sluice.asgi:application"]
-        start_sluice(group, gateway)
+        start_sluice(group, http_command(args.server, "sluice.asgi:application",
+                                         host="127.0.0.1", port=sluice_port))
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         sluice_script = work / "sluice.lua"
         sluice_script.write_text(WRK_LUA % key)
@@ -210,7 +210,8 @@ def main() -> None:
                                           str(sluice_script))
         group.stop()
         group = ProcessGroup(env)
-        start_sluice(group, [*gateway[:3], "--workers", "2", *gateway[5:]])
+        start_sluice(group, http_command(args.server, "sluice.asgi:application",
+                                         host="127.0.0.1", port=sluice_port, workers=2))
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         wrk(url, 8, 2, str(sluice_script))
         results["Sluice, governed, 2 gateways"] = wrk(url, args.connections, args.seconds,
@@ -225,7 +226,7 @@ def main() -> None:
         if private:
             private.stop()
         shutil.rmtree(state, ignore_errors=True)
-    print(json.dumps({"litellm": version, "connections": args.connections,
+    print(json.dumps({"litellm": version, "server": args.server, "connections": args.connections,
                       "seconds": args.seconds}))
     for label, statuses in checks.items():
         print(f"{label}: a key with rpm_limit 3, 5 requests -> {statuses}")

@@ -1,15 +1,16 @@
 """Many concurrent SSE streams on one box: errors, added inter-token delay, memory per
 stream.
 
-One uvicorn gateway process and one echo worker that batches every stream at once and
-emits a token per stream every `--token-ms` (a model's pace; the streams are idle in
-between). `--streams` clients (asyncio, raw sockets, opened over `--ramp` seconds) each
-stream `--tokens` tokens. Reported: streams that failed, the delay between consecutive
-tokens beyond the model's own pace (p50/p99), and the gateway's resident memory per
-open stream. The file limit is raised for this process and its children.
+One gateway process (--server, default granian) and one echo worker that batches every
+stream at once and emits a token per stream every `--token-ms` (a model's pace; the
+streams are idle in between). `--streams` clients (asyncio, raw sockets, opened over
+`--ramp` seconds) each stream `--tokens` tokens. Reported: streams that failed, the
+delay between consecutive tokens beyond the model's own pace (p50/p99), and the
+gateway's resident memory (all its processes) per open stream. The file limit is
+raised for this process and its children.
 
     .venv/bin/python tests/bench/bench_sse.py [--streams 10000] [--tokens 10]
-        [--token-ms 1000] [--ramp 10]
+        [--token-ms 1000] [--ramp 10] [--server granian|uvicorn|daphne]
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ import bench_http as bench
 
 from sluice.localinfra import free_port
 from sluice.processes import ProcessGroup
+from sluice.servers import DEFAULT, SERVERS, http_command
 
 
 def rss_mb(pid: int) -> float:
+    """Resident memory of `pid` and its descendants (a server's worker processes)."""
+    total = 0.0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+            total += int(line.split()[1]) / 1024
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    for child in children.read_text().split() if children.exists() else ():
+        total += rss_mb(int(child))
+    return total
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -103,6 +110,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=10)
     parser.add_argument("--token-ms", type=int, default=1000)
     parser.add_argument("--ramp", type=float, default=10.0)
+    parser.add_argument("--server", choices=SERVERS, default=DEFAULT)
     args = parser.parse_args()
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, args.streams + 4096)  # each side (client, gateway) is one process
@@ -121,10 +129,8 @@ def main() -> None:
             "tenant_queue_share=1.0)")
         subprocess.run([sys.executable, "-c", deployment], cwd=bench.REPO, env=env, check=True)
         port = free_port()
-        gateway = group.start("sluice", [
-            sys.executable, "-m", "uvicorn", "--workers", "1", "--no-access-log",
-            "--lifespan", "off", "--log-level", "warning", "--host", "127.0.0.1",
-            "--backlog", "4096", "--port", str(port), "sluice.asgi:application"])
+        gateway = group.start("sluice", http_command(args.server, "sluice.asgi:application",
+                                                     host="127.0.0.1", port=port))
         group.start("worker", [sys.executable, str(bench.REPO / "manage.py"), "runworker",
                                "--deployment", "sse-bench"])
         bench.wait_http(f"http://127.0.0.1:{port}/healthz")

@@ -1,6 +1,6 @@
 """Faults under load, end to end: 1,000 chat completions through a real gateway process
-(uvicorn, the OpenAI SDK as client) while model workers are killed with SIGKILL at
-random and Redis itself is killed and restarted once.
+(the run command's ASGI server, the OpenAI SDK as client) while model workers are killed
+with SIGKILL at random and Redis itself is killed and restarted once.
 
 Every call must end within its deadline with either the full, exact reply or a clear,
 retriable error (429/503/504 with an OpenAI error body); no reply may be duplicated or
@@ -39,6 +39,8 @@ from governance.models import Quota
 from inference import queue as q
 from inference.models import Deployment
 from sluice.localinfra import free_port, redis_binary, redis_reachable
+from sluice.servers import DEFAULT as DEFAULT_SERVER
+from sluice.servers import http_command
 from tenants.roles import Role
 from tests.conftest import REPO, eventually, make_org, process_env
 
@@ -163,8 +165,7 @@ def test_sigkilled_workers_and_a_redis_restart_lose_and_double_nothing(
 
     port = free_port()
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "sluice.asgi:application", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning", "--lifespan", "off"],
+        http_command(DEFAULT_SERVER, "sluice.asgi:application", host="127.0.0.1", port=port),
         cwd=REPO, env=env, stdout=logs, stderr=logs)
     chaos = Chaos(spawn=spawn, redis=durable_redis, redis_at_s=3.0)
     chaos.workers = [spawn() for _ in range(WORKERS)]

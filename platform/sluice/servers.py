@@ -1,0 +1,49 @@
+"""The ASGI servers Sluice's HTTP side runs under, as command lines: one place for the
+run command and the benchmarks.
+
+granian is the default: in tests/bench/bench_servers.py (three interleaved rounds) it
+served the bare app at 1.17x uvicorn's rate and Sluice's pipeline at 1.03x, with REST,
+SSE and the /v1/realtime WebSocket all working (docs/BENCHMARKS.md, "ASGI server
+choice"). uvicorn stays a dependency (the test suite's in-process servers) and daphne
+keeps working (the card's server; ~0.16x bare, 0.71x behind the pipeline).
+"""
+
+from __future__ import annotations
+
+import sys
+
+SERVERS = ("granian", "uvicorn", "daphne")
+DEFAULT = "granian"
+
+# granian admits at most `backpressure` requests at once per worker (default
+# backlog/workers = 1024) and queues the rest: an SSE stream is a request for its
+# whole life, so the cap is set far above the concurrent streams one process serves.
+GRANIAN_MAX_CONCURRENT = 65536
+
+
+def http_command(server: str, app: str, *, host: str, port: int, workers: int = 1,
+                 app_dir: str | None = None, graceful_s: int = 5) -> list[str]:
+    """The command line that serves ASGI `app` ("module:attr") with `server` on
+    host:port with `workers` processes, lifespan on, no access log (Sluice writes its
+    own), logs at warning and up; `app_dir` goes first on the import path."""
+    py = sys.executable
+    if server == "granian":
+        return [py, "-m", "granian", "--interface", "asgi", "--host", host, "--port",
+                str(port), "--workers", str(workers), "--log-level", "warning",
+                "--backlog", "4096", "--backpressure", str(GRANIAN_MAX_CONCURRENT),
+                "--workers-kill-timeout", str(graceful_s),
+                *(["--working-dir", app_dir] if app_dir else []), app]
+    if server == "uvicorn":
+        return [py, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers",
+                str(workers), "--no-access-log", "--log-level", "warning", "--lifespan",
+                "on", "--timeout-graceful-shutdown", str(graceful_s),
+                *(["--app-dir", app_dir] if app_dir else []), app]
+    if server == "daphne":
+        if workers != 1:
+            raise ValueError("daphne runs one process; put several behind a balancer")
+        # daphne has no --app-dir: its entry point is called after the path is set.
+        start = (["-c", f"import sys; sys.path.insert(0, {app_dir!r}); from daphne.cli "
+                        "import CommandLineInterface as C; C.entrypoint()"]
+                 if app_dir else ["-m", "daphne"])
+        return [py, *start, "-b", host, "-p", str(port), "-v", "0", app]
+    raise ValueError(f"unknown server {server!r}; one of {', '.join(SERVERS)}")
