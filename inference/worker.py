@@ -87,6 +87,10 @@ class Active:
     stop: tuple[str, ...]
     ignore_eos: bool = False
     tool: ToolCallConstraint | None = None
+    # False: nobody reads the reply token by token, so it goes out in one piece at the
+    # end (a non-streaming call's per-token events would cost Redis writes and gateway
+    # work for nothing). A failover then regenerates it from the start.
+    streamed: bool = True
     ids: list[int] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
     text: str = ""  # all text decoded so far
@@ -464,7 +468,8 @@ class Worker:
                                f"{runtime.max_context}.")
         active = Active(pending, prompt_tokens=len(prompt),
                         max_new=min(params.max_tokens, room), stop=params.stop,
-                        ignore_eos=params.ignore_eos, tool=self._tool_constraint(body))
+                        ignore_eos=params.ignore_eos, tool=self._tool_constraint(body),
+                        streamed=bool(body.get("stream", True)))
         if pending.deliveries > 1 and not self._resume_state(active):
             self._acks.append(pending)  # an earlier delivery finished it
             self._served(pending.req.rid)
@@ -574,6 +579,8 @@ class Worker:
             return  # a tool call (or maybe the start of one) is not content
         text = active.text
         if not final:
+            if not active.streamed:
+                return
             # Hold back anything that may be the start of a stop string, so the caller
             # never sees half a stop sequence.
             for stop in active.stop:

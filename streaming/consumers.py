@@ -161,7 +161,8 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 req = ChatCompletionRequest.model_validate(request)
             except ValidationError as exc:
                 raise validation_error(exc) from None
-            sub = await self.gateway.chat(self.principal, req, protocol="websocket")
+            sub = await self.gateway.chat(self.principal, req, protocol="websocket",
+                                          stream=True)
             await self._stream(rid, sub)
             return 200
         except ApiError as exc:

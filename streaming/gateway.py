@@ -330,7 +330,10 @@ class Gateway:
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
                    idempotency_key: str | None = None,
                    conversation_id: str | None = None, protocol: str = "rest",
-                   timeout_s: float | None = None) -> Submitted:
+                   timeout_s: float | None = None, stream: bool | None = None) -> Submitted:
+        """Admit and enqueue one chat call. `stream`: whether the caller consumes the
+        reply token by token (default: the request's own `stream`); when it does not,
+        the worker sends the reply in one piece at the end (no per-token events)."""
         spec = await self._model(principal, req.model, Kind.CHAT)
         conversation_id = req.conversation_id or conversation_id
         history = (await async_db(conversation_history)(actor=principal,
@@ -364,6 +367,7 @@ class Gateway:
             "top_p": req.top_p or 1.0,
             "stop": stop,
             "seed": req.seed,
+            "stream": req.stream if stream is None else stream,
             # Older turns; the worker drops the oldest until the prompt fits (exact
             # token counts with the model's own tokenizer).
             "history": history,

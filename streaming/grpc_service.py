@@ -140,7 +140,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async def run(principal: Principal, call: dict[str, bool]) -> pb.ChatResponse:
             req = _chat_request(request)
             sub = await self.gateway.chat(principal, req, protocol="grpc",
-                                          timeout_s=self._timeout(context))
+                                          timeout_s=self._timeout(context), stream=False)
             call["admitted"] = True
             try:
                 body = await bodies.chat_completion(sub, req)
@@ -167,7 +167,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             principal = await self._principal(context)
             req = _chat_request(request)
             sub = await self.gateway.chat(principal, req, protocol="grpc",
-                                          timeout_s=self._timeout(context))
+                                          timeout_s=self._timeout(context), stream=True)
             rid, parts = f"chatcmpl-{sub.handle.rid}", []
             async for event in sub.events():
                 if event["t"] == "delta" and event["text"]:

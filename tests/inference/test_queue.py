@@ -177,6 +177,28 @@ def test_idempotency_key_gives_one_generation(thread_worker: StartWorker, redis_
     assert int(rds.get(q.depth_key(spec.name)) or 0) == 0
 
 
+def test_a_non_streamed_reply_comes_in_one_piece_a_streamed_one_token_by_token(
+        thread_worker: StartWorker, redis_url: str, rds: redis.Redis) -> None:
+    spec = echo()
+    thread_worker(spec)
+
+    async def go(client: InferenceClient) -> None:
+        whole = await client.submit(spec, tenant="t", body=chat("hello", stream=False))
+        parts = await client.submit(spec, tenant="t", body=chat("hello", stream=True))
+        a, b = await collect(whole), await collect(parts)
+        assert a.text == b.text == "hello"
+        assert [e["t"] for e in a.events] == ["delta", "done"]
+        assert a.events[0]["ids"] == list(b"hello")
+        assert [e["t"] for e in b.events] == ["delta"] * 5 + ["done"]
+        assert a.final["usage"] == b.final["usage"] == {"prompt_tokens": 5,
+                                                        "completion_tokens": 5}
+        # What a resumed or replayed request reads back is the same as what was sent.
+        stored = [e async for e in client.replay("t", whole.rid, after_seq=-1)]
+        assert stored == a.events
+
+    run(go, redis_url)
+
+
 def test_resume_from_an_offset_gives_the_identical_rest(thread_worker: StartWorker,
                                                         redis_url: str) -> None:
     spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=4)
