@@ -41,6 +41,7 @@ from sluice.redis import sync_redis
 
 logger = logging.getLogger("sluice.audit")
 BATCH = 500
+LINGER_S = 0.1  # the writer's wait after a partial batch: events land within ~100 ms
 EXCERPT_CHARS = 500
 PLATFORM_CHAIN = "platform"
 GENESIS = "0" * 64
@@ -188,14 +189,22 @@ class Consumer:
         pipe.execute()
         return len(entries)
 
-    def serve(self, stop: threading.Event, block_ms: int = 1000) -> None:
+    def serve(self, stop: threading.Event, block_ms: int = 1000,
+              linger_s: float = LINGER_S) -> None:
         while not stop.is_set():
             try:
-                self.run_once(block_ms)
+                done = self.run_once(block_ms)
             except Exception:
                 logger.exception("audit writer: batch failed; retrying")
                 close_old_connections()
                 stop.wait(1.0)
+                continue
+            if 0 < done < self.batch:
+                # Group commit: after a partial batch, let the next one gather for a
+                # moment, so a busy stream is written in a few large transactions
+                # rather than many small ones (each costs a commit, the duplicate check
+                # and the chain-head rows).
+                stop.wait(linger_s)
 
 
 def drain(settle_s: float = 0.3, timeout_s: float = 30.0) -> int:

@@ -7,11 +7,15 @@ the run, divided by the requests served. Redis is counted when it runs on this m
 (the first `redis-server` process). Linux only.
 
     .venv/bin/python tests/bench/bench_cpu.py [--connections 64] [--seconds 10]
-        [--workers 1]  (uvicorn processes)
+        [--workers 1] (gateway processes) [--server granian|uvicorn|daphne]
+        [--profile] (py-spy each process meanwhile: its top functions by own time;
+                     py-spy is installed into the virtualenv on first use)
 """
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,6 +26,7 @@ import bench_http as bench
 
 from sluice.localinfra import free_port
 from sluice.processes import ProcessGroup
+from sluice.servers import http_command
 
 
 def cpu_seconds(pid: int) -> float:
@@ -41,9 +46,26 @@ def process_tree(pid: int) -> list[int]:
     return [pid, *(p for child in children for p in process_tree(int(child)))]
 
 
+def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
+    """The `n` functions with the most own samples in a py-spy raw (collapsed) file."""
+    own: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        own[stack.rsplit(";", 1)[-1]] += int(count)
+    total = sum(own.values()) or 1
+    return [(count / total, frame) for frame, count in own.most_common(n)]
+
+
 def main() -> None:
     parser_doc = __doc__ or ""
     sys.argv, workers = _take_workers(sys.argv)
+    profile = "--profile" in sys.argv
+    if profile:
+        sys.argv.remove("--profile")
+        if importlib.util.find_spec("py_spy") is None and not Path(
+                sys.executable).with_name("py-spy").exists():
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"],
+                           check=True)
     args = bench.wrk_args(parser_doc)
     env, state, private = bench.bench_env()
     group = ProcessGroup(env)
@@ -51,10 +73,8 @@ def main() -> None:
         key = bench.seed_demo(env)
         bench.govern_demo(env)
         port = free_port()
-        bench.start_sluice(group, [
-            sys.executable, "-m", "uvicorn", "--workers", str(workers), "--no-access-log",
-            "--lifespan", "off", "--log-level", "warning", "--host", "127.0.0.1", "--port",
-            str(port), "sluice.asgi:application"])
+        bench.start_sluice(group, http_command(args.server, "sluice.asgi:application",
+                                               host="127.0.0.1", port=port, workers=workers))
         bench.wait_http(f"http://127.0.0.1:{port}/healthz")
         script = Path(state) / "post.lua"
         script.write_text(bench.WRK_LUA % key)
@@ -65,13 +85,19 @@ def main() -> None:
                                text=True).stdout.split()
         if found and private is None:
             pids["redis"] = [int(found[0])]
+        spies = {name: subprocess.Popen(
+            [str(Path(sys.executable).with_name("py-spy")), "record", "--subprocesses",
+             "--nonblocking", "-r", "200", "-f", "raw", "-d", str(args.seconds),
+             "-o", str(Path(state) / f"{name}.raw"), "-p", str(group.children[name].proc.pid)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name in (group.children if profile else ())}
         before = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
         began = time.monotonic()
         result = bench.wrk(url, args.connections, args.seconds, str(script))
         wall = time.monotonic() - began
         after = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
         served = result["rps"] * args.seconds
-        print(f"governed /v1/chat/completions, {workers} uvicorn process(es), "
+        print(f"governed /v1/chat/completions, {workers} {args.server} process(es), "
               f"{args.connections} connections: {result['rps']:.0f} req/s, "
               f"p50 {result['p50']:.1f} ms")
         print(f"{'process':12} {'CPU s':>7} {'µs/request':>11} {'of a core':>10}")
@@ -81,6 +107,15 @@ def main() -> None:
             total += used
             print(f"{name:12} {used:7.2f} {used / served * 1e6:11.0f} {used / wall:10.0%}")
         print(f"{'all':12} {total:7.2f} {total / served * 1e6:11.0f} {total / wall:10.0%}")
+        for name, spy in spies.items():
+            spy.wait(30)
+            if os.environ.get("SLUICE_KEEP_PROFILES"):
+                import shutil; shutil.copy(Path(state) / f"{name}.raw", f"/tmp/{name}.raw")
+            raw = Path(state) / f"{name}.raw"
+            if raw.exists():
+                print(f"\n{name}: top functions by own time (py-spy, {args.seconds} s)")
+                for share, frame in top_frames(raw):
+                    print(f"  {share:6.1%}  {frame[:110]}")
     finally:
         group.stop()
         if private:
