@@ -109,11 +109,10 @@ def main() -> None:
         print(f"{'all':12} {total:7.2f} {total / served * 1e6:11.0f} {total / wall:10.0%}")
         for name, spy in spies.items():
             spy.wait(30)
-            if os.environ.get("SLUICE_KEEP_PROFILES"):
-                import shutil; shutil.copy(Path(state) / f"{name}.raw", f"/tmp/{name}.raw")
             raw = Path(state) / f"{name}.raw"
             if raw.exists():
-                print(f"\n{name}: top functions by own time (py-spy, {args.seconds} s)")
+                print(f"\n{name}: top functions by own time (py-spy, {args.seconds} s; "
+                      f"all stacks in {raw})")
                 for share, frame in top_frames(raw):
                     print(f"  {share:6.1%}  {frame[:110]}")
     finally:
