@@ -10,7 +10,8 @@ gateway's resident memory (all its processes) per open stream. The file limit is
 raised for this process and its children.
 
     .venv/bin/python tests/bench/bench_sse.py [--streams 10000] [--tokens 10]
-        [--token-ms 1000] [--ramp 10] [--server granian|uvicorn|daphne]
+        [--token-ms 1000] [--ramp 10] [--server granian|uvicorn|daphne] [--workers 1]
+        [--gateways 1]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import bench_http as bench
 
@@ -75,7 +77,7 @@ async def stream(port: int, request: bytes, tokens: list[float]) -> str | None:
 
 
 async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
-                ) -> dict[str, object]:
+                ) -> dict[str, Any]:
     body = (b'{"model": "sse-bench", "stream": true, "max_tokens": %d, "messages": '
             b'[{"role": "user", "content": "%s"}]}' % (args.tokens, b"s" * args.tokens))
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer "
@@ -111,6 +113,9 @@ def main() -> None:
     parser.add_argument("--token-ms", type=int, default=1000)
     parser.add_argument("--ramp", type=float, default=10.0)
     parser.add_argument("--server", choices=SERVERS, default=DEFAULT)
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="echo workers; each batches up to streams/workers at once")
     args = parser.parse_args()
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, args.streams + 4096)  # each side (client, gateway) is one process
@@ -118,31 +123,50 @@ def main() -> None:
     if want < args.streams + 256:
         sys.exit(f"the file limit ({hard}) is too low for {args.streams} streams")
     env, _state, private = bench.bench_env()
-    group = ProcessGroup(env)
+    group = ProcessGroup({**env, "BARE_SSE_TOKEN_MS": str(args.token_ms)})
+    results: dict[str, dict[str, Any]] = {}
     try:
         key = bench.seed_demo(env)
+        # The baseline: the same server, client and fan-out with no Sluice (bare_sse.py).
+        port = free_port()
+        bare = group.start("bare", http_command(args.server, "bare_sse:app", host="127.0.0.1",
+                                                port=port, workers=args.gateways,
+                                                app_dir=str(bench.REPO / "tests" / "bench")))
+        bench.wait_http(f"http://127.0.0.1:{port}/")
+        results["bare SSE fan-out"] = asyncio.run(drive(port, key, args, bare.proc.pid))
+        group.stop()
+        group = ProcessGroup(env)
         deployment = (
             "import django; django.setup(); from inference.models import Deployment; "
             f"Deployment.objects.create(name='sse-bench', runtime='echo', "
-            f"max_batch_size={args.streams}, max_wait_ms=50, "
+            f"max_batch_size={-(-args.streams // args.workers)}, max_wait_ms=50, "
             f"echo_token_delay_ms={args.token_ms}, max_queue_depth={args.streams * 2}, "
             "tenant_queue_share=1.0)")
         subprocess.run([sys.executable, "-c", deployment], cwd=bench.REPO, env=env, check=True)
         port = free_port()
         gateway = group.start("sluice", http_command(args.server, "sluice.asgi:application",
-                                                     host="127.0.0.1", port=port))
-        group.start("worker", [sys.executable, str(bench.REPO / "manage.py"), "runworker",
-                               "--deployment", "sse-bench"])
+                                                     host="127.0.0.1", port=port,
+                                                     workers=args.gateways))
+        for i in range(args.workers):
+            group.start(f"worker-{i}", [sys.executable, str(bench.REPO / "manage.py"),
+                                        "runworker", "--deployment", "sse-bench"])
         bench.wait_http(f"http://127.0.0.1:{port}/healthz")
-        result = asyncio.run(drive(port, key, args, gateway.proc.pid))
-        print(result)
-        errors = result["errors"]
-        assert isinstance(errors, dict)
-        print(f"{args.streams} streams x {args.tokens} tokens at {args.token_ms} ms/token: "
-              f"{sum(errors.values())} failed; added inter-token delay p50 "
-              f"{result['added_p50_ms']:.1f} ms, "
-              f"p99 {result['added_p99_ms']:.1f} ms (goal <= 50); gateway memory "
-              f"{result['kb_per_stream']:.0f} KB per open stream")
+        results["Sluice"] = asyncio.run(drive(port, key, args, gateway.proc.pid))
+        print(f"{args.streams} streams x {args.tokens} tokens at {args.token_ms} ms/token, "
+              f"{args.server}, {args.gateways} gateway process(es), {args.workers} worker(s)")
+        print(f"{'':18} {'failed':>7} {'added p50 ms':>13} {'added p99 ms':>13} "
+              f"{'KB/stream':>10}")
+        for label, result in results.items():
+            errors = result["errors"]
+            print(f"{label:18} {sum(errors.values()):7d} {result['added_p50_ms']:13.1f} "
+                  f"{result['added_p99_ms']:13.1f} {result['kb_per_stream']:10.0f}")
+            if errors:
+                print(f"  {errors}")
+        ours, floor = results["Sluice"], results["bare SSE fan-out"]
+        print(f"Sluice's own added inter-token delay over the bare fan-out: p50 "
+              f"{ours['added_p50_ms'] - floor['added_p50_ms']:.1f} ms, p99 "
+              f"{ours['added_p99_ms'] - floor['added_p99_ms']:.1f} ms "
+              f"(goal: p99 <= 50 ms)")
     finally:
         group.stop()
         if private:
