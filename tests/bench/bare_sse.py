@@ -12,10 +12,12 @@ import os
 from typing import Any
 
 TOKEN_S = float(os.environ.get("BARE_SSE_TOKEN_MS", "1000")) / 1000
-CHUNK = b'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"s"}}]}\n\n'
+CHUNK = (b'data: {"object":"chat.completion.chunk","choices":[{"index":0,'
+         b'"delta":{"content":"s"}}]}\n\n')
 HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 _tick: asyncio.Future[None] | None = None
+_ticking: set[asyncio.Task[None]] = set()  # a reference keeps the ticker alive
 
 
 async def _ticker() -> None:
@@ -32,7 +34,7 @@ async def next_tick() -> None:
     global _tick
     if _tick is None:
         _tick = asyncio.get_running_loop().create_future()
-        asyncio.ensure_future(_ticker())
+        _ticking.add(asyncio.ensure_future(_ticker()))
     await asyncio.shield(_tick)
 
 
