@@ -156,6 +156,8 @@ class Worker:
         self._next_cancel_check = 0.0
         self._next_cleanup = time.monotonic() + _CLEANUP_S
         self._idle_seen: set[str] = set()
+        self._streams_seen: list[str] = []  # the deployment's streams, as last read
+        self._streams_fresh_until = 0.0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-writer")
         self._writing: Future[None] | None = None
         self.batches = 0
@@ -255,7 +257,14 @@ class Worker:
     # -- pulling -------------------------------------------------------------------
     def _read(self, room: int, block_ms: int | None) -> list[Pending]:
         """New entries from every non-empty stream at once, a fair share of `room` each."""
-        suffixes = self._streams()
+        now = time.monotonic()
+        if block_ms or now >= self._streams_fresh_until:
+            self._streams_seen = self._streams()
+            # Mid-batch the list is reused for a moment (a read per decode step would
+            # otherwise cost two round trips); a new tenant's stream still shows within
+            # _IDLE_POLL_S, as when idle.
+            self._streams_fresh_until = now + _IDLE_POLL_S
+        suffixes = self._streams_seen
         if not suffixes:
             if block_ms:
                 time.sleep(_IDLE_POLL_S)
@@ -271,6 +280,7 @@ class Worker:
         except redis.ResponseError as exc:
             # A stream emptied and went away meanwhile (before or during our block).
             if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
+                self._streams_fresh_until = 0.0
                 return []
             raise
         out = []
