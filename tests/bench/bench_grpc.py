@@ -23,6 +23,7 @@ import httpx  # noqa: E402
 
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
+from sluice.servers import DEFAULT, http_command  # noqa: E402
 from streaming.protos import inference_pb2 as pb  # noqa: E402
 from streaming.protos import inference_pb2_grpc as pb_grpc  # noqa: E402
 from tests.bench.bench_http import bench_env, seed_demo, start_sluice, wait_http  # noqa: E402
@@ -89,9 +90,8 @@ def main() -> None:
     try:
         key = seed_demo(env)
         http_port, grpc_port = free_port(), free_port()
-        start_sluice(group, [sys.executable, "-m", "uvicorn", "--no-access-log", "--lifespan",
-                             "on", "--log-level", "warning", "--host", "127.0.0.1", "--port",
-                             str(http_port), "sluice.asgi:application"])
+        start_sluice(group, http_command(DEFAULT, "sluice.asgi:application", host="127.0.0.1",
+                                         port=http_port))
         group.start("grpc", [sys.executable, str(REPO / "manage.py"), "rungrpc", "--address",
                              f"127.0.0.1:{grpc_port}"])
         wait_http(f"http://127.0.0.1:{http_port}/healthz")
