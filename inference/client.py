@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from inference import queue as q
 from inference.spec import DeploymentSpec
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
-from sluice.redis import Coalescer, fast_pool_options
+from sluice.redis import Coalescer, fast_pool_options, reconnecting
 
 logger = logging.getLogger("sluice.inference")
 _FINAL = q.FINAL_EVENTS
@@ -82,11 +82,11 @@ class InferenceClient:
         # submits must queue here, not fail with "Too many connections".
         pool = aioredis.BlockingConnectionPool.from_url(
             redis_url, max_connections=max_connections, timeout=10, socket_timeout=10,
-            socket_connect_timeout=5, **fast_pool_options(redis_url))
+            socket_connect_timeout=5, **fast_pool_options(redis_url), **reconnecting())
         self.redis = aioredis.Redis(connection_pool=pool)
         # The router's blocking read gets its own connection and a longer timeout.
         self._reader = aioredis.Redis.from_url(redis_url, socket_timeout=30,
-                                               socket_connect_timeout=5)
+                                               socket_connect_timeout=5, **reconnecting())
         self.gateway_id = gateway_id or token_hex(8)
         self.key = q.gateway_key(self.gateway_id)
         self._waiting: dict[str, asyncio.Queue[dict[str, Any]]] = {}

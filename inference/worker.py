@@ -50,7 +50,7 @@ from inference.runtimes.base import (
 from inference.scheduler import pick
 from inference.spec import DeploymentSpec
 from sluice import telemetry
-from sluice.redis import ScriptBatch
+from sluice.redis import ScriptBatch, reconnecting
 
 if TYPE_CHECKING:
     from inference.tools import ToolCallConstraint
@@ -788,7 +788,8 @@ def heartbeats(client: redis.Redis, deployment: str, *,
 def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain."""
     telemetry.setup("sluice-worker")
-    client = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
+    client = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5,
+                                  **reconnecting())
     worker = Worker(spec, client, **kwargs)
 
     def stop(*_: object) -> None:

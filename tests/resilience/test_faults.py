@@ -87,9 +87,10 @@ class DurableRedis:
 
 @dataclass
 class Chaos:
-    """Kills a random worker every 0.5-1.5 s and starts a replacement (as a supervisor
+    """Kills a random worker every 0.2-0.6 s and starts a replacement (as a supervisor
     would; a worker takes about a second to start here), up to `max_kills`; kills and
-    restarts Redis once, `redis_at_s` after it starts."""
+    restarts Redis once, `redis_at_s` after it starts. The pace fits a fast machine,
+    where the 1,000 calls take ~4 s: the kills must happen while they run."""
 
     spawn: Any
     redis: DurableRedis
@@ -103,7 +104,7 @@ class Chaos:
 
     def run(self) -> None:
         began = time.monotonic()
-        while not self.stop.wait(self.rng.uniform(0.5, 1.5)):
+        while not self.stop.wait(self.rng.uniform(0.2, 0.6)):
             if self.kills >= self.max_kills:
                 continue
             victim = self.rng.choice(self.workers)
@@ -167,7 +168,7 @@ def test_sigkilled_workers_and_a_redis_restart_lose_and_double_nothing(
     gateway = subprocess.Popen(
         http_command(DEFAULT_SERVER, "sluice.asgi:application", host="127.0.0.1", port=port),
         cwd=REPO, env=env, stdout=logs, stderr=logs)
-    chaos = Chaos(spawn=spawn, redis=durable_redis, redis_at_s=3.0)
+    chaos = Chaos(spawn=spawn, redis=durable_redis, redis_at_s=1.5)
     chaos.workers = [spawn() for _ in range(WORKERS)]
     rds = redis.Redis.from_url(durable_redis.url)
     try:
@@ -205,14 +206,18 @@ def test_sigkilled_workers_and_a_redis_restart_lose_and_double_nothing(
         print(f"{len(answered)} answered, {chaos.kills} workers killed, refusals:",
               Counter((o.status, o.code) for o in refused))
         # Dying workers cost no call; only the Redis outage does (and ends with it): every
-        # refusal came while Redis was down or soon after. "Soon": one run in about ten
-        # had two refusals 7 s after Redis answered again (cause not found yet: see
-        # docs/BENCHMARKS.md, issue #11).
+        # refusal came while Redis was down or within 3 s of its return. (Refusals up to
+        # 7 s later, one run in ten, were stale pooled connections: sluice.redis.
+        # reconnecting() and the test below.)
         down, back = chaos.redis_down
-        late = [o for o in refused if not down <= o.ended <= back + 10.0]
+        late = [o for o in refused if not down <= o.ended <= back + 3.0]
         assert not late, ([(o.status, o.code, round(o.ended - back, 2)) for o in late],
                           _queue_state(rds, deployment.name))
-        assert len(answered) >= CALLS // 2
+        # Not vacuous: clients without retries fail fast while Redis is away, so the
+        # share refused depends on the machine's pace; but many calls must be answered,
+        # and the service must be back after the restart.
+        assert len(answered) >= CALLS // 5, len(answered)
+        assert sum(1 for o in answered if o.ended > back + 1.0) >= 20, "no recovery"
         # None cut or doubled: each reply is exactly its prompt, token for token, and
         # each answered request has exactly one final event.
         for o in answered:
@@ -284,3 +289,36 @@ async def _calls(base_url: str, key: str, model: str) -> list[Outcome]:
         return list(await asyncio.gather(*(one(i) for i in range(CALLS))))
     finally:
         await client.close()
+
+
+def test_pooled_connections_survive_a_redis_restart(durable_redis: DurableRedis) -> None:
+    """Idle pooled connections from before a Redis restart must not fail their next
+    command (redis-py 8 skipped its reconnect check while maintenance notifications were
+    on: the cause of late 503s after a restart)."""
+    from inference.client import InferenceClient
+
+    async def go() -> list[str]:
+        client = InferenceClient(durable_redis.url)
+        try:
+            async def pipeline() -> None:
+                pipe = client.redis.pipeline(transaction=False)
+                pipe.incr("n")
+                pipe.ping()
+                await pipe.execute()
+
+            await asyncio.gather(*(pipeline() for _ in range(8)))  # 8 pooled connections
+            durable_redis.kill()
+            durable_redis.start()
+            await asyncio.sleep(0.5)  # every old connection is now closed by the server
+            errors = []
+            for _ in range(16):  # one after the other: each may take a stale connection
+                try:
+                    await pipeline()
+                    await client.redis.ping()
+                except redis.RedisError as exc:
+                    errors.append(repr(exc))
+            return errors
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) == []

@@ -13,6 +13,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from inference.autoscaler import Autoscaler
 from inference.supervisor import preload
 from sluice import telemetry
+from sluice.redis import reconnecting
 
 
 class Command(BaseCommand):
@@ -31,7 +32,7 @@ class Command(BaseCommand):
         if options["driver"] == "local":
             preload()  # forked workers inherit the imports: cold starts skip them
         client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10,
-                                      socket_connect_timeout=5)
+                                      socket_connect_timeout=5, **reconnecting())
         scaler = Autoscaler(client, settings.REDIS_URL, driver=options["driver"],
                             only=options["deployment"], tick_s=options["tick"])
 
