@@ -78,6 +78,11 @@ def _save(actor: Principal, row: Any, action: str, kind: str,
 def _apply(row: Any, fields: dict[str, Any], allowed: tuple[str, ...]) -> None:
     for key, value in fields.items():
         if key in allowed:
+            if value is None and not row._meta.get_field(key).null:
+                # An explicit null for a field that always has a value: the caller's
+                # mistake (a 422), not a NOT NULL violation in the database (a 500).
+                raise Unprocessable(f"'{key}' may not be null; leave it out to keep the "
+                                    "default.", param=key, code="null_value")
             setattr(row, key, value)
 
 

@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from sluice.errors import BadRequest
 
 ConversationId = Annotated[str, StringConstraints(pattern=r"^conv_[0-9a-f]{24}$")]
+# A model name: any printable text (OpenAI's and tenants' names vary: "org/model:tag"),
+# no control characters (a NUL cannot even be looked up in PostgreSQL).
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200,
+                                             pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
 class _Strict(BaseModel):
@@ -48,7 +52,7 @@ class StreamOptions(_Strict):
 
 
 class ChatCompletionRequest(_Strict):
-    model: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    model: ModelName
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -74,7 +78,7 @@ class ChatCompletionRequest(_Strict):
 
 
 class EmbeddingRequest(_Strict):
-    model: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    model: ModelName
     input: str | Annotated[list[str], Field(min_length=1, max_length=2048)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None

@@ -28,6 +28,7 @@ from sluice.errors import (
 )
 from sluice.responses import error_response
 from streaming.api import router as batch_router
+from streaming.openapi import add_inference_routes
 from tenants.api import auth_router
 from tenants.api import router as tenants_router
 from tenants.authentication import authenticate
@@ -59,13 +60,15 @@ class SluiceAPI(NinjaAPI):
         for operations in schema["paths"].values():
             for operation in operations.values():
                 operation.setdefault("responses", {}).setdefault("4XX", refusal)
+        add_inference_routes(schema)  # the lean ASGI path's routes, outside Ninja
         return schema
 
 
 api = SluiceAPI(
     title="Sluice management API",
     version="1",
-    description="Tenants, members, API keys and tokens. Inference lives under /v1.",
+    description="Tenants, members, API keys and tokens, governance and audit; the "
+                "OpenAI-compatible inference routes under /v1.",
     auth=BearerAuth(),
     urls_namespace="api",
     docs_url="/api/docs",

@@ -20,7 +20,8 @@ except ImportError:  # hiredis is a dependency; without it redis-py packs in Pyt
 
 _maint_config: Any
 try:
-    from redis.maint_notifications import MaintNotificationsConfig as _maint_config
+    from redis import maint_notifications
+    _maint_config = maint_notifications.MaintNotificationsConfig
 except ImportError:  # redis-py before 7 has no maintenance notifications
     _maint_config = None
 

@@ -45,6 +45,32 @@ def test_rate_limit_validation(ops: Org, body: dict[str, object], param: str | N
     assert RateLimitPolicy.objects.count() == 0
 
 
+@pytest.mark.parametrize("field", ["name", "model", "adaptive", "qps_ref", "fail_open"])
+def test_an_explicit_null_for_a_field_with_a_default_is_422(ops: Org, alice: Org,
+                                                           field: str) -> None:
+    # Found by Schemathesis: `"name": null` reached the database as NULL (a 500).
+    body = {"scope": "tenant", "tenant_id": alice.tenant.pk, "requests_per_minute": 5}
+    error = assert_openai_error(ops.client(PA).post("/api/v1/governance/rate-limits",
+                                                    {**body, field: None}), 422)
+    assert (error["param"], error["code"]) == (field, "null_value")
+    made = ops.client(PA).post("/api/v1/governance/rate-limits", body)
+    assert made.status == 201, made.body
+    error = assert_openai_error(ops.client(PA).call(
+        "PATCH", f"/api/v1/governance/rate-limits/{made.body['id']}", {field: None}), 422)
+    assert error["param"] == field
+    assert RateLimitPolicy.objects.count() == 1
+
+
+def test_explicit_nulls_in_quotas_and_breakers_are_422(ops: Org, alice: Org,
+                                                       echo: str) -> None:
+    error = assert_openai_error(ops.client(PA).post("/api/v1/governance/quotas", {
+        "tenant_id": alice.tenant.pk, "max_tokens": 10, "shadow": None}), 422)
+    assert error["param"] == "shadow"
+    error = assert_openai_error(ops.client(PA).call(
+        "PUT", f"/api/v1/governance/breakers/{echo}", {"degrade_mode": None}), 422)
+    assert error["param"] == "degrade_mode"
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"memory_high": 0.8, "memory_low": 0.9}, None),
     ({"memory_high": 1.5}, "memory_high"),

@@ -1,0 +1,133 @@
+"""The lean inference routes in the OpenAPI document.
+
+`POST /v1/chat/completions` and `POST /v1/embeddings` are served by the ASGI fast path
+(streaming/asgi.py), outside Django Ninja, so Ninja's document does not know them. Their
+operations are described here: the request bodies from the same pydantic models that
+validate them (streaming/schemas.py), the responses from the models below, which state
+what streaming/bodies.py builds. tests/resilience/test_api_fuzz.py calls the live server
+with generated input against this description, so a drift between the two fails it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: None = None
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+    conversation_id: str | None = None  # Sluice: the conversation the turn was kept in
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+_REFUSAL = {"description": "Refused: an OpenAI-style error envelope (bad input, "
+                           "credentials, role, unknown model, rate limit, quota, overload).",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def add_inference_routes(schema: dict[str, Any]) -> None:
+    """Add the lean routes' operations and their models to an OpenAPI 3.1 `schema`
+    (whose components already hold `Error` and the `BearerAuth` scheme)."""
+    _, top = models_json_schema(
+        [(ChatCompletionRequest, "validation"), (EmbeddingRequest, "validation"),
+         (ChatCompletion, "serialization"), (EmbeddingList, "serialization")],
+        ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name, definition in top.get("$defs", {}).items():
+        if name in components and components[name] != definition:
+            raise RuntimeError(f"OpenAPI component {name!r} is defined twice, differently")
+        components[name] = definition
+
+    def ref(model: type[BaseModel]) -> dict[str, str]:
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    schema["paths"]["/v1/chat/completions"] = {"post": {
+        "operationId": "chat_completions", "tags": ["inference"],
+        "summary": "Create a chat completion (OpenAI-compatible)",
+        "description": "With `stream: true` the reply is Server-Sent Events: "
+                       "`chat.completion.chunk` objects, then `data: [DONE]`.",
+        "security": [{"BearerAuth": []}],
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": ref(ChatCompletionRequest)}}},
+        "responses": {
+            "200": {"description": "The completion, or its stream of chunks",
+                    "content": {"application/json": {"schema": ref(ChatCompletion)},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            "4XX": _REFUSAL,
+            "503": _REFUSAL | {"description": "Overloaded or a dependency is away: "
+                                              "retry after Retry-After"},
+            "504": _REFUSAL | {"description": "The deadline passed"},
+        },
+    }}
+    schema["paths"]["/v1/embeddings"] = {"post": {
+        "operationId": "embeddings", "tags": ["inference"],
+        "summary": "Create embeddings (OpenAI-compatible)",
+        "security": [{"BearerAuth": []}],
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": ref(EmbeddingRequest)}}},
+        "responses": {
+            "200": {"description": "One vector per input",
+                    "content": {"application/json": {"schema": ref(EmbeddingList)}}},
+            "4XX": _REFUSAL,
+            "503": _REFUSAL | {"description": "Overloaded or a dependency is away: "
+                                              "retry after Retry-After"},
+            "504": _REFUSAL | {"description": "The deadline passed"},
+        },
+    }}
