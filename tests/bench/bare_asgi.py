@@ -8,6 +8,16 @@ from typing import Any
 BODY = b'{"ok": true}'
 
 
+async def read_body(receive: Any) -> bytes:
+    """A request's whole body (the baseline apps' one helper)."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+from bare_asgi import read_body
+
 TOKEN_S = float(os.environ.get("BARE_SSE_TOKEN_MS", "1000")) / 1000
 CHUNK = (b'data: {"object":"chat.completion.chunk","choices":[{"index":0,'
          b'"delta":{"content":"s"}}]}\n\n')
@@ -41,12 +43,7 @@ async def next_tick() -> None:
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await read_body(receive)
     try:
         tokens = int(json.loads(body or b"{}").get("max_tokens") or 1)
     except (ValueError, AttributeError):

@@ -9,6 +9,8 @@ import json
 import time
 from typing import Any
 
+from bare_asgi import read_body
+
 
 def reply(request: dict[str, Any]) -> bytes:
     users = [m for m in request.get("messages", []) if m.get("role") == "user"]
@@ -32,12 +34,7 @@ def error(message: str) -> bytes:
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await read_body(receive)
     if scope["method"] == "POST" and scope["path"].endswith("/chat/completions"):
         try:
             status, out = 200, reply(json.loads(body))
