@@ -28,6 +28,7 @@ from inference import autoscaler  # noqa: E402
 from inference.worker import heartbeats  # noqa: E402
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
+from sluice.servers import DEFAULT, http_command  # noqa: E402
 
 MODELS = [("echo", "chat"), ("tiny-lm", "chat"), ("all-minilm-l6-v2", "embedding"),
           ("smollm2-135m-instruct", "chat")]
@@ -73,9 +74,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", SETUP], cwd=REPO, env=env, check=True)
         port = free_port()
         logs = Path(state) / "sluice.log"
-        group.start("http", [sys.executable, "-m", "uvicorn", "sluice.asgi:application",
-                             "--port", str(port), "--no-access-log", "--log-level",
-                             "warning"], output=logs)
+        group.start("http", http_command(DEFAULT, "sluice.asgi:application",
+                                         host="127.0.0.1", port=port), output=logs)
         group.start("autoscaler", [sys.executable, str(REPO / "manage.py"), "autoscale"],
                     output=logs)
         wait_http(f"http://127.0.0.1:{port}/healthz")

@@ -36,6 +36,7 @@ from bench_http import WRK_LUA, bench_env, seed_demo, start_sluice, wait_http, w
 
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
+from sluice.servers import http_command  # noqa: E402
 
 POLICIES = ("import django; django.setup(); from governance.models import Quota, "
             "RateLimitPolicy as R; from tenants.models import Tenant; "
@@ -108,19 +109,17 @@ def main() -> None:
         script = Path(state) / "post.lua"
         script.write_text(WRK_LUA % key)
         port = free_port()
-        uvicorn = [sys.executable, "-m", "uvicorn", "--workers", "1", "--no-access-log",
-                   "--lifespan", "on", "--log-level", "warning", "--host", "127.0.0.1",
-                   "--port", str(port)]
         url = f"http://127.0.0.1:{port}"
-        group.start("bare", [*uvicorn, "--app-dir", str(REPO / "tests" / "bench"),
-                             "bare_asgi:app"])
+        group.start("bare", http_command(args.server, "bare_asgi:app", host="127.0.0.1",
+                                         port=port, app_dir=str(REPO / "tests" / "bench")))
         wait_http(f"{url}/")
         results["bare"].append(wrk(f"{url}/", args.connections, args.seconds))
         group.stop()
         for _ in range(args.rounds):
             for mode in modes:
                 group = ProcessGroup(modes[mode])
-                start_sluice(group, [*uvicorn, "sluice.asgi:application"], output=logs)
+                start_sluice(group, http_command(args.server, "sluice.asgi:application",
+                                                 host="127.0.0.1", port=port), output=logs)
                 wait_http(f"{url}/healthz")
                 wrk(f"{url}/v1/chat/completions", 8, 2, str(script))  # warm-up
                 results[mode].append(wrk(f"{url}/v1/chat/completions", args.connections,
@@ -141,7 +140,7 @@ def main() -> None:
     print(json.dumps({"connections": args.connections, "seconds": args.seconds,
                       "rounds": args.rounds}))
     print(f"{'server':44} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
-    for label, mode in (("bare ASGI (uvicorn, 1 proc)", "bare"),
+    for label, mode in ((f"bare ASGI ({args.server}, 1 proc)", "bare"),
                         ("sluice governed, tracing+logging off", "off"),
                         ("sluice governed, on (10% traces sampled)", "sampled"),
                         ("sluice governed, on (every trace)", "full")):
