@@ -1,6 +1,7 @@
 """Slow and malicious clients against the live gateway (uvicorn on loopback, real
-workers): slowloris-style partial requests, a thousand idle SSE streams, consumers that
-never read, oversized gRPC messages. Each time the server must keep answering everyone
+workers; slowloris also against the run command's server, granian, in its own process):
+slowloris-style partial requests, a thousand idle SSE streams, consumers that never
+read, oversized gRPC messages. Each time the server must keep answering everyone
 else promptly and its memory must stay bounded.
 
 The server runs in this process (the `live` fixture), so resident memory is measured
@@ -14,9 +15,10 @@ import contextlib
 import resource
 import socket
 import statistics
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -29,10 +31,13 @@ from django.conf import settings
 
 from inference.models import Deployment
 from inference.worker import Worker
+from sluice.localinfra import free_port
+from sluice.servers import DEFAULT as DEFAULT_SERVER
+from sluice.servers import http_command
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
-from tests.conftest import Org, eventually, make_org
+from tests.conftest import REPO, Org, eventually, make_org, process_env
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
@@ -61,14 +66,15 @@ def enough_descriptors() -> None:
         pytest.skip(f"file descriptor limit {hard} is too low")
 
 
-def host_port(live: Live) -> tuple[str, int]:
-    parts = urlsplit(live.base_url)
+def host_port(live: Live | str) -> tuple[str, int]:
+    parts = urlsplit(live if isinstance(live, str) else live.base_url)
     return parts.hostname or "127.0.0.1", parts.port or 80
 
 
-def latencies(live: Live, key: str, calls: int) -> list[float]:
+def latencies(live: Live | str, key: str, calls: int) -> list[float]:
     """`calls` chat completions, one after another: each one's seconds."""
-    client = openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=10)
+    base_url = live if isinstance(live, str) else live.base_url
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=10)
     out = []
     for i in range(calls):
         began = time.monotonic()
@@ -79,13 +85,13 @@ def latencies(live: Live, key: str, calls: int) -> list[float]:
     return out
 
 
-def test_slowloris_connections_do_not_starve_anyone(live: Live, dev: Org) -> None:
+def slowloris(base_url: str, key: str, memory: Callable[[], float]) -> None:
     """500 connections that send a request line and then one header line every half
-    second, never finishing their headers, while a normal client keeps calling."""
-    host, port = host_port(live)
-    key = dev.keys[Role.DEVELOPER]
-    baseline = statistics.median(latencies(live, key, 5))
-    before = rss_mb()
+    second, never finishing their headers, while a normal client keeps calling: the
+    client stays fast and the server's memory (`memory()`, MB) grows little."""
+    host, port = host_port(base_url)
+    baseline = statistics.median(latencies(base_url, key, 5))
+    before = memory()
     sockets = []
     for _ in range(500):
         sock = socket.create_connection((host, port))
@@ -104,8 +110,8 @@ def test_slowloris_connections_do_not_starve_anyone(live: Live, dev: Org) -> Non
     feeder = threading.Thread(target=trickle, daemon=True)
     feeder.start()
     try:
-        during = latencies(live, key, 20)
-        grown = rss_mb() - before
+        during = latencies(base_url, key, 20)
+        grown = memory() - before
     finally:
         stop.set()
         feeder.join(5)
@@ -117,6 +123,47 @@ def test_slowloris_connections_do_not_starve_anyone(live: Live, dev: Org) -> Non
     assert max(during) < 2.0, during
     assert statistics.median(during) < max(0.25, baseline * 5)
     assert grown < 100, f"{grown:.1f} MB for 500 half-open requests"
+
+
+def test_slowloris_connections_do_not_starve_anyone(live: Live, dev: Org) -> None:
+    slowloris(live.base_url, dev.keys[Role.DEVELOPER], rss_mb)
+
+
+def test_slowloris_against_the_run_commands_server(live: Live, dev: Org,
+                                                   tmp_path: Path) -> None:
+    """The same against the server the run command starts (granian, in its own process:
+    the memory is the server's alone), beside the live fixture's workers."""
+    port = free_port()
+    gateway = subprocess.Popen(
+        http_command(DEFAULT_SERVER, "sluice.asgi:application", host="127.0.0.1", port=port),
+        cwd=REPO, env=process_env(SLUICE_STATE_DIR=str(tmp_path),
+                                  SLUICE_LOG_LEVEL="WARNING"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def up() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).is_success
+            return False
+
+        eventually(up, 60, what="the gateway")
+        slowloris(f"http://127.0.0.1:{port}/v1", dev.keys[Role.DEVELOPER],
+                  lambda: tree_rss_mb(gateway.pid))
+    finally:
+        gateway.terminate()
+        gateway.wait(15)
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its descendants (a server's workers)."""
+    total = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            total += int(line.split()[1]) / 1024
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    for child in children.read_text().split() if children.exists() else ():
+        with contextlib.suppress(OSError):
+            total += tree_rss_mb(int(child))
+    return total
 
 
 @pytest.fixture
