@@ -5,6 +5,7 @@ Everything runs against the real PostgreSQL and Redis the test command points at
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -24,7 +26,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from sluice import telemetry
+from sluice.localinfra import free_port
 from sluice.redis import sync_redis
+from sluice.servers import DEFAULT as DEFAULT_SERVER
+from sluice.servers import http_command
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
 from tenants.roles import Role
@@ -194,6 +199,31 @@ def process_env(**extra: str) -> dict[str, str]:
            f":{db['PORT'] or 5432}/{db['NAME']}")
     return {**os.environ, "DATABASE_URL": url, "REDIS_URL": settings.REDIS_URL,
             "DJANGO_SETTINGS_MODULE": "sluice.settings.test", **extra}
+
+
+@contextlib.contextmanager
+def gateway_process(env: dict[str, str], *, output: Any = subprocess.DEVNULL
+                    ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """The run command's HTTP server (sluice.servers.DEFAULT) in a process of its own,
+    on a free loopback port, once its /healthz answers: (process, base URL). Its output
+    goes to `output`; it is stopped on the way out."""
+    port = free_port()
+    proc = subprocess.Popen(
+        http_command(DEFAULT_SERVER, "sluice.asgi:application", host="127.0.0.1", port=port),
+        cwd=REPO, env=env, stdout=output, stderr=output)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"{base}/healthz", timeout=1).is_success
+            except httpx.HTTPError:
+                return proc.poll() is not None  # exited: stop waiting
+        eventually(up, 60, what="the gateway")
+        assert proc.poll() is None, "the gateway process exited"
+        yield proc, base
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import os
 import subprocess
 import sys
 import time
@@ -27,23 +26,7 @@ import bench_http as bench
 from sluice.localinfra import free_port
 from sluice.processes import ProcessGroup
 from sluice.servers import http_command
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its reaped children, in seconds."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
-def process_tree(pid: int) -> list[int]:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except FileNotFoundError:
-        children = []
-    return [pid, *(p for child in children for p in process_tree(int(child)))]
+from tests.procstat import cpu_seconds, process_tree
 
 
 def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:

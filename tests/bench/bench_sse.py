@@ -23,7 +23,6 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import bench_http as bench
@@ -31,18 +30,7 @@ import bench_http as bench
 from sluice.localinfra import free_port
 from sluice.processes import ProcessGroup
 from sluice.servers import DEFAULT, SERVERS, http_command
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of `pid` and its descendants (a server's worker processes)."""
-    total = 0.0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            total += int(line.split()[1]) / 1024
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    for child in children.read_text().split() if children.exists() else ():
-        total += rss_mb(int(child))
-    return total
+from tests.procstat import tree_rss_mb
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -84,14 +72,14 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
                + key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
                + str(len(body)).encode() + b"\r\n\r\n" + body)
     arrivals: list[list[float]] = [[] for _ in range(args.streams)]
-    before = rss_mb(gateway_pid)
+    before = tree_rss_mb(gateway_pid)
     tasks = []
     began = time.monotonic()
     for i in range(args.streams):
         tasks.append(asyncio.create_task(stream(port, request, arrivals[i])))
         await asyncio.sleep(max(0.0, began + args.ramp * (i + 1) / args.streams
                                 - time.monotonic()))
-    peak = rss_mb(gateway_pid)
+    peak = tree_rss_mb(gateway_pid)
     results = await asyncio.gather(*tasks)
     gaps = [(b - a) * 1000 - args.token_ms
             for times in arrivals for a, b in itertools.pairwise(times)]

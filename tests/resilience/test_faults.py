@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import redis
@@ -39,10 +38,8 @@ from governance.models import Quota
 from inference import queue as q
 from inference.models import Deployment
 from sluice.localinfra import free_port, redis_binary, redis_reachable
-from sluice.servers import DEFAULT as DEFAULT_SERVER
-from sluice.servers import http_command
 from tenants.roles import Role
-from tests.conftest import REPO, eventually, make_org, process_env
+from tests.conftest import REPO, eventually, gateway_process, make_org, process_env
 
 pytestmark = pytest.mark.slow
 
@@ -164,91 +161,80 @@ def test_sigkilled_workers_and_a_redis_restart_lose_and_double_nothing(
              durable_redis.url, "--reclaim-after-ms", "1500"], cwd=REPO, env=env,
             stdout=logs, stderr=logs)
 
-    port = free_port()
-    gateway = subprocess.Popen(
-        http_command(DEFAULT_SERVER, "sluice.asgi:application", host="127.0.0.1", port=port),
-        cwd=REPO, env=env, stdout=logs, stderr=logs)
-    chaos = Chaos(spawn=spawn, redis=durable_redis, redis_at_s=1.5)
-    chaos.workers = [spawn() for _ in range(WORKERS)]
-    rds = redis.Redis.from_url(durable_redis.url)
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).is_success
-            except httpx.HTTPError:
-                return gateway.poll() is not None
-        eventually(up, 60, what="the gateway")
-        assert gateway.poll() is None, gateway.stderr.read() if gateway.stderr else ""
-        eventually(lambda: len(q.live_heartbeats(rds.hgetall(q.workers_key(
-            deployment.name)))) >= WORKERS, 60, what="the workers")
-
-        killer = threading.Thread(target=chaos.run, daemon=True)
-        killer.start()
+    with gateway_process(env, output=logs) as (_gateway, base):
+        chaos = Chaos(spawn=spawn, redis=durable_redis, redis_at_s=1.5)
+        chaos.workers = [spawn() for _ in range(WORKERS)]
+        rds = redis.Redis.from_url(durable_redis.url)
         try:
-            outcomes = asyncio.run(_calls(f"http://127.0.0.1:{port}/v1",
-                                          org.keys[Role.DEVELOPER], deployment.name))
+            eventually(lambda: len(q.live_heartbeats(rds.hgetall(q.workers_key(
+                deployment.name)))) >= WORKERS, 60, what="the workers")
+
+            killer = threading.Thread(target=chaos.run, daemon=True)
+            killer.start()
+            try:
+                outcomes = asyncio.run(_calls(f"{base}/v1",
+                                              org.keys[Role.DEVELOPER], deployment.name))
+            finally:
+                chaos.stop.set()
+                killer.join(30)
+            assert chaos.redis_down is not None and chaos.kills >= 5, \
+                (chaos.kills, chaos.redis_down)
+
+            # None lost: every call came back, within its deadline (+ the gateway's grace).
+            assert sorted(o.index for o in outcomes) == list(range(CALLS))
+            slowest = max(o.elapsed_s for o in outcomes)
+            assert slowest <= DEADLINE_S + 5, slowest
+            answered = [o for o in outcomes if o.text is not None]
+            refused = [o for o in outcomes if o.text is None]
+            # Errors are clear and retriable, never a 500 or a broken body.
+            assert all(o.status in RETRIABLE and o.code for o in refused), \
+                sorted({(o.status, o.code) for o in refused})
+            assert all(o.retry_after for o in refused if o.status in (429, 503)), \
+                "a retriable refusal says when to retry"
+            print(f"{len(answered)} answered, {chaos.kills} workers killed, refusals:",
+                  Counter((o.status, o.code) for o in refused))
+            # Dying workers cost no call; only the Redis outage does (and ends with it): every
+            # refusal came while Redis was down or within 3 s of its return. (Refusals up to
+            # 7 s later, one run in ten, were stale pooled connections: sluice.redis.
+            # reconnecting() and the test below.)
+            down, back = chaos.redis_down
+            late = [o for o in refused if not down <= o.ended <= back + 3.0]
+            assert not late, ([(o.status, o.code, round(o.ended - back, 2)) for o in late],
+                              _queue_state(rds, deployment.name))
+            # Not vacuous: clients without retries fail fast while Redis is away, so the
+            # share refused depends on the machine's pace; but many calls must be answered,
+            # and the service must be back after the restart.
+            assert len(answered) >= CALLS // 5, len(answered)
+            assert sum(1 for o in answered if o.ended > back + 1.0) >= 20, "no recovery"
+            # None cut or doubled: each reply is exactly its prompt, token for token, and
+            # each answered request has exactly one final event.
+            for o in answered:
+                assert o.text == prompt(o.index), (o.index, o.text)
+                assert o.completion_tokens == len(prompt(o.index).encode())
+            assert len({o.rid for o in answered}) == len(answered)
+            for o in answered:
+                finals = sum(1 for _id, f in rds.xrange(q.out_key("chaos", o.rid or ""))
+                             if b'"t":"done"' in f[b"e"] or b'"t":"error"' in f[b"e"])
+                assert finals == 1, (o.rid, finals)
+            # No double charge: the quota holds exactly the answered calls' tokens, and no
+            # reservation is left open (every admitted call was settled or released).
+            expected = sum(o.tokens for o in answered)
+
+            def charged() -> tuple[int, int, int]:
+                peek = rds.eval(quotas.PEEK_LUA, 3, *quotas.keys_for("chaos", [quota]),
+                                *quotas.peek_args([quota]))
+                requests, tokens, open_reservations = peek[0][0], peek[0][1], peek[0][2]
+                return int(requests), int(tokens), int(open_reservations)
+
+            eventually(lambda: charged()[2] == 0 and charged()[1] >= expected, 10)
+            assert charged() == (len(answered), expected, 0), (charged(), len(answered), expected)
         finally:
+            rds.close()
             chaos.stop.set()
-            killer.join(30)
-        assert chaos.redis_down is not None and chaos.kills >= 5, (chaos.kills, chaos.redis_down)
-
-        # None lost: every call came back, within its deadline (+ the gateway's grace).
-        assert sorted(o.index for o in outcomes) == list(range(CALLS))
-        slowest = max(o.elapsed_s for o in outcomes)
-        assert slowest <= DEADLINE_S + 5, slowest
-        answered = [o for o in outcomes if o.text is not None]
-        refused = [o for o in outcomes if o.text is None]
-        # Errors are clear and retriable, never a 500 or a broken body.
-        assert all(o.status in RETRIABLE and o.code for o in refused), \
-            sorted({(o.status, o.code) for o in refused})
-        assert all(o.retry_after for o in refused if o.status in (429, 503)), \
-            "a retriable refusal says when to retry"
-        print(f"{len(answered)} answered, {chaos.kills} workers killed, refusals:",
-              Counter((o.status, o.code) for o in refused))
-        # Dying workers cost no call; only the Redis outage does (and ends with it): every
-        # refusal came while Redis was down or within 3 s of its return. (Refusals up to
-        # 7 s later, one run in ten, were stale pooled connections: sluice.redis.
-        # reconnecting() and the test below.)
-        down, back = chaos.redis_down
-        late = [o for o in refused if not down <= o.ended <= back + 3.0]
-        assert not late, ([(o.status, o.code, round(o.ended - back, 2)) for o in late],
-                          _queue_state(rds, deployment.name))
-        # Not vacuous: clients without retries fail fast while Redis is away, so the
-        # share refused depends on the machine's pace; but many calls must be answered,
-        # and the service must be back after the restart.
-        assert len(answered) >= CALLS // 5, len(answered)
-        assert sum(1 for o in answered if o.ended > back + 1.0) >= 20, "no recovery"
-        # None cut or doubled: each reply is exactly its prompt, token for token, and
-        # each answered request has exactly one final event.
-        for o in answered:
-            assert o.text == prompt(o.index), (o.index, o.text)
-            assert o.completion_tokens == len(prompt(o.index).encode())
-        assert len({o.rid for o in answered}) == len(answered)
-        for o in answered:
-            finals = sum(1 for _id, f in rds.xrange(q.out_key("chaos", o.rid or ""))
-                         if b'"t":"done"' in f[b"e"] or b'"t":"error"' in f[b"e"])
-            assert finals == 1, (o.rid, finals)
-        # No double charge: the quota holds exactly the answered calls' tokens, and no
-        # reservation is left open (every admitted call was settled or released).
-        expected = sum(o.tokens for o in answered)
-
-        def charged() -> tuple[int, int, int]:
-            peek = rds.eval(quotas.PEEK_LUA, 3, *quotas.keys_for("chaos", [quota]),
-                            *quotas.peek_args([quota]))
-            requests, tokens, open_reservations = peek[0][0], peek[0][1], peek[0][2]
-            return int(requests), int(tokens), int(open_reservations)
-
-        eventually(lambda: charged()[2] == 0 and charged()[1] >= expected, 10)
-        assert charged() == (len(answered), expected, 0), (charged(), len(answered), expected)
-    finally:
-        rds.close()
-        chaos.stop.set()
-        gateway.terminate()
-        gateway.wait(10)
-        for proc in chaos.workers:
-            proc.kill()
-            proc.wait()
-        logs.close()
+            for proc in chaos.workers:
+                proc.kill()
+                proc.wait()
+            logs.close()
 
 
 def _queue_state(rds: redis.Redis, name: str) -> dict[str, Any]:

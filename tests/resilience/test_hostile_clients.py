@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import resource
 import socket
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,23 +31,18 @@ from django.conf import settings
 
 from inference.models import Deployment
 from inference.worker import Worker
-from sluice.localinfra import free_port
-from sluice.servers import DEFAULT as DEFAULT_SERVER
-from sluice.servers import http_command
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
-from tests.conftest import REPO, Org, eventually, make_org, process_env
+from tests import procstat
+from tests.conftest import Org, eventually, gateway_process, make_org, process_env
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
 
 
 def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return procstat.rss_mb(os.getpid())
 
 
 @pytest.fixture
@@ -133,37 +128,10 @@ def test_slowloris_against_the_run_commands_server(live: Live, dev: Org,
                                                    tmp_path: Path) -> None:
     """The same against the server the run command starts (granian, in its own process:
     the memory is the server's alone), beside the live fixture's workers."""
-    port = free_port()
-    gateway = subprocess.Popen(
-        http_command(DEFAULT_SERVER, "sluice.asgi:application", host="127.0.0.1", port=port),
-        cwd=REPO, env=process_env(SLUICE_STATE_DIR=str(tmp_path),
-                                  SLUICE_LOG_LEVEL="WARNING"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        def up() -> bool:
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).is_success
-            return False
-
-        eventually(up, 60, what="the gateway")
-        slowloris(f"http://127.0.0.1:{port}/v1", dev.keys[Role.DEVELOPER],
-                  lambda: tree_rss_mb(gateway.pid))
-    finally:
-        gateway.terminate()
-        gateway.wait(15)
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and its descendants (a server's workers)."""
-    total = 0.0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            total += int(line.split()[1]) / 1024
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    for child in children.read_text().split() if children.exists() else ():
-        with contextlib.suppress(OSError):
-            total += tree_rss_mb(int(child))
-    return total
+    env = process_env(SLUICE_STATE_DIR=str(tmp_path), SLUICE_LOG_LEVEL="WARNING")
+    with gateway_process(env) as (gateway, base):
+        slowloris(f"{base}/v1", dev.keys[Role.DEVELOPER],
+                  lambda: procstat.tree_rss_mb(gateway.pid))
 
 
 @pytest.fixture
