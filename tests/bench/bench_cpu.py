@@ -14,8 +14,8 @@ the run, divided by the requests served. Redis is counted when it runs on this m
 
 from __future__ import annotations
 
+import argparse
 import collections
-import importlib.util
 import subprocess
 import sys
 import time
@@ -40,16 +40,15 @@ def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
 
 
 def main() -> None:
-    parser_doc = __doc__ or ""
-    sys.argv, workers = _take_workers(sys.argv)
-    profile = "--profile" in sys.argv
-    if profile:
-        sys.argv.remove("--profile")
-        if importlib.util.find_spec("py_spy") is None and not Path(
-                sys.executable).with_name("py-spy").exists():
-            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"],
-                           check=True)
-    args = bench.wrk_args(parser_doc)
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--workers", type=int, default=1, help="gateway processes")
+        parser.add_argument("--profile", action="store_true",
+                            help="py-spy every process during the run")
+
+    args = bench.wrk_args(__doc__ or "", extra=options)
+    workers, profile = args.workers, args.profile
+    if profile and not Path(sys.executable).with_name("py-spy").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
     env, state, private = bench.bench_env()
     group = ProcessGroup(env)
     try:
@@ -102,14 +101,6 @@ def main() -> None:
         group.stop()
         if private:
             private.stop()
-
-
-def _take_workers(argv: list[str]) -> tuple[list[str], int]:
-    """--workers N is ours; the rest goes to wrk_args."""
-    if "--workers" in argv:
-        i = argv.index("--workers")
-        return argv[:i] + argv[i + 2:], int(argv[i + 1])
-    return argv, 1
 
 
 if __name__ == "__main__":

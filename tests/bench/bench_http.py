@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +125,15 @@ def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
         group.start("auditwriter", [*manage, "auditwriter"], output=output)
 
 
-def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None) -> argparse.Namespace:
+def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None,
+             extra: Callable[[argparse.ArgumentParser], object] | None = None
+             ) -> argparse.Namespace:
     """The options every wrk benchmark takes (--connections, --seconds, --server, and
-    --rounds where it alternates modes); exits with a hint when wrk is missing."""
+    --rounds where it alternates modes), plus those `extra` adds; exits with a hint
+    when wrk is missing."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--server", choices=SERVERS, default=DEFAULT,
                         help=f"ASGI server (default {DEFAULT}, the run command's)")

@@ -31,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -48,11 +47,12 @@ from bench_http import (  # noqa: E402
     start_sluice,
     wait_http,
     wrk,
+    wrk_args,
 )
 
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
-from sluice.servers import DEFAULT, SERVERS, http_command  # noqa: E402
+from sluice.servers import http_command  # noqa: E402
 
 BENCH_DIR = REPO / "tests" / "bench"
 BENCH_KEY = "sk-bench-litellm-0001"
@@ -138,18 +138,14 @@ def start_litellm(group: ProcessGroup, venv: Path, workdir: Path, port: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--seconds", type=int, default=10)
-    parser.add_argument("--server", choices=SERVERS, default=DEFAULT,
-                        help="ASGI server for Sluice and the mock upstream")
-    parser.add_argument("--venv", type=Path, default=REPO / "var" / "bench" / "litellm-venv")
-    parser.add_argument("--litellm", default="litellm[proxy]",
-                        help="pip requirement for LiteLLM (pin a version to compare like "
-                             "with like across runs)")
-    args = parser.parse_args()
-    if shutil.which("wrk") is None:
-        sys.exit("wrk is needed: apt-get install wrk")
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--venv", type=Path,
+                            default=REPO / "var" / "bench" / "litellm-venv")
+        parser.add_argument("--litellm", default="litellm[proxy]",
+                            help="pip requirement for LiteLLM (pin a version to compare "
+                                 "like with like across runs)")
+
+    args = wrk_args(__doc__ or "", extra=options)  # --server: Sluice's and the upstream's
     version = ensure_litellm(args.venv, args.litellm)
     env, state, private = bench_env()
     work = Path(state)
@@ -172,7 +168,7 @@ def main() -> None:
             {"role": "user", "content": "hello"}]}).encode()
         direct = work / "direct.lua"
         direct.write_text(WRK_LUA % "none")
-        _wait_post(f"http://127.0.0.1:{upstream}/v1/chat/completions", "none", body)
+        wait_http(f"http://127.0.0.1:{upstream}/", timeout=30)
         results["mock upstream alone"] = wrk(
             f"http://127.0.0.1:{upstream}/v1/chat/completions", args.connections,
             args.seconds, str(direct))
@@ -240,18 +236,6 @@ def main() -> None:
         a, b = results[ours], results[theirs]
         print(f"{ours} / {theirs}: {a['rps'] / b['rps']:.2f}x req/s, "
               f"p99 {a['p99']:.1f} vs {b['p99']:.1f} ms")
-
-
-def _wait_post(url: str, key: str, body: bytes, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            post(url, key, body)
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 if __name__ == "__main__":

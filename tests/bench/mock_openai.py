@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any
 
-from bare_asgi import read_body
+from bare_asgi import BODY, read_body
 
 
 def reply(request: dict[str, Any]) -> bytes:
@@ -40,6 +40,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             status, out = 200, reply(json.loads(body))
         except (ValueError, AttributeError):
             status, out = 400, error("bad JSON")
+    elif scope["method"] == "GET" and scope["path"] == "/":
+        status, out = 200, BODY  # up (what bench_http.wait_http asks)
     else:
         status, out = 404, error("not found")
     await send({"type": "http.response.start", "status": status,
