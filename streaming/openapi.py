@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from sluice.errors import error_response_doc
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 
 
@@ -77,11 +78,6 @@ class EmbeddingList(BaseModel):
     usage: EmbeddingUsage
 
 
-_REFUSAL = {"description": "Refused: an OpenAI-style error envelope (bad input, "
-                           "credentials, role, unknown model, rate limit, quota, overload).",
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-
-
 def add_inference_routes(schema: dict[str, Any]) -> None:
     """Add the lean routes' operations and their models to an OpenAPI 3.1 `schema`
     (whose components already hold `Error` and the `BearerAuth` scheme)."""
@@ -94,40 +90,40 @@ def add_inference_routes(schema: dict[str, Any]) -> None:
         if name in components and components[name] != definition:
             raise RuntimeError(f"OpenAPI component {name!r} is defined twice, differently")
         components[name] = definition
+    schema["paths"]["/v1/chat/completions"] = {"post": _operation(
+        "chat_completions", "Create a chat completion (OpenAI-compatible)",
+        ChatCompletionRequest, ChatCompletion, "The completion, or its stream of chunks",
+        description="With `stream: true` the reply is Server-Sent Events: "
+                    "`chat.completion.chunk` objects, then `data: [DONE]`.",
+        also={"text/event-stream": {"schema": {"type": "string"}}})}
+    schema["paths"]["/v1/embeddings"] = {"post": _operation(
+        "embeddings", "Create embeddings (OpenAI-compatible)", EmbeddingRequest,
+        EmbeddingList, "One vector per input")}
 
+
+def _operation(operation_id: str, summary: str, request: type[BaseModel],
+               response: type[BaseModel], answered: str, *, description: str = "",
+               also: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One inference route's POST: the request model in, the response model (and the
+    `also` content types) on 200, the error envelope on refusals and retriable 503/504."""
     def ref(model: type[BaseModel]) -> dict[str, str]:
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
-    schema["paths"]["/v1/chat/completions"] = {"post": {
-        "operationId": "chat_completions", "tags": ["inference"],
-        "summary": "Create a chat completion (OpenAI-compatible)",
-        "description": "With `stream: true` the reply is Server-Sent Events: "
-                       "`chat.completion.chunk` objects, then `data: [DONE]`.",
+    return {
+        "operationId": operation_id, "tags": ["inference"], "summary": summary,
+        **({"description": description} if description else {}),
         "security": [{"BearerAuth": []}],
         "requestBody": {"required": True,
-                        "content": {"application/json": {"schema": ref(ChatCompletionRequest)}}},
+                        "content": {"application/json": {"schema": ref(request)}}},
         "responses": {
-            "200": {"description": "The completion, or its stream of chunks",
-                    "content": {"application/json": {"schema": ref(ChatCompletion)},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
-            "4XX": _REFUSAL,
-            "503": _REFUSAL | {"description": "Overloaded or a dependency is away: "
-                                              "retry after Retry-After"},
-            "504": _REFUSAL | {"description": "The deadline passed"},
+            "200": {"description": answered,
+                    "content": {"application/json": {"schema": ref(response)},
+                                **(also or {})}},
+            "4XX": error_response_doc("Refused: an OpenAI-style error envelope (bad input, "
+                                      "credentials, role, unknown model, rate limit, "
+                                      "quota, overload)."),
+            "503": error_response_doc("Overloaded or a dependency is away: retry after "
+                                      "Retry-After"),
+            "504": error_response_doc("The deadline passed"),
         },
-    }}
-    schema["paths"]["/v1/embeddings"] = {"post": {
-        "operationId": "embeddings", "tags": ["inference"],
-        "summary": "Create embeddings (OpenAI-compatible)",
-        "security": [{"BearerAuth": []}],
-        "requestBody": {"required": True,
-                        "content": {"application/json": {"schema": ref(EmbeddingRequest)}}},
-        "responses": {
-            "200": {"description": "One vector per input",
-                    "content": {"application/json": {"schema": ref(EmbeddingList)}}},
-            "4XX": _REFUSAL,
-            "503": _REFUSAL | {"description": "Overloaded or a dependency is away: "
-                                              "retry after Retry-After"},
-            "504": _REFUSAL | {"description": "The deadline passed"},
-        },
-    }}
+    }

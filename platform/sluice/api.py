@@ -25,6 +25,7 @@ from sluice.errors import (
     ServerError,
     Unauthenticated,
     Unprocessable,
+    error_response_doc,
 )
 from sluice.responses import error_response
 from streaming.api import router as batch_router
@@ -52,11 +53,9 @@ class SluiceAPI(NinjaAPI):
     def get_openapi_schema(self, *args: Any, **kwargs: Any) -> Any:
         schema = super().get_openapi_schema(*args, **kwargs)
         schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
-        refusal = {"description": "Refused: an OpenAI-style error envelope (400 bad input, "
-                                  "401 credentials, 403 role or tenant, 404, 409, 413, "
-                                  "422 validation, 429 limits).",
-                   "content": {"application/json": {
-                       "schema": {"$ref": "#/components/schemas/Error"}}}}
+        refusal = error_response_doc("Refused: an OpenAI-style error envelope (400 bad "
+                                     "input, 401 credentials, 403 role or tenant, 404, "
+                                     "409, 413, 422 validation, 429 limits).")
         for operations in schema["paths"].values():
             for operation in operations.values():
                 operation.setdefault("responses", {}).setdefault("4XX", refusal)

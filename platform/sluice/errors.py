@@ -67,6 +67,12 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
+def error_response_doc(description: str) -> dict[str, Any]:
+    """An OpenAPI response object for an error: the envelope, as components/Error."""
+    return {"description": description, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
 class BadRequest(ApiError):
     status = 400
     type = "invalid_request_error"
