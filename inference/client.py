@@ -24,7 +24,6 @@ from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
 from sluice.redis import Coalescer, fast_pool_options, reconnecting
 
 logger = logging.getLogger("sluice.inference")
-_FINAL = q.FINAL_EVENTS
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
 _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
 _EXPIRED: dict[str, Any] = {"t": "expired"}  # put in a request's queue at its deadline
@@ -53,7 +52,7 @@ class RequestHandle:
                 if event is _EXPIRED:
                     await self.cancel()
                     raise DeadlineExceeded("The request's deadline passed.")
-                if event["seq"] < self.next_seq and event["t"] not in _FINAL:
+                if event["seq"] < self.next_seq and event["t"] not in q.FINAL_EVENTS:
                     continue  # a duplicate from a worker that took over
                 if event["seq"] > self.next_seq:
                     # A gap: a message to this gateway was lost (Redis failover, a worker
@@ -63,7 +62,7 @@ class RequestHandle:
                         self.next_seq = missing["seq"] + 1
                         yield missing
                 self.next_seq = event["seq"] + 1
-                if event["t"] in _FINAL:
+                if event["t"] in q.FINAL_EVENTS:
                     self.finished = True
                 yield event
         finally:
@@ -258,9 +257,9 @@ class InferenceClient:
                 for msg_id, fields in entries:
                     last = msg_id.decode()
                     event = json.loads(fields[b"e"])
-                    if event["seq"] > after_seq or event["t"] in _FINAL:
+                    if event["seq"] > after_seq or event["t"] in q.FINAL_EVENTS:
                         yield event
-                    if event["t"] in _FINAL:
+                    if event["t"] in q.FINAL_EVENTS:
                         return
         raise DeadlineExceeded("The request's deadline passed.")
 
@@ -270,7 +269,7 @@ class InferenceClient:
         out = []
         for _id, fields in await self.redis.xrange(q.out_key(tenant, rid)):
             event = json.loads(fields[b"e"])
-            if first <= event["seq"] < end and event["t"] not in _FINAL:
+            if first <= event["seq"] < end and event["t"] not in q.FINAL_EVENTS:
                 out.append(event)
         return out
 

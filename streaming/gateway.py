@@ -55,7 +55,6 @@ from tenants.conversations import conversation_append, conversation_history
 from tenants.principal import Principal
 from tenants.roles import Action
 
-_FINAL = FINAL_EVENTS
 _MESSAGE_OVERHEAD = 8  # chat-template tokens around one message, generously
 
 
@@ -87,7 +86,7 @@ class Submitted:
         first: float | None = None
         try:
             async for event in self.handle.events():
-                if event["t"] in _FINAL:
+                if event["t"] in FINAL_EVENTS:
                     final = event
                 elif event["t"] == "delta":
                     if first is None:
