@@ -158,6 +158,7 @@ class Worker:
         self._idle_seen: set[str] = set()
         self._streams_seen: list[str] = []  # the deployment's streams, as last read
         self._streams_fresh_until = 0.0
+        self._next_join_read = 0.0  # a running batch's next read for newcomers
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-writer")
         self._writing: Future[None] | None = None
         self.batches = 0
@@ -307,20 +308,31 @@ class Worker:
                     self.stopping.wait(_IDLE_POLL_S)
                 return
         if self.active or self.backlog:
-            # Mid-batch, read only when the backlog cannot fill the free slots: a round
-            # trip per decode step would cost more than the step on small models.
-            if len(self.backlog) < self.spec.max_batch_size - len(self.active):
+            # Mid-batch, read only when the backlog cannot fill the free slots, and at
+            # most every max_wait_ms: requests that arrive meanwhile join the running
+            # batch together (one prefill), and a round trip per decode step would cost
+            # more than the step on small models.
+            now = time.monotonic()
+            if len(self.backlog) < self.spec.max_batch_size - len(self.active) \
+                    and now >= self._next_join_read:
+                self._next_join_read = now + self.spec.max_wait_ms / 1000
                 self.backlog += self._read(room, None)  # never block a running batch
             return
-        # Idle: block for the first request, then gather up to a full batch or until
-        # max_wait_ms after the first one arrived.
+        # Idle: block for the first request.
         got = self._read(room, self.block_ms)
         if not got:
             return
+        self._next_join_read = time.monotonic() + self.spec.max_wait_ms / 1000
+        # Chat generation is continuous: a lone request starts at once, and what arrives
+        # within max_wait_ms joins its batch at the next read above (vLLM's and TGI's
+        # way; waiting here cost every request at low load the whole window). An
+        # embedding batch is one forward pass that nothing can join later: it gathers
+        # up to a full batch or until max_wait_ms after the first request.
         # The wait is ours, then one read that does not block: Redis times a blocking
         # read out on its own clock tick (up to 100 ms at its default hz), so a
         # millisecond BLOCK would cost an idle deployment ~30-100 ms per request.
-        if len(got) < min(self.spec.max_batch_size, room) and self.spec.max_wait_ms > 0:
+        if isinstance(self.runtime, EmbeddingRuntime) and self.spec.max_wait_ms > 0 \
+                and len(got) < min(self.spec.max_batch_size, room):
             time.sleep(self.spec.max_wait_ms / 1000)
             got += self._read(room - len(got), None)
         self.backlog += got

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from inference import queue as q
-from inference.client import InferenceClient
+from inference.client import InferenceClient, RequestHandle
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker, heartbeats
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
@@ -42,19 +42,59 @@ def test_a_full_batch_forms_without_waiting_for_max_wait(
     assert run(go, redis_url) < 2.0, "a full batch must not wait for max_wait_ms"
 
 
-def test_a_partial_batch_waits_for_max_wait_then_runs(
+def test_a_lone_chat_request_starts_at_once_and_a_later_one_joins_its_batch(
         thread_worker: StartWorker, redis_url: str) -> None:
-    spec = echo(max_batch_size=8, max_wait_ms=400)
+    """Continuous batching: an idle chat worker does not hold a request for max_wait_ms;
+    one that arrives during the generation joins the running batch (it finishes long
+    before the first one would have) within max_wait_ms."""
+    spec = echo(max_batch_size=8, max_wait_ms=150, echo_token_delay_ms=20)
+    worker = thread_worker(spec)
+
+    async def timed(handle: RequestHandle) -> tuple[float, Result]:
+        events, first = [], 0.0
+        async for event in handle.events():
+            if event["t"] == "delta" and not first:
+                first = time.monotonic()
+            events.append(event)
+        return first, Result("".join(e.get("text", "") for e in events if e["t"] == "delta"),
+                             events)
+
+    async def go(client: InferenceClient) -> None:
+        await asyncio.sleep(0.3)  # the worker is blocking on an empty stream
+        t0 = time.monotonic()
+        first = await client.submit(spec, tenant="t", body=chat("x" * 80))  # ~1.6 s
+        long_one = asyncio.create_task(timed(first))
+        await asyncio.sleep(0.2)
+        t1 = time.monotonic()
+        second = await client.submit(spec, tenant="t", body=chat("two"))
+        b = await collect(second)
+        assert b.text == "two"
+        assert time.monotonic() - t1 < 0.6, "the newcomer joins within max_wait_ms"
+        assert not long_one.done(), "the second one ran beside the first, not after it"
+        first_token, a = await long_one
+        assert a.text == "x" * 80
+        assert first_token - t0 < 0.12, "a lone chat request must not wait max_wait_ms"
+        assert [sorted(b) for b in list(worker.admitted)[:2]] == [[first.rid], [second.rid]]
+
+    run(go, redis_url)
+
+
+def test_a_partial_embedding_batch_waits_for_max_wait_then_runs(
+        thread_worker: StartWorker, redis_url: str) -> None:
+    from inference.weights import MINILM
+
+    spec = DeploymentSpec(unique("minilm"), RuntimeName.ENCODER, weights=MINILM,
+                          max_batch_size=8, max_wait_ms=400)
     worker = thread_worker(spec)
 
     async def go(client: InferenceClient) -> None:
         await asyncio.sleep(0.3)  # worker is blocking on an empty stream
-        first = await client.submit(spec, tenant="t", body=chat("one"))
+        first = await client.submit(spec, tenant="t", body={"input": ["one"]})
         await asyncio.sleep(0.1)  # arrives inside the first one's max_wait window
-        second = await client.submit(spec, tenant="t", body=chat("two"))
+        second = await client.submit(spec, tenant="t", body={"input": ["two"]})
         t0 = time.monotonic()
         a, b = await asyncio.gather(collect(first), collect(second))
-        assert (a.text, b.text) == ("one", "two")
+        assert a.final["t"] == b.final["t"] == "done"
         assert time.monotonic() - t0 > 0.15  # it did wait for more
         assert sorted(worker.admitted[0]) == sorted([first.rid, second.rid])
 
