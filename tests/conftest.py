@@ -202,14 +202,16 @@ def process_env(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def gateway_process(env: dict[str, str], *, output: Any = subprocess.DEVNULL
+def gateway_process(env: dict[str, str], *, output: Any = subprocess.DEVNULL,
+                    server: str = DEFAULT_SERVER
                     ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """The run command's HTTP server (sluice.servers.DEFAULT) in a process of its own,
-    on a free loopback port, once its /healthz answers: (process, base URL). Its output
-    goes to `output`; it is stopped on the way out."""
+    """The run command's HTTP server (sluice.servers.DEFAULT unless `server` names
+    another) in a process of its own, on a free loopback port, once its /healthz
+    answers: (process, base URL). Its output goes to `output`; it is stopped on the way
+    out."""
     port = free_port()
     proc = subprocess.Popen(
-        http_command(DEFAULT_SERVER, "sluice.asgi:application", host="127.0.0.1", port=port),
+        http_command(server, "sluice.asgi:application", host="127.0.0.1", port=port),
         cwd=REPO, env=env, stdout=output, stderr=output)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -1,7 +1,7 @@
 """The one ASGI application: HTTP (the lean /v1 inference path, else Django) and
 WebSocket (Channels) by protocol.
 
-Any ASGI server can serve it (granian is what the run command uses; uvicorn and daphne
+Any ASGI server can serve it (uvicorn is what the run command uses; granian and daphne
 work too: platform/sluice/servers.py).
 """
 

@@ -1,19 +1,19 @@
 """The ASGI servers Sluice's HTTP side runs under, as command lines: one place for the
 run command and the benchmarks.
 
-granian is the default: in tests/bench/bench_servers.py (three interleaved rounds) it
-served the bare app at 1.17x uvicorn's rate and Sluice's pipeline at 1.03x, with REST,
-SSE and the /v1/realtime WebSocket all working (docs/BENCHMARKS.md, "ASGI server
-choice"). uvicorn stays a dependency (the test suite's in-process servers) and daphne
-keeps working (the card's server; ~0.16x bare, 0.71x behind the pipeline).
-"""
+uvicorn (httptools, uvloop) is the default. In tests/bench/bench_servers.py (interleaved
+rounds; docs/BENCHMARKS.md, "ASGI server: back to uvicorn") granian serves a bare app
+faster, but behind Sluice's pipeline the two are even at 64 connections, uvicorn answers
+a lone request sooner (p50 ~0.6-2 ms less) and holds an idle SSE stream in about half
+the memory. granian stays selectable (`--server granian`) and daphne keeps working (the
+card's server; ~0.2x bare, ~0.7x behind the pipeline)."""
 
 from __future__ import annotations
 
 import sys
 
-SERVERS = ("granian", "uvicorn", "daphne")
-DEFAULT = "granian"
+SERVERS = ("uvicorn", "granian", "daphne")
+DEFAULT = "uvicorn"
 
 # granian admits at most `backpressure` requests at once per worker (default
 # backlog/workers = 1024) and queues the rest: an SSE stream is a request for its

@@ -7,7 +7,7 @@ the run, divided by the requests served. Redis is counted when it runs on this m
 (the first `redis-server` process). Linux only.
 
     .venv/bin/python tests/bench/bench_cpu.py [--connections 64] [--seconds 10]
-        [--workers 1] (gateway processes) [--server granian|uvicorn|daphne]
+        [--workers 1] (gateway processes) [--server uvicorn|granian|daphne]
         [--profile] (py-spy each process meanwhile: its top functions by own time;
                      py-spy is installed into the virtualenv on first use)
 """

@@ -1,6 +1,6 @@
 """Requests/s of Sluice's OpenAI path against a bare ASGI app, same server, same run.
 
-Both run under the same ASGI server (--server, default the run command's: granian) with
+Both run under the same ASGI server (--server, default the run command's: uvicorn) with
 one worker process on loopback; wrk (Debian package `wrk`) drives them with the same
 connections and duration. Sluice's side is the full path a client takes today: bearer
 API key (cached), model lookup (cached), governance admission, enqueue on Redis, one
@@ -11,7 +11,7 @@ It is measured twice: with no policies (breaker and shedding checks only), and
 far above what the run reaches), so every request runs the bucket and quota scripts.
 
     .venv/bin/python tests/bench/bench_http.py [--connections 64] [--seconds 10]
-        [--server granian|uvicorn|daphne]
+        [--server uvicorn|granian|daphne]
 """
 
 from __future__ import annotations

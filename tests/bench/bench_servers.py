@@ -3,13 +3,13 @@
 Each server runs one process on loopback; wrk drives it with the same connections and
 duration. Two apps: the bare ASGI hello app (what the server itself costs) and Sluice's
 /v1/chat/completions against the echo worker (no policies: the pipeline plus the
-server). The servers take turns within each of --rounds rounds, in a rotated order,
-and the table gives each one's median and range: this VM's run-to-run noise is as large
-as the differences behind the pipeline, so one run each decides nothing. Each server
+server), the latter also at one connection (latency at moderate load: "sluice 1c").
+The servers take turns within each of --rounds rounds, in a rotated order, and the
+table gives each one's median and range: this VM's run-to-run noise is as large as the
+differences behind the pipeline, so one run each decides nothing. Each server
 must also serve every protocol the run command needs from it: an SSE stream and a
-chat over the /v1/realtime WebSocket are checked once per server. granian is installed
-into the virtualenv on first use (a benchmark-only tool, not a project dependency);
-daphne and uvicorn are dependencies.
+chat over the /v1/realtime WebSocket are checked once per server. All three are
+dependencies.
 
     .venv/bin/python tests/bench/bench_servers.py [--rounds 3] [--connections 64] [--seconds 8]
 """
@@ -17,11 +17,9 @@ daphne and uvicorn are dependencies.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -77,8 +75,6 @@ def protocols(url: str, key: str) -> str:
 
 def main() -> None:
     args = wrk_args(__doc__, seconds=8, rounds=3)
-    if importlib.util.find_spec("granian") is None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "granian"], check=True)
     env, state, private = bench_env()
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     served: dict[str, str] = {}
@@ -111,6 +107,9 @@ def main() -> None:
                         target = f"{url}/v1/chat/completions"
                         wrk(target, 8, 2, str(script))  # warm-up
                         result = wrk(target, args.connections, args.seconds, str(script))
+                        # Moderate load: one connection, one request at a time.
+                        results.setdefault((name, "sluice 1c"), []).append(
+                            wrk(target, 1, args.seconds, str(script)))
                     results.setdefault((name, label), []).append(result)
                     group.stop()
         worker.stop()
@@ -137,7 +136,9 @@ def main() -> None:
         base = median("uvicorn", label, "rps")
         print(f"{label}: " + ", ".join(
             f"{name} {median(name, label, 'rps') / base:.2f}x" for name in
-            ("daphne", "granian")) + " of uvicorn (medians)")
+            ("daphne", "granian")) + " of uvicorn's req/s (medians)")
+    print("sluice at one connection: p50 " + ", ".join(
+        f"{name} {median(name, 'sluice 1c', 'p50'):.2f} ms" for name in SERVERS))
 
 
 if __name__ == "__main__":

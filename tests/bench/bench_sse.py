@@ -1,16 +1,16 @@
 """Many concurrent SSE streams on one box: errors, added inter-token delay, memory per
 stream.
 
-One gateway process (--server, default granian) and one echo worker that batches every
-stream at once and emits a token per stream every `--token-ms` (a model's pace; the
-streams are idle in between). `--streams` clients (asyncio, raw sockets, opened over
-`--ramp` seconds) each stream `--tokens` tokens. Reported: streams that failed, the
-delay between consecutive tokens beyond the model's own pace (p50/p99), and the
-gateway's resident memory (all its processes) per open stream. The file limit is
-raised for this process and its children.
+One gateway process (--server, default the run command's: uvicorn) and one echo worker
+that batches every stream at once and emits a token per stream every `--token-ms` (a
+model's pace; the streams are idle in between). `--streams` clients (asyncio, raw
+sockets, opened over `--ramp` seconds) each stream `--tokens` tokens. Reported: streams
+that failed, the delay between consecutive tokens beyond the model's own pace
+(p50/p99), and the gateway's resident memory (all its processes) per open stream. The
+file limit is raised for this process and its children.
 
     .venv/bin/python tests/bench/bench_sse.py [--streams 10000] [--tokens 10]
-        [--token-ms 1000] [--ramp 10] [--server granian|uvicorn|daphne] [--workers 1]
+        [--token-ms 1000] [--ramp 10] [--server uvicorn|granian|daphne] [--workers 1]
         [--gateways 1]
 """
 

@@ -1,5 +1,6 @@
 """Slow and malicious clients against the live gateway (uvicorn on loopback, real
-workers; slowloris also against the run command's server, granian, in its own process):
+workers; slowloris also against the run command's servers, uvicorn and granian, each in
+its own process):
 slowloris-style partial requests, a thousand idle SSE streams, consumers that never
 read, oversized gRPC messages. Each time the server must keep answering everyone
 else promptly and its memory must stay bounded.
@@ -124,12 +125,14 @@ def test_slowloris_connections_do_not_starve_anyone(live: Live, dev: Org) -> Non
     slowloris(live.base_url, dev.keys[Role.DEVELOPER], rss_mb)
 
 
-def test_slowloris_against_the_run_commands_server(live: Live, dev: Org,
-                                                   tmp_path: Path) -> None:
-    """The same against the server the run command starts (granian, in its own process:
-    the memory is the server's alone), beside the live fixture's workers."""
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_slowloris_against_the_run_commands_servers(live: Live, dev: Org, tmp_path: Path,
+                                                    server: str) -> None:
+    """The same against the servers the run command starts (uvicorn by default, granian
+    with --server; in a process of their own, so the memory is the server's alone),
+    beside the live fixture's workers."""
     env = process_env(SLUICE_STATE_DIR=str(tmp_path), SLUICE_LOG_LEVEL="WARNING")
-    with gateway_process(env) as (gateway, base):
+    with gateway_process(env, server=server) as (gateway, base):
         slowloris(f"{base}/v1", dev.keys[Role.DEVELOPER],
                   lambda: procstat.tree_rss_mb(gateway.pid))
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import yaml
 from django.core.management import get_commands
 
+from sluice.servers import DEFAULT, http_command
+
 MANIFESTS = Path(__file__).resolve().parents[2] / "platform" / "deploy" / "kubernetes"
 
 
@@ -46,3 +48,14 @@ def test_every_command_exists() -> None:
             assert command[2] in commands, command
         env = doc["spec"]["template"]["spec"]["containers"][0]["envFrom"]
         assert env == [{"secretRef": {"name": "sluice-env"}}]
+
+
+def test_the_gateway_runs_the_run_commands_server() -> None:
+    """The gateway container's command is the run command's (sluice.servers), so a
+    change of server or of its settings reaches Kubernetes too."""
+    gateway = next(d for d in _docs() if d["kind"] == "Deployment"
+                   and d["metadata"]["name"] == "sluice-gateway")
+    command = gateway["spec"]["template"]["spec"]["containers"][0]["command"]
+    expected = http_command(DEFAULT, "sluice.asgi:application", host="0.0.0.0",  # noqa: S104
+                            port=8000)
+    assert command[1:] == expected[1:]  # the interpreter's path aside
