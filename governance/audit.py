@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from secrets import token_hex
 from typing import Any
 
 from django.db import close_old_connections, connection, transaction
@@ -96,6 +97,13 @@ STREAM_MAXLEN = 1_000_000  # bounds Redis memory if no writer runs for a long ti
 _CLAIM_IDLE_MS = 60_000
 
 
+def new_source() -> str:
+    """A `source` id for an event that may be appended to the stream more than once (a
+    retried write): the writer stores each source once. Without one, an event's stream
+    entry id is its source."""
+    return f"ev-{token_hex(12)}"
+
+
 def to_wire(event: dict[str, Any]) -> str:
     return json.dumps({**event, "at": event["at"].isoformat()}, default=str)
 
@@ -113,13 +121,21 @@ def emit(event: dict[str, Any]) -> None:
 
 
 def write_events(batch: list[dict[str, Any]]) -> int:
-    """Insert events, extending each chain under its row lock. Events carry their stream
-    id as `source`; one already stored (a redelivery) is skipped. Returns rows written."""
+    """Insert events, extending each chain under its row lock. Events carry a `source`
+    id (their own, or their stream entry id); one already stored (a redelivery, a
+    retried write) is skipped. Returns rows written."""
     with transaction.atomic():
         sources = [e["source"] for e in batch if e.get("source")]
         seen = set(AuditEvent.objects.filter(source__in=sources).values_list(
             "source", flat=True)) if sources else set()
-        batch = [e for e in batch if not e.get("source") or e["source"] not in seen]
+        fresh = []
+        for event in batch:  # stored already, or twice in this batch: once
+            if event.get("source"):
+                if event["source"] in seen:
+                    continue
+                seen.add(event["source"])
+            fresh.append(event)
+        batch = fresh
         if not batch:
             return 0
         names = sorted({e["chain"] for e in batch})
@@ -179,7 +195,8 @@ class Consumer:
             except (KeyError, ValueError):
                 logger.error("audit stream entry %s is malformed; dropped", entry_id)
                 continue
-            event["source"] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            if not event.get("source"):
+                event["source"] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             events.append(event)
         write_events(events)
         ids = [i for i, _ in entries]

@@ -12,10 +12,11 @@ FLUSH_S). Audit events ride along: appended to the audit stream with each flush.
 A gateway that crashes loses at most FLUSH_S of these counters and audit events; its
 open reservations expire at their deadline. A flush that fails because Redis is away
 (restart, failover) is kept and retried with the next one, for up to RETRY_FOR_S or
-MAX_HELD_AUDIT audit events (then dropped, logged); never a call. Quota settlements are
-idempotent (a reservation is charged once), so a retried flush cannot double-charge; a
-flush that Redis applied but whose reply was lost would count its usage rows and audit
-events twice.
+MAX_HELD_AUDIT audit events (then dropped, logged); never a call. A flush that Redis
+applied but whose reply was lost is harmless to retry: quota settlements are idempotent
+(a reservation is charged once), usage counts are added once per flush id, and audit
+events carry their own id, which the audit writer stores once. Latency histograms and
+breaker outcomes would count twice (signals, not records).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from secrets import token_hex
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -47,8 +49,11 @@ Write = tuple[str, list[str], list[Any]]
 
 @dataclass
 class _Pending:
+    # Names this flush's usage counts, which Redis adds once per name (usage.count).
+    id: str = field(default_factory=lambda: token_hex(8))
     writes: list[Write] = field(default_factory=list)
-    usage: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
+    # (flush id, tenant, model, key prefix) -> [requests, prompt, completion]
+    usage: dict[tuple[str, str, str, str], list[int]] = field(default_factory=dict)
     latency: dict[tuple[str, str], dict[int, int]] = field(default_factory=dict)
     outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
         default_factory=dict)
@@ -58,13 +63,11 @@ class _Pending:
         return bool(self.writes or self.usage or self.latency or self.outcomes or self.audit)
 
     def merge(self, later: _Pending) -> _Pending:
-        """This (failed, older) flush followed by `later`, as one."""
+        """This (failed, older) flush followed by `later`, as one. The usage counts keep
+        their flush ids: the failed flush's may have been applied with only the reply
+        lost, and are then skipped, while `later`'s still count."""
         self.writes += later.writes
-        for usage_key, (requests, prompt, completion) in later.usage.items():
-            row = self.usage.setdefault(usage_key, [0, 0, 0])
-            row[0] += requests
-            row[1] += prompt
-            row[2] += completion
+        self.usage.update(later.usage)
         for key, histogram in later.latency.items():
             mine = self.latency.setdefault(key, {})
             for bucket, count in histogram.items():
@@ -93,7 +96,8 @@ class Recorder:
 
     def count_usage(self, *, tenant: str, model: str, key_prefix: str, prompt: int,
                     completion: int) -> None:
-        row = self._pending.usage.setdefault((tenant, model, key_prefix), [0, 0, 0])
+        row = self._pending.usage.setdefault((self._pending.id, tenant, model, key_prefix),
+                                             [0, 0, 0])
         row[0] += 1
         row[1] += prompt
         row[2] += completion
@@ -107,8 +111,10 @@ class Recorder:
         self._ensure_running()
 
     def audit(self, event: dict[str, Any]) -> None:
-        """An audit event, appended to the audit stream with the next flush."""
-        self._pending.audit.append(audit.to_wire(event))
+        """An audit event, appended to the audit stream with the next flush. It carries
+        its own `source` id, so that a retried flush that Redis had applied stores it
+        once (the writer skips a source it has)."""
+        self._pending.audit.append(audit.to_wire({**event, "source": audit.new_source()}))
         self._ensure_running()
 
     def outcome(self, deployment: str, policy: BreakerPolicy, outcome: breaker.Outcome,
@@ -141,9 +147,11 @@ class Recorder:
         pipe = batch.pipe
         for script, keys, args in pending.writes:
             batch.script(script, keys, args)
-        for (tenant, model, prefix), (requests, prompt, completion) in pending.usage.items():
-            usage.count(pipe, tenant=tenant, model=model, key_prefix=prefix,
-                        requests=requests, prompt=prompt, completion=completion)
+        by_flush: dict[tuple[str, str], dict[tuple[str, str], list[int]]] = {}
+        for (flush, tenant, model, prefix), row in pending.usage.items():
+            by_flush.setdefault((flush, tenant), {})[(model, prefix)] = row
+        for (flush, tenant), rows in by_flush.items():
+            usage.count(batch, tenant=tenant, flush=flush, rows=rows)
         for (deployment, metric), histogram in pending.latency.items():
             signals.record_latencies(pipe, deployment, histogram, metric)
         for wire in pending.audit:

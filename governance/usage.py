@@ -2,10 +2,11 @@
 
 Each settled call adds to `sluice:{<tenant>}:usage:<day>` (fields
 `<model>|<key prefix>|r|p|c`: requests, prompt and completion tokens) and names its
-tenant in `sluice:usage:tenants:<day>`. The rollup (a Celery beat task, every
-SLUICE_USAGE_ROLLUP_S) copies the counters' totals into UsageRecord rows; it writes
-absolute values, so running it twice, or from two workers, is harmless. The counters
-live 40 days.
+tenant in `sluice:usage:tenants:<day>`; the gateway's recorder adds its calls' counts in
+flushes, each flush once (a retried one that Redis had applied adds nothing). The
+rollup (a Celery beat task, every SLUICE_USAGE_ROLLUP_S) copies the counters' totals
+into UsageRecord rows; it writes absolute values, so running it twice, or from two
+workers, is harmless. The counters live 40 days.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from django.utils import timezone
 
 from governance.models import UsageRecord
-from sluice.redis import sync_redis
+from sluice.redis import ScriptBatch, sync_redis
 from tenants.models import Tenant
 
 USAGE_TTL_S = 40 * 86_400
@@ -30,17 +31,37 @@ def usage_index_key(day: str) -> str:
     return f"sluice:usage:tenants:{day}"
 
 
-def count(pipe: Any, *, tenant: str, model: str, key_prefix: str, requests: int,
-          prompt: int, completion: int) -> None:
-    """Queue the commands that add calls' usage on a pipeline."""
+def applied_key(tenant: str, flush: str) -> str:
+    """Set once a flush's counts for `tenant` are added: a retried flush adds nothing."""
+    return f"sluice:{{{tenant}}}:usage:flush:{flush}"
+
+
+# Add one flush's counts for one tenant, once. KEYS: usage key, applied key.
+# ARGV: TTL of the counters, TTL of the applied mark, then field/increment pairs.
+COUNT_LUA = """
+if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+APPLIED_TTL_S = 3600  # far beyond how long a failed flush is retried
+
+
+def count(batch: ScriptBatch, *, tenant: str, flush: str,
+          rows: dict[tuple[str, str], list[int]]) -> None:
+    """Queue the adding of one flush's usage for a tenant on a ScriptBatch: `rows` maps
+    (model, key prefix) to [requests, prompt tokens, completion tokens]. `flush`
+    identifies the flush: the same one written twice (a retry after a reply was lost)
+    counts once."""
     day = datetime.now(UTC).date().isoformat()
-    key, field = usage_key(tenant, day), f"{model}|{key_prefix}|"
-    pipe.hincrby(key, field + "r", requests)
-    pipe.hincrby(key, field + "p", prompt)
-    pipe.hincrby(key, field + "c", completion)
-    pipe.expire(key, USAGE_TTL_S)
-    pipe.sadd(usage_index_key(day), tenant)
-    pipe.expire(usage_index_key(day), USAGE_TTL_S)
+    args: list[Any] = [USAGE_TTL_S, APPLIED_TTL_S]
+    for (model, key_prefix), (requests, prompt, completion) in rows.items():
+        field = f"{model}|{key_prefix}|"
+        args += [field + "r", requests, field + "p", prompt, field + "c", completion]
+    batch.script(COUNT_LUA, [usage_key(tenant, day), applied_key(tenant, flush)], args)
+    # The day's tenant index is in no tenant's slot; adding to a set twice is harmless.
+    batch.pipe.sadd(usage_index_key(day), tenant)
+    batch.pipe.expire(usage_index_key(day), USAGE_TTL_S)
 
 
 def rollup(days: list[date] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""The governance recorder's flushes when Redis applies a write but the reply never
+arrives: the flush is retried, and what it carried counts once.
+
+Between the recorder and the real Redis sits a TCP relay of this test's that, when told,
+passes a request on, waits for Redis' whole reply (so the writes are applied) and then
+cuts the client's connection instead of delivering it: what a Redis restart or a
+network failure after the write looks like from the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import UTC, datetime
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from governance import audit, usage
+from governance.models import AuditEvent
+from governance.recorder import Recorder
+from sluice.redis import reconnecting
+from tenants.roles import Role
+from tests.conftest import make_org, principal_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class ReplyCutter:
+    """A loopback relay to Redis. While `cut` is set, the next request is relayed, its
+    reply read from Redis in full, and the client's connection closed unanswered."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.cut = False
+        self.cuts = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        cutting = False
+
+        async def upward() -> None:
+            nonlocal cutting
+            while data := await reader.read(65536):
+                cutting = cutting or self.cut
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def downward() -> None:
+            while data := await up_reader.read(65536):
+                if cutting:
+                    # Let Redis finish answering (every command of the request runs),
+                    # then close the client's connection with the reply unsent.
+                    with contextlib.suppress(TimeoutError):
+                        while await asyncio.wait_for(up_reader.read(65536), 0.3):
+                            pass
+                    self.cut = False
+                    self.cuts += 1
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        pumps = [asyncio.create_task(upward()), asyncio.create_task(downward())]
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            writer.close()
+            up_writer.close()
+
+
+def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once() -> None:
+    org = make_org("recorded", [Role.DEVELOPER])
+    principal = principal_for(org.members[Role.DEVELOPER])
+    tenant = principal.tenant_slug
+    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds.delete(audit.STREAM)
+    rds.script_load(usage.COUNT_LUA)  # so the cut flush runs it (no NOSCRIPT first)
+    url = urlsplit(str(settings.REDIS_URL))
+    day = datetime.now(UTC).date().isoformat()
+
+    def event(text: str) -> dict:
+        return audit.call_event(principal=principal, action="chat.completions",
+                                model="echo", protocol="rest", status=200, latency_ms=1.0,
+                                request_text=text)
+
+    async def scenario() -> int:
+        cutter = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
+        port = await cutter.start()
+        client = aioredis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0),
+                                socket_timeout=5, **reconnecting())
+        recorder = Recorder(client, lambda _name: None)
+        try:
+            await client.ping()  # connected: the cut falls on the flush, not the hello
+            recorder.count_usage(tenant=tenant, model="echo", key_prefix="sk-a", prompt=3,
+                                 completion=5)
+            recorder.audit(event("first call"))
+            cutter.cut = True
+            await recorder.flush()  # applied by Redis, the reply lost: held for retry
+            assert cutter.cuts == 1
+            recorder.count_usage(tenant=tenant, model="echo", key_prefix="sk-a", prompt=1,
+                                 completion=1)
+            recorder.audit(event("second call"))
+            await recorder.flush()  # the held flush again, with the second call's
+            return cutter.cuts
+        finally:
+            await client.aclose()
+            await cutter.close()
+
+    assert asyncio.run(scenario()) == 1
+    counts = {k.decode(): int(v) for k, v in
+              rds.hgetall(usage.usage_key(tenant, day)).items()}
+    assert counts == {"echo|sk-a|r": 2, "echo|sk-a|p": 4, "echo|sk-a|c": 6}
+    # The first call's event went onto the stream twice; it is stored once.
+    on_stream = [audit.from_wire(fields[b"e"]) for _id, fields in
+                 rds.xrange(audit.STREAM)]
+    assert sorted(e["request_excerpt"] for e in on_stream) == [
+        "first call", "first call", "second call"]
+    audit.drain()
+    stored = AuditEvent.objects.filter(chain=tenant).order_by("seq")
+    assert [e.request_excerpt for e in stored] == ["first call", "second call"]
+    assert audit.verify(tenant) == []
+    rds.close()
