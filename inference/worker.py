@@ -49,7 +49,7 @@ from inference.runtimes.base import (
 )
 from inference.scheduler import pick
 from inference.spec import DeploymentSpec
-from sluice import telemetry
+from sluice import gctuning, telemetry
 from sluice.redis import ScriptBatch, reconnecting
 
 if TYPE_CHECKING:
@@ -803,6 +803,7 @@ def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
     client = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5,
                                   **reconnecting())
     worker = Worker(spec, client, **kwargs)
+    gctuning.tune()  # the model and the modules live as long as the process
 
     def stop(*_: object) -> None:
         worker.stopping.set()

@@ -20,12 +20,13 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from governance import metrics  # noqa: E402
-from sluice import telemetry  # noqa: E402
+from sluice import gctuning, telemetry  # noqa: E402
 from sluice.websocket_urls import websocket_urlpatterns  # noqa: E402
 from streaming.asgi import LeanApp  # noqa: E402
 
 telemetry.setup("sluice-api")
 lean = LeanApp()
+gctuning.tune()  # everything above lives as long as the process (sluice/gctuning.py)
 
 
 async def http(scope: Any, receive: Any, send: Any) -> None:

@@ -18,7 +18,7 @@ from django.conf import settings
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sluice import telemetry
+from sluice import gctuning, telemetry
 from streaming.grpc_service import SERVICE, InferenceServicer, ObservingInterceptor
 from streaming.protos import inference_pb2, inference_pb2_grpc
 
@@ -62,6 +62,7 @@ async def build(address: str) -> tuple[grpc.aio.Server, InferenceServicer, int]:
 
 async def serve(address: str) -> None:
     server, servicer, port = await build(address)
+    gctuning.tune()  # what start-up made lives as long as the process
     logger.info("gRPC serving %s on port %d", SERVICE, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -10,6 +10,7 @@ from typing import Any
 from django.core.management.base import BaseCommand
 
 from governance.audit import Consumer
+from sluice import gctuning
 
 
 class Command(BaseCommand):
@@ -19,4 +20,6 @@ class Command(BaseCommand):
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        Consumer().serve(stop)
+        consumer = Consumer()
+        gctuning.tune()  # what start-up made lives as long as the process
+        consumer.serve(stop)
