@@ -9,7 +9,7 @@ within about a second of that.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import transaction
@@ -38,12 +38,21 @@ class TenantPolicies:
     quotas: tuple[Quota, ...]
     # the tenant's own redaction patterns, compiled (label, pattern)
     redaction: tuple[tuple[str, re.Pattern[str]], ...] = ()
+    # limits_for's answers: the policies never change (a change replaces this object).
+    _limits: dict[tuple[int | None, str], list[tuple[RateLimitPolicy, str]]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def limits_for(self, *, key_id: int | None, model: str
                    ) -> list[tuple[RateLimitPolicy, str]]:
         """The one policy per scope that applies, with the subject its buckets count:
         the most specific wins (a tenant's own over the default; a named key or model
-        over "each key" / "each model")."""
+        over "each key" / "each model"). Worked out once per key and model."""
+        known = self._limits.get((key_id, model))
+        if known is None:
+            known = self._limits[(key_id, model)] = self._choose(key_id, model)
+        return known
+
+    def _choose(self, key_id: int | None, model: str) -> list[tuple[RateLimitPolicy, str]]:
         out: list[tuple[RateLimitPolicy, str]] = []
 
         def best(candidates: list[tuple[int, RateLimitPolicy]]) -> RateLimitPolicy | None:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from secrets import token_hex
 from typing import Any
 
@@ -182,9 +182,17 @@ class InferenceClient:
         flat = [x for kv in request.fields().items() for x in kv]
         cap = q.tenant_cap(spec.max_queue_depth, spec.tenant_queue_share)
         suffix = q.stream_suffix(tenant, request.priority)
-        status, _detail = await self.scripts.script(
-            q.ENQUEUE_LUA, q.queue_keys(spec.name, suffix),
-            [spec.max_queue_depth, cap, tenant, suffix, *flat])
+        try:
+            status, _detail = await self.scripts.script(
+                q.ENQUEUE_LUA, q.queue_keys(spec.name, suffix),
+                [spec.max_queue_depth, cap, tenant, suffix, *flat])
+        except BaseException:
+            # The caller left (a client disconnect cancels its task) or Redis failed
+            # with the enqueue sent: it may be queued with no one waiting for it.
+            # Cancel it, or a worker runs the whole generation for nobody.
+            self._forget(rid)
+            self._in_background(self.cancel(spec.name, rid))
+            raise
         if status != 1:
             self._forget(rid)
             if idempotency_key is not None:
@@ -210,10 +218,20 @@ class InferenceClient:
                                                timeout_s=(deadline_ms - q.now_ms()) / 1000):
                     events.put_nowait(event)
 
-        task = asyncio.create_task(pump())
+        self._in_background(pump())
+        return handle
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` in a task of its own (kept until it ends; a failure is logged)."""
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                logger.warning("background queue operation failed", exc_info=True)
+
+        task = asyncio.create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return handle
 
     async def attach(self, tenant: str, rid: str) -> bool:
         """Mark a stream as resumed by a client; False if no such request exists."""

@@ -5,6 +5,7 @@ cancellation, bounds, idempotency, resume, heartbeats."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -172,6 +173,38 @@ def test_cancellation_stops_generation_and_bills_tokens_produced(
         assert len("".join(e.get("text", "") for e in events)) == produced
         await asyncio.sleep(0.2)
         assert not worker.active, "the worker stopped generating"
+
+    run(go, redis_url)
+
+
+def test_a_caller_that_leaves_while_its_enqueue_is_in_flight_leaves_nothing_running(
+        thread_worker: StartWorker, redis_url: str, rds: redis.Redis) -> None:
+    """A client that disconnects while its request is being enqueued cancels the task
+    calling submit() after the enqueue left for Redis: the request is queued with no
+    one waiting. It must be cancelled, not generated in full for nobody (and unbilled:
+    the gateway released the admission)."""
+    spec = echo(echo_token_delay_ms=20)  # 200 tokens: 4 s if it ran
+    worker = thread_worker(spec)
+
+    async def go(client: InferenceClient) -> None:
+        await client.start()
+        submitting = asyncio.create_task(
+            client.submit(spec, tenant="t", body=chat("z" * 200, stream=False)))
+        await asyncio.sleep(0)  # submit() ran up to awaiting its enqueue's reply
+        submitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submitting
+        finals: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 2
+        while not finals and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            for key in rds.scan_iter(q.out_key("t", "*")):
+                events = [json.loads(f[b"e"]) for _id, f in rds.xrange(key)]
+                finals += [e for e in events if e["t"] in q.FINAL_EVENTS]
+        assert finals, "the request was queued and must end within moments"
+        assert finals[0]["finish"] == "cancelled"
+        assert finals[0]["usage"]["completion_tokens"] < 50
+        assert not worker.active
 
     run(go, redis_url)
 

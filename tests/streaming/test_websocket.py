@@ -134,7 +134,9 @@ def test_cancel_frame_and_disconnect_stop_the_generation(org: Org, live: Live) -
             await asyncio.sleep(0.05)
         cancelled_in_time = not worker.active
         await ws.send_to(text_data=chat("gone", "v" * 300, model="slow-echo"))
-        await ws.receive_from(timeout=10)
+        # "long" may have sent more deltas before its cancel landed: wait for "gone"'s.
+        while json.loads(await ws.receive_from(timeout=10))["id"] != "gone":
+            pass
         await ws.disconnect()
         deadline = time.monotonic() + 10
         while worker.active and time.monotonic() < deadline:
