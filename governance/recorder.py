@@ -14,7 +14,7 @@ open reservations expire at their deadline. A flush that fails because Redis is 
 (restart, failover) is kept and retried with the next one, for up to RETRY_FOR_S or
 MAX_HELD_AUDIT audit events (then dropped, logged); never a call. A flush that Redis
 applied but whose reply was lost is harmless to retry: quota settlements are idempotent
-(a reservation is charged once), usage counts are added once per flush id, and audit
+(a reservation is charged once), usage counts are added once per flush number, and audit
 events carry their own id, which the audit writer stores once. Latency histograms and
 breaker outcomes would count twice (signals, not records).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -49,11 +50,11 @@ Write = tuple[str, list[str], list[Any]]
 
 @dataclass
 class _Pending:
-    # Names this flush's usage counts, which Redis adds once per name (usage.count).
-    id: str = field(default_factory=lambda: token_hex(8))
+    # This flush's number (in order, per recorder): Redis adds its usage counts once.
+    number: int
     writes: list[Write] = field(default_factory=list)
-    # (flush id, tenant, model, key prefix) -> [requests, prompt, completion]
-    usage: dict[tuple[str, str, str, str], list[int]] = field(default_factory=dict)
+    # (flush number, tenant, model, key prefix) -> [requests, prompt, completion]
+    usage: dict[tuple[int, str, str, str], list[int]] = field(default_factory=dict)
     latency: dict[tuple[str, str], dict[int, int]] = field(default_factory=dict)
     outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
         default_factory=dict)
@@ -64,7 +65,7 @@ class _Pending:
 
     def merge(self, later: _Pending) -> _Pending:
         """This (failed, older) flush followed by `later`, as one. The usage counts keep
-        their flush ids: the failed flush's may have been applied with only the reply
+        their flush numbers: the failed flush's may have been applied with only the reply
         lost, and are then skipped, while `later`'s still count."""
         self.writes += later.writes
         self.usage.update(later.usage)
@@ -82,7 +83,9 @@ class Recorder:
     def __init__(self, redis: Any, on_open: Callable[[str], None]) -> None:
         self.redis = redis
         self._on_open = on_open
-        self._pending = _Pending()
+        self.writer = token_hex(8)  # names this recorder's flushes in Redis (usage.count)
+        self._flushes = itertools.count()
+        self._pending = _Pending(next(self._flushes))
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -96,8 +99,8 @@ class Recorder:
 
     def count_usage(self, *, tenant: str, model: str, key_prefix: str, prompt: int,
                     completion: int) -> None:
-        row = self._pending.usage.setdefault((self._pending.id, tenant, model, key_prefix),
-                                             [0, 0, 0])
+        row = self._pending.usage.setdefault(
+            (self._pending.number, tenant, model, key_prefix), [0, 0, 0])
         row[0] += 1
         row[1] += prompt
         row[2] += completion
@@ -140,18 +143,18 @@ class Recorder:
             await self.flush()
 
     async def flush(self) -> None:
-        pending, self._pending = self._pending, _Pending()
+        pending, self._pending = self._pending, _Pending(next(self._flushes))
         if not pending:
             return
         batch = ScriptBatch(self.redis)
         pipe = batch.pipe
         for script, keys, args in pending.writes:
             batch.script(script, keys, args)
-        by_flush: dict[tuple[str, str], dict[tuple[str, str], list[int]]] = {}
-        for (flush, tenant, model, prefix), row in pending.usage.items():
-            by_flush.setdefault((flush, tenant), {})[(model, prefix)] = row
-        for (flush, tenant), rows in by_flush.items():
-            usage.count(batch, tenant=tenant, flush=flush, rows=rows)
+        by_flush: dict[tuple[int, str], dict[tuple[str, str], list[int]]] = {}
+        for (number, tenant, model, prefix), row in pending.usage.items():
+            by_flush.setdefault((number, tenant), {})[(model, prefix)] = row
+        for (number, tenant), rows in sorted(by_flush.items()):  # oldest flush first
+            usage.count(batch, tenant=tenant, writer=self.writer, flush=number, rows=rows)
         for (deployment, metric), histogram in pending.latency.items():
             signals.record_latencies(pipe, deployment, histogram, metric)
         for wire in pending.audit:

@@ -31,34 +31,40 @@ def usage_index_key(day: str) -> str:
     return f"sluice:usage:tenants:{day}"
 
 
-def applied_key(tenant: str, flush: str) -> str:
-    """Set once a flush's counts for `tenant` are added: a retried flush adds nothing."""
-    return f"sluice:{{{tenant}}}:usage:flush:{flush}"
+def applied_key(tenant: str, writer: str) -> str:
+    """The last flush of `writer` (one gateway process's recorder) whose counts for
+    `tenant` were added: flushes are numbered in order, so a retried one adds nothing."""
+    return f"sluice:{{{tenant}}}:usage:applied:{writer}"
 
 
 # Add one flush's counts for one tenant, once. KEYS: usage key, applied key.
-# ARGV: TTL of the counters, TTL of the applied mark, then field/increment pairs.
+# ARGV: TTL of the counters, TTL of the applied mark, the flush's number, then
+# field/increment pairs. A writer's flushes reach Redis in order (a failed one is
+# retried ahead of later ones), so a number at or below the mark was applied.
 COUNT_LUA = """
-if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then return 0 end
-for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if tonumber(ARGV[3]) <= tonumber(redis.call('GET', KEYS[2]) or '-1') then return 0 end
+redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2])
+for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
 """
-APPLIED_TTL_S = 3600  # far beyond how long a failed flush is retried
+# How long a writer's mark outlives its last flush: longer than a failed flush is retried
+# (recorder.RETRY_FOR_S). One small key per tenant and gateway process.
+APPLIED_TTL_S = 300
 
 
-def count(batch: ScriptBatch, *, tenant: str, flush: str,
+def count(batch: ScriptBatch, *, tenant: str, writer: str, flush: int,
           rows: dict[tuple[str, str], list[int]]) -> None:
     """Queue the adding of one flush's usage for a tenant on a ScriptBatch: `rows` maps
-    (model, key prefix) to [requests, prompt tokens, completion tokens]. `flush`
-    identifies the flush: the same one written twice (a retry after a reply was lost)
-    counts once."""
+    (model, key prefix) to [requests, prompt tokens, completion tokens]. `writer` and
+    `flush` (numbered in order per writer) identify the flush: the same one written
+    twice (a retry after a reply was lost) counts once."""
     day = datetime.now(UTC).date().isoformat()
-    args: list[Any] = [USAGE_TTL_S, APPLIED_TTL_S]
+    args: list[Any] = [USAGE_TTL_S, APPLIED_TTL_S, flush]
     for (model, key_prefix), (requests, prompt, completion) in rows.items():
         field = f"{model}|{key_prefix}|"
         args += [field + "r", requests, field + "p", prompt, field + "c", completion]
-    batch.script(COUNT_LUA, [usage_key(tenant, day), applied_key(tenant, flush)], args)
+    batch.script(COUNT_LUA, [usage_key(tenant, day), applied_key(tenant, writer)], args)
     # The day's tenant index is in no tenant's slot; adding to a set twice is harmless.
     batch.pipe.sadd(usage_index_key(day), tenant)
     batch.pipe.expire(usage_index_key(day), USAGE_TTL_S)

@@ -191,7 +191,7 @@ class InferenceClient:
             # with the enqueue sent: it may be queued with no one waiting for it.
             # Cancel it, or a worker runs the whole generation for nobody.
             self._forget(rid)
-            self._in_background(self.cancel(spec.name, rid))
+            self._in_background(self._abandon(spec.name, tenant, rid, idempotency_key))
             raise
         if status != 1:
             self._forget(rid)
@@ -204,6 +204,14 @@ class InferenceClient:
                               f"tenant (limit {cap}).", retry_after_s=1,
                               code="tenant_queue_full")
         return RequestHandle(self, spec, rid, tenant, deadline_ms, events)
+
+    async def _abandon(self, deployment: str, tenant: str, rid: str,
+                       idempotency_key: str | None) -> None:
+        """Cancel a request its caller no longer waits for; a retry with the same
+        idempotency key then runs afresh rather than replaying the cancellation."""
+        await self.cancel(deployment, rid)
+        if idempotency_key is not None:
+            await self.redis.delete(q.idem_key(tenant, idempotency_key))
 
     def _replaying(self, spec: DeploymentSpec, rid: str, tenant: str,
                    deadline_ms: int) -> RequestHandle:

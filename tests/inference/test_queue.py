@@ -182,15 +182,17 @@ def test_a_caller_that_leaves_while_its_enqueue_is_in_flight_leaves_nothing_runn
     """A client that disconnects while its request is being enqueued cancels the task
     calling submit() after the enqueue left for Redis: the request is queued with no
     one waiting. It must be cancelled, not generated in full for nobody (and unbilled:
-    the gateway released the admission)."""
+    the gateway released the admission), and its idempotency key freed."""
     spec = echo(echo_token_delay_ms=20)  # 200 tokens: 4 s if it ran
     worker = thread_worker(spec)
 
     async def go(client: InferenceClient) -> None:
         await client.start()
         submitting = asyncio.create_task(
-            client.submit(spec, tenant="t", body=chat("z" * 200, stream=False)))
-        await asyncio.sleep(0)  # submit() ran up to awaiting its enqueue's reply
+            client.submit(spec, tenant="t", body=chat("z" * 200, stream=False),
+                          idempotency_key="left"))
+        while not client.scripts._queued:  # until submit() handed over its enqueue
+            await asyncio.sleep(0)
         submitting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await submitting
@@ -205,6 +207,11 @@ def test_a_caller_that_leaves_while_its_enqueue_is_in_flight_leaves_nothing_runn
         assert finals[0]["finish"] == "cancelled"
         assert finals[0]["usage"]["completion_tokens"] < 50
         assert not worker.active
+        # A retry with the same idempotency key runs afresh: nothing replays the cancel.
+        retry = await client.submit(spec, tenant="t", body=chat("again", stream=False),
+                                    idempotency_key="left")
+        assert not retry.replayed
+        assert (await collect(retry)).text == "again"
 
     run(go, redis_url)
 
