@@ -121,7 +121,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         _say(f"error: {exc}")
         return 1
     finally:
-        group.stop()
+        # The servers first: their in-flight calls finish (each server's graceful
+        # timeout) while the workers, the audit writer and Celery still run.
+        group.stop(first=("http", "grpc"))
         for item in started:
             item.stop()
         _say("stopped")

@@ -1,5 +1,5 @@
 """Local process supervision: start named child processes, restart the ones that die
-(with a growing delay, giving up on a crash loop), stop them all together.
+(with a growing delay, giving up on a crash loop), stop them (servers first).
 
 Used by the run command (HTTP server, gRPC server, autoscaler, audit writer, Celery) and
 the benchmarks. Model workers are the autoscaler's own children (inference/supervisor.py).
@@ -94,9 +94,15 @@ class ProcessGroup:
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGTERM, self.request_stop)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0, *, first: Sequence[str] = ()) -> None:
+        """Stop every child: those named in `first` before the rest, and each stage
+        waited for. The run command stops its servers first, so that the calls they are
+        finishing still have workers and Redis writers behind them."""
         self._stopping.set()
-        terminate([child.proc for child in self.children.values()], timeout_s=timeout_s)
+        front = [c.proc for name, c in self.children.items() if name in first]
+        terminate(front, timeout_s=timeout_s)
+        terminate([c.proc for name, c in self.children.items() if name not in first],
+                  timeout_s=timeout_s)
 
 
 def terminate(procs: Sequence[subprocess.Popen[bytes]], *, timeout_s: float = 10.0) -> None:
