@@ -197,16 +197,7 @@ class Governor:
                 calls.append(scripts.script(
                     quota.RESERVE_LUA, quota.keys_for(tenant, quotas),
                     quota.reserve_args(adm.id, hold, quotas, adm.tokens)))
-            # Both are queued on the same pipeline already: awaiting them in turn costs
-            # no round trip more than asyncio.gather would, and less CPU.
-            try:
-                replies = [await call for call in calls]
-            finally:
-                for call in calls:  # a batch that failed failed both: the other's error
-                    if not call.done():  # is retrieved, and a cancelled wait cancels both
-                        call.cancel()
-                    elif not call.cancelled():
-                        call.exception()
+            replies = await asyncio.gather(*calls)
         except RedisError:
             if quotas:
                 # The reservation may have been made with only its reply lost: release
