@@ -53,8 +53,9 @@ class _Pending:
     # This flush's number (in order, per recorder): Redis adds its usage counts once.
     number: int
     writes: list[Write] = field(default_factory=list)
-    # (flush number, tenant, model, key prefix) -> [requests, prompt, completion]
-    usage: dict[tuple[int, str, str, str], list[int]] = field(default_factory=dict)
+    # (flush number, tenant) -> (model, key prefix) -> [requests, prompt, completion]
+    usage: dict[tuple[int, str], dict[tuple[str, str], list[int]]] = field(
+        default_factory=dict)
     latency: dict[tuple[str, str], dict[int, int]] = field(default_factory=dict)
     outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
         default_factory=dict)
@@ -99,8 +100,8 @@ class Recorder:
 
     def count_usage(self, *, tenant: str, model: str, key_prefix: str, prompt: int,
                     completion: int) -> None:
-        row = self._pending.usage.setdefault(
-            (self._pending.number, tenant, model, key_prefix), [0, 0, 0])
+        rows = self._pending.usage.setdefault((self._pending.number, tenant), {})
+        row = rows.setdefault((model, key_prefix), [0, 0, 0])
         row[0] += 1
         row[1] += prompt
         row[2] += completion
@@ -150,10 +151,7 @@ class Recorder:
         pipe = batch.pipe
         for script, keys, args in pending.writes:
             batch.script(script, keys, args)
-        by_flush: dict[tuple[int, str], dict[tuple[str, str], list[int]]] = {}
-        for (number, tenant, model, prefix), row in pending.usage.items():
-            by_flush.setdefault((number, tenant), {})[(model, prefix)] = row
-        for (number, tenant), rows in sorted(by_flush.items()):  # oldest flush first
+        for (number, tenant), rows in sorted(pending.usage.items()):  # oldest flush first
             usage.count(batch, tenant=tenant, writer=self.writer, flush=number, rows=rows)
         for (deployment, metric), histogram in pending.latency.items():
             signals.record_latencies(pipe, deployment, histogram, metric)
