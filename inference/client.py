@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Coroutine
 from secrets import token_hex
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 
 from inference import queue as q
@@ -137,7 +138,7 @@ class InferenceClient:
         for _key, entries in reply or []:
             for msg_id, fields in entries:
                 self._last_id = msg_id.decode()
-                for rid, event in json.loads(fields[b"b"]):
+                for rid, event in orjson.loads(fields[b"b"]):
                     waiting = self._waiting.get(rid)
                     if waiting is not None:
                         waiting.put_nowait(event)

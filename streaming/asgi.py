@@ -244,39 +244,46 @@ class LeanApp:
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
             (b"x-request-id", rid.encode()),
             *((k.encode(), v.encode()) for k, v in (headers or {}).items())]})
+        out = _KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
+        # A text delta is most of a stream: its chunk is the call's fixed part around
+        # the encoded text, not a dict encoded afresh per token.
+        event_id = b"id: " + rid.encode() + b":"
+        text_head = orjson.dumps(base)[:-1] + b',"choices":[{"index":0,"delta":{"content":'
+        text_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
         async def emit(seq: int | str, payload: Any) -> None:
-            data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"id: %s:%s\ndata: %s\n\n" % (rid.encode(), str(seq).encode(),
-                                                              data)})
+            await out.send(b"%s%s\ndata: %s\n\n" % (event_id, str(seq).encode(),
+                                                     orjson.dumps(payload)))
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
             return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                          "finish_reason": finish}]}
 
         parts: list[str] = []
-        if not replay:
-            await emit("start", chunk({"role": "assistant", "content": ""}))
-        async for event in _with_heartbeats(_prepend(first, events),
-                                            settings.SLUICE_SSE_HEARTBEAT_S):
-            if event is None:
-                # A comment line keeps proxies from closing a silent stream.
-                await send({"type": "http.response.body", "body": b": keep-alive\n\n",
-                            "more_body": True})
-            elif event["t"] == "delta" and event["text"]:
-                parts.append(event["text"])
-                await emit(event["seq"], chunk({"content": event["text"]}))
-            elif event["t"] == "error":
-                await emit(event["seq"], error_from_event(event).body())
-            elif event["t"] == "done":
-                if event.get("tool_calls"):
-                    calls = [{"index": i, **call}
-                             for i, call in enumerate(bodies.tool_calls(event["tool_calls"]))]
-                    await emit(event["seq"], chunk({"tool_calls": calls}))
-                await emit(event["seq"], chunk({}, bodies.finish_reason(event)))
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    await emit(event["seq"], {**base, "choices": [], "usage": bodies.usage(event)})
+        try:
+            if not replay:
+                await emit("start", chunk({"role": "assistant", "content": ""}))
+            event: dict[str, Any] | None = first
+            while event is not None:
+                if event["t"] == "delta" and event["text"]:
+                    parts.append(event["text"])
+                    await out.send(b"".join((event_id, b"%d" % event["seq"], b"\ndata: ",
+                                             text_head, orjson.dumps(event["text"]),
+                                             text_tail)))
+                elif event["t"] == "error":
+                    await emit(event["seq"], error_from_event(event).body())
+                elif event["t"] == "done":
+                    if event.get("tool_calls"):
+                        calls = [{"index": i, **call}
+                                 for i, call in enumerate(bodies.tool_calls(event["tool_calls"]))]
+                        await emit(event["seq"], chunk({"tool_calls": calls}))
+                    await emit(event["seq"], chunk({}, bodies.finish_reason(event)))
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        await emit(event["seq"],
+                                   {**base, "choices": [], "usage": bodies.usage(event)})
+                event = await anext(events, None)
+        finally:
+            await out.close()
         if before_done is not None:
             await before_done("".join(parts))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
@@ -298,29 +305,53 @@ def _parse_event_id(value: str | None) -> tuple[str, int] | None:
     return (rid, int(seq)) if seq.isdigit() else None
 
 
-async def _prepend(first: dict[str, Any],
-                   rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    yield first
-    async for event in rest:
-        yield event
+class _KeepAlive:
+    """Sends a stream's chunks, and an SSE comment line whenever `interval` passes with
+    nothing sent (proxies close a silent stream). One timer per stream, rearmed only
+    when it fires: a chunk costs a time stamp, not a timeout of its own."""
 
+    def __init__(self, send: Send, interval: float) -> None:
+        self._send, self._interval = send, interval
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._sending = False
+        self._beat: asyncio.Task[None] | None = None
+        self._timer = self._loop.call_later(interval, self._due)
 
-async def _with_heartbeats(events: AsyncIterator[dict[str, Any]],
-                           interval: float) -> AsyncIterator[dict[str, Any] | None]:
-    """The events, with None whenever `interval` passes without one. The pending read is
-    never cancelled (that would close the underlying generator)."""
-    pending = asyncio.ensure_future(anext(events))
-    try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield None
-                continue
-            try:
-                event = pending.result()
-            except StopAsyncIteration:
-                return
-            yield event
-            pending = asyncio.ensure_future(anext(events))
-    finally:
-        pending.cancel()
+    async def send(self, body: bytes) -> None:
+        if self._beat is not None:  # a keep-alive line is being sent: after it
+            await asyncio.shield(self._beat)
+        self._sending = True
+        try:
+            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+        finally:
+            self._sending = False
+            self._last = self._loop.time()
+
+    def _due(self) -> None:
+        idle = self._loop.time() - self._last
+        if idle < self._interval:
+            self._timer = self._loop.call_later(self._interval - idle, self._due)
+            return
+        # Idle, unless a chunk is still being sent (a slow reader): no line then.
+        if not self._sending and self._beat is None:
+            self._beat = asyncio.create_task(self._keep_alive())
+        self._timer = self._loop.call_later(self._interval, self._due)
+
+    async def _keep_alive(self) -> None:
+        try:
+            # A failed line means the client left: the stream's own next send says so.
+            with contextlib.suppress(Exception):
+                await self._send({"type": "http.response.body",
+                                  "body": b": keep-alive\n\n", "more_body": True})
+        finally:
+            self._last = self._loop.time()
+            self._beat = None
+
+    async def close(self) -> None:
+        """Stop the keep-alive lines (before the stream's last message)."""
+        self._timer.cancel()
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat

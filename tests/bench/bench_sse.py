@@ -6,7 +6,9 @@ that batches every stream at once and emits a token per stream every `--token-ms
 model's pace; the streams are idle in between). `--streams` clients (asyncio, raw
 sockets, opened over `--ramp` seconds) each stream `--tokens` tokens. Reported: streams
 that failed, the delay between consecutive tokens beyond the model's own pace
-(p50/p99), and the gateway's resident memory (all its processes) per open stream. The
+(p50/p99), the gateway's resident memory (all its processes) per open stream, and its
+CPU time per stream (its admission, its tokens, its end; the steadiest of the figures
+on a loaded two-core machine, where the delays swing run to run). The
 file limit is raised for this process and its children.
 
     .venv/bin/python tests/bench/bench_sse.py [--streams 10000] [--tokens 10]
@@ -30,7 +32,11 @@ import bench_http as bench
 from sluice.localinfra import free_port
 from sluice.processes import ProcessGroup
 from sluice.servers import DEFAULT, SERVERS, http_command
-from tests.procstat import tree_rss_mb
+from tests.procstat import cpu_seconds, process_tree, tree_rss_mb
+
+
+def _tree_cpu(pid: int) -> float:
+    return sum(cpu_seconds(p) for p in process_tree(pid))
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -73,6 +79,7 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
                + str(len(body)).encode() + b"\r\n\r\n" + body)
     arrivals: list[list[float]] = [[] for _ in range(args.streams)]
     before = tree_rss_mb(gateway_pid)
+    cpu_before = _tree_cpu(gateway_pid)
     tasks = []
     began = time.monotonic()
     for i in range(args.streams):
@@ -81,6 +88,7 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
                                 - time.monotonic()))
     peak = tree_rss_mb(gateway_pid)
     results = await asyncio.gather(*tasks)
+    cpu = _tree_cpu(gateway_pid) - cpu_before
     gaps = [(b - a) * 1000 - args.token_ms
             for times in arrivals for a, b in itertools.pairwise(times)]
     errors: dict[str, int] = {}
@@ -91,6 +99,7 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
             "added_p50_ms": percentile(gaps, 0.5), "added_p99_ms": percentile(gaps, 0.99),
             "rss_before_mb": before, "rss_open_mb": peak,
             "kb_per_stream": (peak - before) * 1024 / args.streams,
+            "cpu_ms_per_stream": cpu * 1000 / args.streams,
             "seconds": time.monotonic() - began}
 
 
@@ -143,11 +152,12 @@ def main() -> None:
         print(f"{args.streams} streams x {args.tokens} tokens at {args.token_ms} ms/token, "
               f"{args.server}, {args.gateways} gateway process(es), {args.workers} worker(s)")
         print(f"{'':18} {'failed':>7} {'added p50 ms':>13} {'added p99 ms':>13} "
-              f"{'KB/stream':>10}")
+              f"{'KB/stream':>10} {'CPU ms/stream':>14}")
         for label, result in results.items():
             errors = result["errors"]
             print(f"{label:18} {sum(errors.values()):7d} {result['added_p50_ms']:13.1f} "
-                  f"{result['added_p99_ms']:13.1f} {result['kb_per_stream']:10.0f}")
+                  f"{result['added_p99_ms']:13.1f} {result['kb_per_stream']:10.0f} "
+              f"{result['cpu_ms_per_stream']:14.2f}")
             if errors:
                 print(f"  {errors}")
         ours, floor = results["Sluice"], results["bare SSE fan-out"]
