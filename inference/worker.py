@@ -731,6 +731,7 @@ class Worker:
         # Events first, acks after: a crash in between leaves the entry pending, and the
         # next delivery resumes from (or just acknowledges) what was written.
         by_gateway: dict[str, list[str]] = {}
+        appends: dict[str, list[tuple[str, str, str]]] = {}  # tenant -> (stream, event, first)
         for req, event, data in encoded:
             if req.rid in finishing:
                 if req.rid not in owned:
@@ -741,11 +742,15 @@ class Worker:
                         continue
                     data = stored[req.rid]
             else:
-                out = q.out_key(req.tenant, req.rid)
-                pipe.xadd(out, {"e": data})
-                if event["seq"] == 0:
-                    pipe.expire(out, q.OUT_TTL_S)
+                appends.setdefault(req.tenant, []).append(
+                    (q.out_key(req.tenant, req.rid), data, "1" if event["seq"] == 0 else "0"))
             by_gateway.setdefault(req.gateway, []).append(q.gateway_item(req.rid, data))
+        for rows in appends.values():  # a tenant's streams share a cluster slot
+            for i in range(0, len(rows), q.EVENTS_PER_CALL):
+                chunk = rows[i:i + q.EVENTS_PER_CALL]
+                batch.script(q.EVENTS_LUA, [stream for stream, _e, _f in chunk],
+                             [q.OUT_TTL_S, *(x for _stream, event, first in chunk
+                                             for x in (event, first))])
         # One message per gateway per iteration carries every event of the step.
         for gateway, items in by_gateway.items():
             q.add_gateway_message(pipe, gateway, items)

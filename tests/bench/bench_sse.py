@@ -6,9 +6,10 @@ that batches every stream at once and emits a token per stream every `--token-ms
 model's pace; the streams are idle in between). `--streams` clients (asyncio, raw
 sockets, opened over `--ramp` seconds) each stream `--tokens` tokens. Reported: streams
 that failed, the delay between consecutive tokens beyond the model's own pace
-(p50/p99), the gateway's resident memory (all its processes) per open stream, and its
-CPU time per stream (its admission, its tokens, its end; the steadiest of the figures
-on a loaded two-core machine, where the delays swing run to run). The
+(p50/p99), the gateway's resident memory (all its processes) per open stream, and the
+gateway's and the workers' CPU time per stream (its admission, its tokens, its end; the
+steadiest of the figures on a loaded two-core machine, where the delays swing run to
+run). The
 file limit is raised for this process and its children.
 
     .venv/bin/python tests/bench/bench_sse.py [--streams 10000] [--tokens 10]
@@ -70,8 +71,8 @@ async def stream(port: int, request: bytes, tokens: list[float]) -> str | None:
         writer.close()
 
 
-async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
-                ) -> dict[str, Any]:
+async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int,
+                workers: tuple[int, ...] = ()) -> dict[str, Any]:
     body = (b'{"model": "sse-bench", "stream": true, "max_tokens": %d, "messages": '
             b'[{"role": "user", "content": "%s"}]}' % (args.tokens, b"s" * args.tokens))
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer "
@@ -80,6 +81,7 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
     arrivals: list[list[float]] = [[] for _ in range(args.streams)]
     before = tree_rss_mb(gateway_pid)
     cpu_before = _tree_cpu(gateway_pid)
+    worker_before = sum(map(_tree_cpu, workers))
     tasks = []
     began = time.monotonic()
     for i in range(args.streams):
@@ -89,6 +91,7 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
     peak = tree_rss_mb(gateway_pid)
     results = await asyncio.gather(*tasks)
     cpu = _tree_cpu(gateway_pid) - cpu_before
+    worker_cpu = sum(map(_tree_cpu, workers)) - worker_before
     gaps = [(b - a) * 1000 - args.token_ms
             for times in arrivals for a, b in itertools.pairwise(times)]
     errors: dict[str, int] = {}
@@ -100,6 +103,7 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int
             "rss_before_mb": before, "rss_open_mb": peak,
             "kb_per_stream": (peak - before) * 1024 / args.streams,
             "cpu_ms_per_stream": cpu * 1000 / args.streams,
+            "worker_cpu_ms_per_stream": worker_cpu * 1000 / args.streams,
             "seconds": time.monotonic() - began}
 
 
@@ -144,20 +148,22 @@ def main() -> None:
         gateway = group.start("sluice", http_command(args.server, "sluice.asgi:application",
                                                      host="127.0.0.1", port=port,
                                                      workers=args.gateways))
-        for i in range(args.workers):
+        workers = tuple(
             group.start(f"worker-{i}", [sys.executable, str(bench.REPO / "manage.py"),
-                                        "runworker", "--deployment", "sse-bench"])
+                                        "runworker", "--deployment", "sse-bench"]).proc.pid
+            for i in range(args.workers))
         bench.wait_http(f"http://127.0.0.1:{port}/healthz")
-        results["Sluice"] = asyncio.run(drive(port, key, args, gateway.proc.pid))
+        results["Sluice"] = asyncio.run(drive(port, key, args, gateway.proc.pid, workers))
         print(f"{args.streams} streams x {args.tokens} tokens at {args.token_ms} ms/token, "
               f"{args.server}, {args.gateways} gateway process(es), {args.workers} worker(s)")
         print(f"{'':18} {'failed':>7} {'added p50 ms':>13} {'added p99 ms':>13} "
-              f"{'KB/stream':>10} {'CPU ms/stream':>14}")
+              f"{'KB/stream':>10} {'CPU ms/stream':>14} {'worker CPU ms/stream':>21}")
         for label, result in results.items():
             errors = result["errors"]
             print(f"{label:18} {sum(errors.values()):7d} {result['added_p50_ms']:13.1f} "
                   f"{result['added_p99_ms']:13.1f} {result['kb_per_stream']:10.0f} "
-              f"{result['cpu_ms_per_stream']:14.2f}")
+              f"{result['cpu_ms_per_stream']:14.2f} "
+              f"{result['worker_cpu_ms_per_stream']:21.2f}")
             if errors:
                 print(f"  {errors}")
         ours, floor = results["Sluice"], results["bare SSE fan-out"]

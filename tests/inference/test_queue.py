@@ -279,6 +279,32 @@ def test_a_non_streamed_reply_comes_in_one_piece_a_streamed_one_token_by_token(
     run(go, redis_url)
 
 
+def test_a_steps_events_reach_every_requests_stream_in_order(
+        thread_worker: StartWorker, redis_url: str, rds: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's events are appended per tenant in calls of at most EVENTS_PER_CALL: with
+    a bound of 2, one batch of three tenants' requests spans several calls each."""
+    monkeypatch.setattr(q, "EVENTS_PER_CALL", 2)
+    spec = echo(max_batch_size=16, max_wait_ms=200)
+    thread_worker(spec)
+    words = ["héllo wörld", "ünïcode ✓", "abc"]
+
+    async def go(client: InferenceClient) -> None:
+        handles = [await client.submit(spec, tenant=f"t{i % 3}",
+                                       body=chat(words[i % 3], stream=True))
+                   for i in range(9)]
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        for i, (handle, result) in enumerate(zip(handles, results, strict=True)):
+            assert result.text == words[i % 3]
+            assert [e["seq"] for e in result.events] == list(range(len(result.events)))
+            stored = [e async for e in client.replay(handle.tenant, handle.rid,
+                                                     after_seq=-1)]
+            assert stored == result.events
+            assert 0 < rds.ttl(q.out_key(handle.tenant, handle.rid)) <= q.OUT_TTL_S
+
+    run(go, redis_url)
+
+
 def test_resume_from_an_offset_gives_the_identical_rest(thread_worker: StartWorker,
                                                         redis_url: str) -> None:
     spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=4)
