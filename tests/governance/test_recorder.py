@@ -1,15 +1,14 @@
 """The governance recorder's flushes when Redis applies a write but the reply never
 arrives: the flush is retried, and what it carried counts once.
 
-Between the recorder and the real Redis sits a TCP relay of this test's that, when told,
-passes a request on, waits for Redis' whole reply (so the writes are applied) and then
-cuts the client's connection instead of delivering it: what a Redis restart or a
-network failure after the write looks like from the gateway."""
+Between the recorder and the real Redis sits a TCP relay (tests/replycutter.py) that,
+when told, passes a request on, waits for Redis' whole reply (so the writes are applied)
+and then cuts the client's connection instead of delivering it: what a Redis restart or
+a network failure after the write looks like from the gateway."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
@@ -24,61 +23,9 @@ from governance.recorder import Recorder
 from sluice.redis import reconnecting
 from tenants.roles import Role
 from tests.conftest import make_org, principal_for
+from tests.replycutter import ReplyCutter
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class ReplyCutter:
-    """A loopback relay to Redis. While `cut` is set, the next request is relayed, its
-    reply read from Redis in full, and the client's connection closed unanswered."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self.cut = False
-        self.cuts = 0
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-        cutting = False
-
-        async def upward() -> None:
-            nonlocal cutting
-            while data := await reader.read(65536):
-                cutting = cutting or self.cut
-                up_writer.write(data)
-                await up_writer.drain()
-
-        async def downward() -> None:
-            while data := await up_reader.read(65536):
-                if cutting:
-                    # Let Redis finish answering (every command of the request runs),
-                    # then close the client's connection with the reply unsent.
-                    with contextlib.suppress(TimeoutError):
-                        while await asyncio.wait_for(up_reader.read(65536), 0.3):
-                            pass
-                    self.cut = False
-                    self.cuts += 1
-                    return
-                writer.write(data)
-                await writer.drain()
-
-        pumps = [asyncio.create_task(upward()), asyncio.create_task(downward())]
-        try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for pump in pumps:
-                pump.cancel()
-            writer.close()
-            up_writer.close()
 
 
 def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once() -> None:

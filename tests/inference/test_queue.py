@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -19,6 +20,7 @@ from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker, heartbeats
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
 from tests.inference.conftest import Result, chat, collect, run, unique
+from tests.replycutter import ReplyCutter
 
 StartWorker = Callable[..., Worker]
 
@@ -214,6 +216,52 @@ def test_a_caller_that_leaves_while_its_enqueue_is_in_flight_leaves_nothing_runn
         assert (await collect(retry)).text == "again"
 
     run(go, redis_url)
+
+
+def test_an_enqueue_whose_reply_is_lost_fails_retriably_and_leaves_nothing_running(
+        thread_worker: StartWorker, redis_url: str, rds: redis.Redis) -> None:
+    """Redis applies the enqueue and the reply is lost with the connection. The gateway's
+    pool does not send it again (no retries: a repeat could queue it twice); the caller
+    gets a RedisError (the adapters answer 503, retriable) and the request Redis did
+    queue is cancelled, not generated for nobody. Its idempotency key is freed."""
+    spec = echo(echo_token_delay_ms=20)  # 200 tokens: 4 s if it ran
+    rds.script_load(q.ENQUEUE_LUA)  # so the cut call is the enqueue itself (no NOSCRIPT)
+    url = urlsplit(redis_url)
+
+    async def scenario() -> list[dict[str, Any]]:
+        cutter = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379,
+                             match=b"EVALSHA")
+        port = await cutter.start()
+        client = InferenceClient(f"redis://127.0.0.1:{port}/{url.path[1:] or 0}")
+        await client.start()
+        try:
+            cutter.cut = True
+            with pytest.raises(redis.RedisError):
+                await client.submit(spec, tenant="t", body=chat("z" * 200, stream=False),
+                                    idempotency_key="lost")
+            assert cutter.cuts == 1
+            queued = rds.xrange(q.stream_key(spec.name, q.stream_suffix("t", 0)))
+            assert len(queued) == 1, "Redis applied the enqueue once"
+            rid = queued[0][1][b"rid"].decode()
+            thread_worker(spec)
+            deadline = time.monotonic() + 5
+            events: list[dict[str, Any]] = []
+            while time.monotonic() < deadline and not any(
+                    e["t"] in q.FINAL_EVENTS for e in events):
+                await asyncio.sleep(0.05)
+                events = [json.loads(f[b"e"]) for _id, f in rds.xrange(q.out_key("t", rid))]
+            assert rds.get(q.idem_key("t", "lost")) is None
+            retry = await client.submit(spec, tenant="t", body=chat("again", stream=False),
+                                        idempotency_key="lost")
+            assert (await collect(retry)).text == "again"
+            return events
+        finally:
+            await client.close()
+            await cutter.close()
+
+    events = asyncio.run(scenario())
+    assert events and events[-1]["t"] == "done" and events[-1]["finish"] == "cancelled"
+    assert events[-1]["usage"]["completion_tokens"] < 50
 
 
 def test_queue_is_bounded_and_tenant_share_is_enforced(redis_url: str,
