@@ -38,6 +38,7 @@ from redis import exceptions as redis_errors
 
 from governance.models import AuditChain, AuditEvent
 from governance.redaction import redact
+from sluice import wirejson
 from sluice.redis import sync_redis
 
 logger = logging.getLogger("sluice.audit")
@@ -105,7 +106,7 @@ def new_source() -> str:
 
 
 def to_wire(event: dict[str, Any]) -> str:
-    return json.dumps({**event, "at": event["at"].isoformat()}, default=str)
+    return wirejson.dumps({**event, "at": event["at"].isoformat()}, default=str)
 
 
 def from_wire(raw: bytes | str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
+from sluice import wirejson
 
 GROUP = "workers"
 OUT_TTL_S = 600  # how long a finished generation can still be resumed
@@ -141,7 +141,7 @@ class QueuedRequest:
 
     def fields(self) -> dict[str, str]:
         return {"rid": self.rid, "tenant": self.tenant, "kind": self.kind,
-                "body": json.dumps(self.body), "gw": self.gateway,
+                "body": wirejson.dumps(self.body), "gw": self.gateway,
                 "deadline": str(self.deadline_ms), "prio": str(self.priority),
                 "tp": self.traceparent, "enq": str(self.enqueued_ms)}
 
@@ -270,7 +270,7 @@ FINAL_EVENTS = ("done", "error")  # the event types that end a request
 
 def encode_event(event: dict[str, Any]) -> str:
     """Compact JSON (what FINAL_LUA looks for: `"t":"done"`), UTF-8 as it is."""
-    return orjson.dumps(event).decode()
+    return wirejson.dumps(event)
 
 
 def gateway_item(rid: str, data: str) -> str:
