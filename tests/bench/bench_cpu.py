@@ -98,7 +98,7 @@ def main() -> None:
                 for share, frame in top_frames(raw):
                     print(f"  {share:6.1%}  {frame[:110]}")
     finally:
-        group.stop()
+        group.stop(first=bench.FRONT)
         if private:
             private.stop()
 

@@ -26,7 +26,13 @@ from sluice.processes import ProcessGroup  # noqa: E402
 from sluice.servers import DEFAULT, http_command  # noqa: E402
 from streaming.protos import inference_pb2 as pb  # noqa: E402
 from streaming.protos import inference_pb2_grpc as pb_grpc  # noqa: E402
-from tests.bench.bench_http import bench_env, seed_demo, start_sluice, wait_http  # noqa: E402
+from tests.bench.bench_http import (  # noqa: E402
+    FRONT,
+    bench_env,
+    seed_demo,
+    start_sluice,
+    wait_http,
+)
 
 BODY = {"model": "echo", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -106,7 +112,7 @@ def main() -> None:
                   f"{row['errors']:7.0f}")
         print(f"ratio: gRPC / REST = {g['rps'] / r['rps']:.2f}x (goal >= 1.5x)")
     finally:
-        group.stop()
+        group.stop(first=FRONT)
         if private:
             private.stop()
         shutil.rmtree(state, ignore_errors=True)

@@ -114,6 +114,12 @@ def govern_demo(env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-c", policies], cwd=REPO, env=env, check=True)
 
 
+# Stopped before the rest (ProcessGroup.stop(first=...)), as the run command does: the
+# calls a load generator left in flight finish instead of waiting on a stopped worker
+# (and the gateway logging their cancellation at its graceful timeout).
+FRONT = ("sluice", "grpc")
+
+
 def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
                  output: Path | None = None) -> None:
     """The gateway (`http`: its server command), an echo worker, and the audit writer;
@@ -175,7 +181,7 @@ def main() -> None:
         full = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", args.connections,
                    args.seconds, str(script))
         govern_demo(env)
-        group.stop()  # a fresh process: no cached "no policies" for the demo tenant
+        group.stop(first=FRONT)  # a fresh process: no cached "no policies" for the demo
         group = ProcessGroup(env)
         start_sluice(group, sluice)
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
@@ -201,7 +207,7 @@ def main() -> None:
         print(f"added p50 at one connection (governed pipeline, echo worker included): "
               f"{governed_one['p50'] - bare_one['p50']:.2f} ms")
     finally:
-        group.stop()
+        group.stop(first=FRONT)
         if private:
             private.stop()
         shutil.rmtree(state, ignore_errors=True)

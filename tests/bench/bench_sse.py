@@ -172,7 +172,7 @@ def main() -> None:
               f"{ours['added_p99_ms'] - floor['added_p99_ms']:.1f} ms "
               f"(goal: p99 <= 50 ms)")
     finally:
-        group.stop()
+        group.stop(first=bench.FRONT)
         if private:
             private.stop()
 
