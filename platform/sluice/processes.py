@@ -3,18 +3,44 @@
 
 Used by the run command (HTTP server, gRPC server, autoscaler, audit writer, Celery) and
 the benchmarks. Model workers are the autoscaler's own children (inference/supervisor.py).
+
+Each child runs in a process group of its own, so a terminal's Ctrl-C (SIGINT to the
+foreground group) or hang-up reaches only the supervisor, which then stops the children
+in stages; on Linux each child also gets SIGTERM if the supervisor dies without that
+(killed), instead of living on with its ports.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """For Popen's preexec_fn (in the child, before exec; nothing there may import or
+    lock): SIGTERM when `parent` dies, and exit at once if it already has. Linux sends
+    it when the thread that started the child ends: groups are run from the main one."""
+    if _prctl is None:
+        return None
+    prctl = _prctl
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
 
 
 @dataclass
@@ -38,8 +64,10 @@ class ProcessGroup:
         given, else to ours."""
         sink = output.open("ab") if output is not None else None
         try:
-            proc = subprocess.Popen(list(argv), env=self.env,  # noqa: S603 - our commands
-                                    stdout=sink, stderr=subprocess.STDOUT if sink else None)
+            proc = subprocess.Popen(  # noqa: S603 - our commands
+                list(argv), env=self.env, stdout=sink,
+                stderr=subprocess.STDOUT if sink else None,
+                process_group=0, preexec_fn=_die_with(os.getpid()))
         finally:
             if sink is not None:
                 sink.close()  # the child holds its own descriptor
@@ -91,8 +119,8 @@ class ProcessGroup:
         self._stopping.set()
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGINT, self.request_stop)
-        signal.signal(signal.SIGTERM, self.request_stop)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self.request_stop)
 
     def stop(self, timeout_s: float = 10.0, *, first: Sequence[str] = ()) -> None:
         """Stop every child: those named in `first` before the rest, and each stage
