@@ -42,3 +42,9 @@ def cpu_seconds(pid: int) -> float:
     except FileNotFoundError:
         return 0.0
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU of `pid` and its descendants, in seconds."""
+    return sum(cpu_seconds(member) for member in process_tree(pid))
+

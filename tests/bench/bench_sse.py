@@ -9,8 +9,7 @@ that failed, the delay between consecutive tokens beyond the model's own pace
 (p50/p99), the gateway's resident memory (all its processes) per open stream, and the
 gateway's and the workers' CPU time per stream (its admission, its tokens, its end; the
 steadiest of the figures on a loaded two-core machine, where the delays swing run to
-run). The
-file limit is raised for this process and its children.
+run). The file limit is raised for this process and its children.
 
     .venv/bin/python tests/bench/bench_sse.py [--streams 10000] [--tokens 10]
         [--token-ms 1000] [--ramp 10] [--server uvicorn|granian|daphne] [--workers 1]
@@ -33,11 +32,11 @@ import bench_http as bench
 from sluice.localinfra import free_port
 from sluice.processes import ProcessGroup
 from sluice.servers import DEFAULT, SERVERS, http_command
-from tests.procstat import cpu_seconds, process_tree, tree_rss_mb
+from tests.procstat import tree_cpu_seconds, tree_rss_mb
 
 
-def _tree_cpu(pid: int) -> float:
-    return sum(cpu_seconds(p) for p in process_tree(pid))
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -80,8 +79,8 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int,
                + str(len(body)).encode() + b"\r\n\r\n" + body)
     arrivals: list[list[float]] = [[] for _ in range(args.streams)]
     before = tree_rss_mb(gateway_pid)
-    cpu_before = _tree_cpu(gateway_pid)
-    worker_before = sum(map(_tree_cpu, workers))
+    cpu_before = tree_cpu_seconds(gateway_pid)
+    worker_before = sum(map(tree_cpu_seconds, workers))
     tasks = []
     began = time.monotonic()
     for i in range(args.streams):
@@ -90,8 +89,8 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int,
                                 - time.monotonic()))
     peak = tree_rss_mb(gateway_pid)
     results = await asyncio.gather(*tasks)
-    cpu = _tree_cpu(gateway_pid) - cpu_before
-    worker_cpu = sum(map(_tree_cpu, workers)) - worker_before
+    cpu = tree_cpu_seconds(gateway_pid) - cpu_before
+    worker_cpu = sum(map(tree_cpu_seconds, workers)) - worker_before
     gaps = [(b - a) * 1000 - args.token_ms
             for times in arrivals for a, b in itertools.pairwise(times)]
     errors: dict[str, int] = {}
@@ -103,7 +102,7 @@ async def drive(port: int, key: str, args: argparse.Namespace, gateway_pid: int,
             "rss_before_mb": before, "rss_open_mb": peak,
             "kb_per_stream": (peak - before) * 1024 / args.streams,
             "cpu_ms_per_stream": cpu * 1000 / args.streams,
-            "worker_cpu_ms_per_stream": worker_cpu * 1000 / args.streams,
+            "worker_cpu_ms_per_stream": worker_cpu * 1000 / args.streams if workers else None,
             "seconds": time.monotonic() - began}
 
 
@@ -163,7 +162,7 @@ def main() -> None:
             print(f"{label:18} {sum(errors.values()):7d} {result['added_p50_ms']:13.1f} "
                   f"{result['added_p99_ms']:13.1f} {result['kb_per_stream']:10.0f} "
               f"{result['cpu_ms_per_stream']:14.2f} "
-              f"{result['worker_cpu_ms_per_stream']:21.2f}")
+              f"{_ms(result['worker_cpu_ms_per_stream']):>21}")
             if errors:
                 print(f"  {errors}")
         ours, floor = results["Sluice"], results["bare SSE fan-out"]
