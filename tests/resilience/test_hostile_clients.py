@@ -237,7 +237,12 @@ def test_consumers_that_never_read_do_not_hold_up_others(live: Live, dev: Org) -
             sock.close()
     print(f"50 never-reading consumers: other calls p50 "
           f"{statistics.median(during) * 1000:.1f} ms, +{grown:.1f} MB")
-    assert max(during) < 2.0, during
+    # The bystander waits for one of the echo worker's 8 batch slots, which the 50
+    # streams of 300 tokens hold in turn: a median of 0.4-0.9 s here, single calls up to
+    # 2.2 s on a loaded two-core CI machine. A server held up by the stalled sockets
+    # would not answer it at all while they stay open.
+    assert statistics.median(during) < 2.0, during
+    assert max(during) < 5.0, during
     assert grown < 100
     # And they are let go: the server notices the closed sockets and stops generating.
     worker = live.workers["echo"]
