@@ -244,12 +244,7 @@ def test_an_enqueue_whose_reply_is_lost_fails_retriably_and_leaves_nothing_runni
             assert len(queued) == 1, "Redis applied the enqueue once"
             rid = queued[0][1][b"rid"].decode()
             thread_worker(spec)
-            deadline = time.monotonic() + 5
-            events: list[dict[str, Any]] = []
-            while time.monotonic() < deadline and not any(
-                    e["t"] in q.FINAL_EVENTS for e in events):
-                await asyncio.sleep(0.05)
-                events = [json.loads(f[b"e"]) for _id, f in rds.xrange(q.out_key("t", rid))]
+            events = [e async for e in client.replay("t", rid, timeout_s=5)]
             assert rds.get(q.idem_key("t", "lost")) is None
             retry = await client.submit(spec, tenant="t", body=chat("again", stream=False),
                                         idempotency_key="lost")
