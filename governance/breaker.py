@@ -183,6 +183,13 @@ def keys(deployment: str) -> list[str]:
     return [deployment_key(deployment, name) for name in ("br", "brw", "brt", "brp")]
 
 
+async def is_closed(redis: Any, deployment: str) -> bool:
+    """The shared state alone, read without taking a probe slot (gateways keep it for a
+    moment; only a breaker not closed needs ADMIT_LUA's per-call verdict)."""
+    state = await redis.hget(keys(deployment)[0], "state")
+    return state is None or (state.decode() if isinstance(state, bytes) else state) == State.CLOSED
+
+
 def admit_args(probe_id: str, policy: BreakerPolicy) -> list[Any]:
     return [probe_id, repr(policy.open_wait_s), policy.half_open_probes,
             repr(policy.probe_timeout_s)]

@@ -34,9 +34,10 @@ if not now then
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 local force = ARGV[1] == 'force'
-local levels, wait, denied = {}, 0, false
+local rates, caps, costs, levels, wait, denied = {}, {}, {}, {}, 0, false
 for i, key in ipairs(KEYS) do
   local rate, cap, cost = tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
+  rates[i], caps[i], costs[i] = rate, cap, cost
   local h = redis.call('HMGET', key, 'v', 't')
   local level = cap
   if h[1] then
@@ -50,12 +51,12 @@ for i, key in ipairs(KEYS) do
   end
 end
 local out = {denied and 0 or 1, math.ceil(wait * 1000)}
+local stamp = tostring(now)  -- number-to-string is the dearest step here: once a call
 for i, key in ipairs(KEYS) do
-  local rate, cap, cost = tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
-  local level = levels[i]
+  local rate, cap, level = rates[i], caps[i], levels[i]
   if not denied then
-    level = math.min(cap, level - cost)
-    redis.call('HSET', key, 'v', tostring(level), 't', tostring(now))
+    level = math.min(cap, level - costs[i])
+    redis.call('HSET', key, 'v', tostring(level), 't', stamp)
     redis.call('PEXPIRE', key, math.ceil((cap - level) / rate * 1000) + 1000)
   end
   out[#out + 1] = math.floor(level)

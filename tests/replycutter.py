@@ -11,14 +11,19 @@ import contextlib
 class ReplyCutter:
     """A loopback relay to Redis. While `cut` is set, the next request (with `match`,
     the next that contains it) is relayed, its reply read from Redis in full, and the
-    client's connection closed unanswered."""
+    client's connection closed unanswered. `commands(name)`: how many of a command
+    the clients sent through it."""
 
     def __init__(self, host: str, port: int, match: bytes | None = None) -> None:
         self.target = (host, port)
         self.match = match
         self.cut = False
         self.cuts = 0
+        self.sent = bytearray()  # every byte the clients sent, to count commands in
         self.server: asyncio.Server | None = None
+
+    def commands(self, name: bytes) -> int:
+        return self.sent.count(b"\r\n" + name + b"\r\n")
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -35,6 +40,7 @@ class ReplyCutter:
         async def upward() -> None:
             nonlocal cutting
             while data := await reader.read(65536):
+                self.sent += data
                 cutting = cutting or (self.cut and (self.match is None or self.match in data))
                 up_writer.write(data)
                 await up_writer.drain()

@@ -38,5 +38,9 @@ class AsyncTTLCache(Generic[K, V]):
         self._entries[key] = (now + ttl_s, value)
         return value
 
+    def discard(self, key: K) -> None:
+        """Forget one entry (a load in flight still completes for its waiters)."""
+        self._entries.pop(key, None)
+
     def clear(self) -> None:
         self._entries.clear()

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import bench_http as bench
+import redis
 
 from sluice.localinfra import free_port
 from sluice.processes import ProcessGroup
@@ -37,6 +38,17 @@ def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
         own[stack.rsplit(";", 1)[-1]] += int(count)
     total = sum(own.values()) or 1
     return [(count / total, frame) for frame, count in own.most_common(n)]
+
+
+def print_commandstats(info: dict[str, dict[str, float]], served: float) -> None:
+    """Redis's own count of commands (a script call's inner commands included, as
+    Redis counts them) per request, and Redis's time in each per request."""
+    rows = sorted(((name.removeprefix("cmdstat_"), row["calls"] / served,
+                    row["usec"] / served) for name, row in info.items()),
+                  key=lambda r: -r[2])
+    print(f"\n{'redis command':22} {'per request':>11} {'µs/request':>11}")
+    for name, calls, usec in rows[:14]:
+        print(f"{name:22} {calls:11.2f} {usec:11.1f}")
 
 
 def main() -> None:
@@ -73,6 +85,8 @@ def main() -> None:
              "-o", str(Path(state) / f"{name}.raw"), "-p", str(group.children[name].proc.pid)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name in (group.children if profile else ())}
+        stats = redis.Redis.from_url(env["REDIS_URL"])
+        stats.config_resetstat()
         before = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
         began = time.monotonic()
         result = bench.wrk(url, args.connections, args.seconds, str(script))
@@ -89,6 +103,7 @@ def main() -> None:
             total += used
             print(f"{name:12} {used:7.2f} {used / served * 1e6:11.0f} {used / wall:10.0%}")
         print(f"{'all':12} {total:7.2f} {total / served * 1e6:11.0f} {total / wall:10.0%}")
+        print_commandstats(stats.info("commandstats"), served)
         for name, spy in spies.items():
             spy.wait(30)
             raw = Path(state) / f"{name}.raw"

@@ -289,6 +289,57 @@ def test_open_breaker_refuses_then_a_probe_closes_it(live: Live, org: Org) -> No
     client.chat.completions.create(**chat_body())
 
 
+def test_concurrent_calls_share_one_read_of_a_closed_breaker(live: Live, org: Org) -> None:
+    """At a burst, one read of a closed breaker serves every call (a read per call had
+    been a quarter of the script calls at 64 connections); a breaker that is not closed
+    still gives each call its own verdict."""
+    from governance import breaker
+    from governance.breaker import Outcome
+    from inference.spec import RuntimeName
+    from tests.replycutter import ReplyCutter
+    spec = DeploymentSpec(f"breaker-{time.monotonic_ns()}", RuntimeName.ECHO)
+    principal = principal_for(org.members[Role.DEVELOPER])
+    r = redis.Redis.from_url(settings.REDIS_URL)
+    url = r.connection_pool.connection_kwargs
+
+    async def scenario() -> tuple[int, int, int, list[str]]:
+        relay = ReplyCutter(url.get("host", "127.0.0.1"), int(url.get("port", 6379)))
+        port = await relay.start()
+        client = InferenceClient(f"redis://127.0.0.1:{port}/{url.get('db', 0)}")
+        governor = Governor(client)
+
+        async def admit() -> str:
+            try:
+                adm = await governor.admit(principal, spec, tokens=10)
+            except Unavailable as refused:
+                return refused.code or ""
+            await adm.release()
+            return "admitted"
+
+        try:
+            closed = await asyncio.gather(*[admit() for _ in range(50)])
+            reads = relay.commands(b"HGET")
+            admits = relay.commands(b"EVALSHA") + relay.commands(b"EVAL")
+            r.eval(breaker.RECORD_LUA, 4, *breaker.keys(spec.name),
+                   *breaker.record_args("", [(Outcome.FAILURE, 10)],
+                                        BreakerPolicy(min_calls=1, window_size=1)))
+            await asyncio.sleep(0.25)  # the state read above expires
+            before = relay.commands(b"EVALSHA")
+            opened = await asyncio.gather(*[admit() for _ in range(20)])
+            return reads, admits, relay.commands(b"EVALSHA") - before, closed + opened
+        finally:
+            await governor.close()
+            await client.close()
+            await relay.close()
+            r.delete(*breaker.keys(spec.name))
+
+    reads, admits, open_verdicts, outcomes = asyncio.run(scenario())
+    assert outcomes[:50] == ["admitted"] * 50
+    assert (reads, admits) == (1, 0), "50 concurrent calls share one read of the state"
+    assert outcomes[50:] == ["circuit_open"] * 20
+    assert open_verdicts == 20, "an open breaker gives each call its own verdict"
+
+
 def _rotation(name: str) -> list[bool]:
     client = redis.Redis.from_url(settings.REDIS_URL)
     from inference.worker import heartbeats
