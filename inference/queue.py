@@ -184,39 +184,61 @@ redis.call('INCR', KEYS[4])
 return {1, redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))}
 """
 
-# Acknowledge a finished entry and release its counts, atomically with enqueue.
-# KEYS as enqueue; ARGV: tenant, suffix, entry id. An emptied stream stays (at count 0)
-# so that idle workers keep blocking on it: a tenant's next request wakes them at once.
-ACK_LUA = """
-if redis.call('XACK', KEYS[1], 'workers', ARGV[3]) == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[3])
-redis.call('DECR', KEYS[4])
-redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
-if redis.call('HINCRBY', KEYS[3], ARGV[1], -1) <= 0 then
-  redis.call('HDEL', KEYS[3], ARGV[1])
+# Acknowledge a step's finished entries and release their counts, atomically with
+# enqueue; each request leaves the cancel set. An emptied stream stays (at count 0) so
+# that idle workers keep blocking on it: a tenant's next request wakes them at once.
+# KEYS: streams hash, tenants hash, depth, cancel set, then each entry's stream.
+# ARGV: per entry its tenant, stream suffix, entry id, request id. Returns how many
+# entries were still pending (an entry acknowledged before is left alone).
+ACKS_LUA = """
+local acked = 0
+for i = 5, #KEYS do
+  local a = (i - 5) * 4
+  redis.call('SREM', KEYS[4], ARGV[a + 4])
+  if redis.call('XACK', KEYS[i], 'workers', ARGV[a + 3]) == 1 then
+    redis.call('XDEL', KEYS[i], ARGV[a + 3])
+    redis.call('DECR', KEYS[3])
+    redis.call('HINCRBY', KEYS[1], ARGV[a + 2], -1)
+    if redis.call('HINCRBY', KEYS[2], ARGV[a + 1], -1) <= 0 then
+      redis.call('HDEL', KEYS[2], ARGV[a + 1])
+    end
+    acked = acked + 1
+  end
 end
-return 1
+return acked
 """
 
-# A request's last events, written once: the first worker to set `done` appends its final
-# event (and the events of the same step before it) to the request's stream, in the same
-# script, so a worker killed mid-write never leaves `done` set without a final event.
-# KEYS: done key, out key. ARGV: worker id, TTL seconds, encoded events (final last).
-# Returns 1 when this worker wrote them; when the request was already finished, the final
-# event that was stored (its worker may have died before telling the gateway), or 0.
-FINAL_LUA = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
-  for _, entry in ipairs(redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 64)) do
-    local e = entry[2][2]
-    if string.find(e, '"t":"done"', 1, true) or string.find(e, '"t":"error"', 1, true) then
-      return e
+# Requests' last events, written once: the first worker to set a request's `done`
+# appends its final event (and the events of the same step before it) to the request's
+# stream, in the same script, so a worker killed mid-write never leaves `done` set
+# without a final event. One call per tenant and step (a tenant's keys share a slot).
+# KEYS: per request its done key and out key. ARGV: worker id, TTL seconds, then per
+# request the number of its events and the encoded events (final last).
+# Returns per request 1 when this worker wrote them; when the request was already
+# finished, the final event that was stored (its worker may have died before telling
+# the gateway), or 0.
+FINALS_LUA = """
+local a, out = 3, {}
+for q = 1, #KEYS, 2 do
+  local n = tonumber(ARGV[a])
+  local result = 0
+  if redis.call('SET', KEYS[q], ARGV[1], 'NX', 'EX', ARGV[2]) then
+    for j = a + 1, a + n do redis.call('XADD', KEYS[q + 1], '*', 'e', ARGV[j]) end
+    redis.call('EXPIRE', KEYS[q + 1], ARGV[2])
+    result = 1
+  else
+    for _, entry in ipairs(redis.call('XREVRANGE', KEYS[q + 1], '+', '-', 'COUNT', 64)) do
+      local e = entry[2][2]
+      if string.find(e, '"t":"done"', 1, true) or string.find(e, '"t":"error"', 1, true) then
+        result = e
+        break
+      end
     end
   end
-  return 0
+  out[#out + 1] = result
+  a = a + n + 1
 end
-for i = 3, #ARGV do redis.call('XADD', KEYS[2], '*', 'e', ARGV[i]) end
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-return 1
+return out
 """
 
 # A step's events of one tenant's requests, appended to their streams in one call (a
@@ -230,7 +252,7 @@ for i, key in ipairs(KEYS) do
 end
 return #KEYS
 """
-EVENTS_PER_CALL = 1000  # bounds how long one call holds Redis
+EVENTS_PER_CALL = 1000  # bounds how long one call holds Redis (events, finals, acks)
 
 # Forget a stream that is still empty (workers call it for streams idle a while).
 # KEYS: stream, streams hash. ARGV: suffix.
@@ -244,9 +266,15 @@ return 1
 
 
 def queue_keys(deployment: str, suffix: str) -> list[str]:
-    """The KEYS of ENQUEUE_LUA and ACK_LUA."""
+    """The KEYS of ENQUEUE_LUA."""
     return [stream_key(deployment, suffix), streams_key(deployment), tenants_key(deployment),
             depth_key(deployment)]
+
+
+def ack_keys(deployment: str, suffixes: list[str]) -> list[str]:
+    """The KEYS of ACKS_LUA for entries of the streams `suffixes` (one per entry)."""
+    return [streams_key(deployment), tenants_key(deployment), depth_key(deployment),
+            cancel_key(deployment), *(stream_key(deployment, s) for s in suffixes)]
 
 
 def tenant_cap(max_depth: int, share: float) -> int:
@@ -269,7 +297,7 @@ FINAL_EVENTS = ("done", "error")  # the event types that end a request
 
 
 def encode_event(event: dict[str, Any]) -> str:
-    """Compact JSON (what FINAL_LUA looks for: `"t":"done"`), UTF-8 as it is."""
+    """Compact JSON (what FINALS_LUA looks for: `"t":"done"`), UTF-8 as it is."""
     return wirejson.dumps(event)
 
 

@@ -706,7 +706,7 @@ class Worker:
                acks: list[Pending]) -> None:
         encoded = [(req, event, q.encode_event(event)) for req, event in outbox]
         # One final event per request, ever: the first worker to set `done` owns it
-        # (FINAL_LUA writes it with the request's other events of this step).
+        # (FINALS_LUA writes it with the request's other events of this step).
         finishing: dict[str, tuple[q.QueuedRequest, list[str]]] = {
             req.rid: (req, []) for req, event, _data in encoded
             if event["t"] in q.FINAL_EVENTS}
@@ -716,12 +716,23 @@ class Worker:
             for req, _event, data in encoded:
                 if req.rid in finishing:
                     finishing[req.rid][1].append(data)
-            claims = ScriptBatch(self.redis)
+            by_tenant: dict[str, list[tuple[q.QueuedRequest, list[str]]]] = {}
             for req, events in finishing.values():
-                claims.script(q.FINAL_LUA, [q.done_key(req.tenant, req.rid),
-                                            q.out_key(req.tenant, req.rid)],
-                              [self.id, q.OUT_TTL_S, *events])
-            for rid, reply in zip(finishing, claims.run(), strict=True):
+                by_tenant.setdefault(req.tenant, []).append((req, events))
+            claims = ScriptBatch(self.redis)
+            order: list[str] = []
+            for group in by_tenant.values():
+                for i in range(0, len(group), q.EVENTS_PER_CALL):
+                    part = group[i:i + q.EVENTS_PER_CALL]
+                    order += [req.rid for req, _events in part]
+                    claims.script(q.FINALS_LUA,
+                                  [key for req, _events in part
+                                   for key in (q.done_key(req.tenant, req.rid),
+                                               q.out_key(req.tenant, req.rid))],
+                                  [self.id, q.OUT_TTL_S,
+                                   *(x for _req, events in part for x in (len(events), *events))])
+            replies = [reply for call in claims.run() for reply in call]
+            for rid, reply in zip(order, replies, strict=True):
                 if reply == 1:
                     owned.add(rid)
                 elif reply:
@@ -754,10 +765,10 @@ class Worker:
         # One message per gateway per iteration carries every event of the step.
         for gateway, items in by_gateway.items():
             q.add_gateway_message(pipe, gateway, items)
-        for pending in acks:
-            batch.script(q.ACK_LUA, q.queue_keys(self.spec.name, pending.stream),
-                         [pending.req.tenant, pending.stream, pending.msg_id])
-            pipe.srem(q.cancel_key(self.spec.name), pending.req.rid)
+        for i in range(0, len(acks), q.EVENTS_PER_CALL):
+            done = acks[i:i + q.EVENTS_PER_CALL]
+            batch.script(q.ACKS_LUA, q.ack_keys(self.spec.name, [p.stream for p in done]),
+                         [x for p in done for x in (p.req.tenant, p.stream, p.msg_id, p.req.rid)])
         batch.run()
 
     def _heartbeat(self) -> None:

@@ -459,3 +459,27 @@ def test_emptied_streams_stay_watched_then_are_forgotten(thread_worker: StartWor
     assert not rds.exists(q.stream_key(spec.name, suffix))
     assert not rds.hexists(q.streams_key(spec.name), suffix)
     assert run(once, redis_url) == "hi", "a new request recreates the stream"
+
+
+def test_a_requests_final_events_are_written_once_and_a_later_claim_gets_the_stored_final(
+        rds: redis.Redis) -> None:
+    """FINALS_LUA, per request of one call: the first claim appends the request's events
+    and owns its final; a later claim (a redelivery to another worker) appends nothing
+    and gets the final that was stored; a request with no final stored gets 0."""
+    tenant = unique("t")
+    rids = [unique("r") for _ in range(3)]
+    keys = [k for rid in rids for k in (q.done_key(tenant, rid), q.out_key(tenant, rid))]
+    delta = q.encode_event({"t": "delta", "seq": 0, "text": "hé"})
+    done = q.encode_event({"t": "done", "seq": 1, "finish": "stop"})
+    first = rds.eval(q.FINALS_LUA, len(keys[:4]), *keys[:4], "w1", q.OUT_TTL_S,
+                     2, delta, done, 1, done)
+    assert first == [1, 1]
+    rds.set(q.done_key(tenant, rids[2]), "w0")  # claimed, its final never written
+    again = rds.eval(q.FINALS_LUA, len(keys), *keys, "w2", q.OUT_TTL_S,
+                     1, done, 1, done, 1, done)
+    assert again == [done.encode(), done.encode(), 0]
+    assert [e[b"e"].decode() for _id, e in rds.xrange(q.out_key(tenant, rids[0]))] == \
+        [delta, done]
+    assert rds.xlen(q.out_key(tenant, rids[1])) == 1
+    assert not rds.exists(q.out_key(tenant, rids[2]))
+    assert 0 < rds.ttl(q.out_key(tenant, rids[0])) <= q.OUT_TTL_S
