@@ -371,9 +371,7 @@ class Governor:
                                         tokens=tokens))
         if adm.token_buckets:
             # The estimate was debited up front: book the difference (a refund, mostly).
-            costs = [tokens - adm.tokens] * len(adm.token_buckets)
-            rec.write(ratelimit.BUCKETS_LUA, [b.key for b in adm.token_buckets],
-                      ratelimit.args_for(adm.token_buckets, costs, "force"))
+            rec.correct_buckets(tenant, adm.token_buckets, tokens - adm.tokens)
         policy = adm.policy
         if policy is not None and adm.probe:
             rec.write(breaker.RECORD_LUA, breaker.keys(name),

@@ -1,9 +1,12 @@
 """Everything a finished call reports, written to Redis off the response path.
 
-Per-call work (a quota settlement, a token-bucket correction, a probe's verdict) is
-queued and written by one flusher task per gateway process, in one pipeline with
-whatever else is pending ("group commit": under load, hundreds of calls share a round
-trip; idle, a call's settlement is written within a round trip of its end). Counters
+Per-call work (a quota settlement, a probe's verdict) is queued and written by one
+flusher task per gateway process, in one pipeline with whatever else is pending ("group
+commit": under load, hundreds of calls share a round trip; idle, a call's settlement is
+written within a round trip of its end). Token-bucket corrections are summed per bucket
+within a flush and written in one script call per tenant: the buckets' levels are the
+same as with one call per request (a forced debit has no check; only a refund to a
+bucket that is already full differs, by the part the cap would have cut). Counters
 that only need totals are summed in-process and written at most every FLUSH_S: usage
 for billing, the latency histograms of the adaptive limits, and the outcomes that feed
 the breakers (one script call per deployment per flush, so a breaker reacts within
@@ -35,7 +38,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from governance import audit, breaker, signals, usage
+from governance import audit, breaker, ratelimit, signals, usage
 from governance.models import BreakerPolicy
 from sluice.redis import ScriptBatch
 
@@ -43,6 +46,7 @@ logger = logging.getLogger("sluice.governance")
 FLUSH_S = 0.1
 RETRY_FOR_S = 60.0  # how long a failed flush is kept for retrying
 MAX_HELD_AUDIT = 100_000  # audit events held while Redis is away, at most
+CORRECTIONS_PER_CALL = 500  # token buckets per script call (bounds how long it holds Redis)
 
 # A queued per-call write: (Lua source, keys, args).
 Write = tuple[str, list[str], list[Any]]
@@ -60,9 +64,18 @@ class _Pending:
     outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
         default_factory=dict)
     audit: list[str] = field(default_factory=list)
+    # tenant -> bucket key -> (the bucket, the sum of its corrections)
+    buckets: dict[str, dict[str, tuple[ratelimit.Bucket, float]]] = field(
+        default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.writes or self.usage or self.latency or self.outcomes or self.audit)
+        return bool(self.writes or self.usage or self.latency or self.outcomes or self.audit
+                    or self.buckets)
+
+    def correct(self, tenant: str, bucket: ratelimit.Bucket, cost: float) -> None:
+        mine = self.buckets.setdefault(tenant, {})
+        _, total = mine.get(bucket.key, (bucket, 0.0))
+        mine[bucket.key] = (bucket, total + cost)
 
     def merge(self, later: _Pending) -> _Pending:
         """This (failed, older) flush followed by `later`, as one. The usage counts keep
@@ -77,6 +90,9 @@ class _Pending:
         for name, (policy, calls) in later.outcomes.items():
             self.outcomes.setdefault(name, (policy, []))[1].extend(calls)
         self.audit += later.audit
+        for tenant, corrections in later.buckets.items():
+            for held, cost in corrections.values():
+                self.correct(tenant, held, cost)
         return self
 
 
@@ -95,6 +111,15 @@ class Recorder:
     # -- what calls report -------------------------------------------------------------
     def write(self, script: str, keys: list[str], args: list[Any]) -> None:
         self._pending.writes.append((script, keys, args))
+        self._ensure_running()
+        self._wake.set()
+
+    def correct_buckets(self, tenant: str, buckets: list[ratelimit.Bucket],
+                        cost: float) -> None:
+        """Debit (or, negative, refund) each of a tenant's token buckets `cost` regardless
+        of its level: a call's real usage against the estimate it was charged."""
+        for bucket in buckets:
+            self._pending.correct(tenant, bucket, cost)
         self._ensure_running()
         self._wake.set()
 
@@ -151,6 +176,13 @@ class Recorder:
         pipe = batch.pipe
         for script, keys, args in pending.writes:
             batch.script(script, keys, args)
+        for corrections in pending.buckets.values():  # a tenant's buckets share a slot
+            due = [(bucket, cost) for bucket, cost in corrections.values() if cost]
+            for i in range(0, len(due), CORRECTIONS_PER_CALL):
+                part = due[i:i + CORRECTIONS_PER_CALL]
+                buckets = [bucket for bucket, _cost in part]
+                batch.script(ratelimit.BUCKETS_LUA, [b.key for b in buckets],
+                             ratelimit.args_for(buckets, [c for _b, c in part], "force"))
         for (number, tenant), rows in sorted(pending.usage.items()):  # oldest flush first
             usage.count(batch, tenant=tenant, writer=self.writer, flush=number, rows=rows)
         for (deployment, metric), histogram in pending.latency.items():
@@ -168,8 +200,9 @@ class Recorder:
             self._hold(pending)  # Redis away (restart, failover): try again with the next
             return
         except RedisError:  # a command refused: retrying would not help
-            logger.exception("governance flush refused by Redis: %d settlements and %d "
-                             "audit events lost", len(pending.writes), len(pending.audit))
+            logger.exception("governance flush refused by Redis: %d settlements, %d tenants' "
+                             "bucket corrections and %d audit events lost",
+                             len(pending.writes), len(pending.buckets), len(pending.audit))
             return
         if self._failing_since is not None:
             logger.warning("governance flush succeeded again after %.1f s",

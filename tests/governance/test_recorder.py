@@ -17,7 +17,7 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from governance import audit, usage
+from governance import audit, ratelimit, usage
 from governance.models import AuditEvent
 from governance.recorder import Recorder
 from sluice.redis import reconnecting
@@ -80,3 +80,41 @@ def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once() -> No
     assert [e.request_excerpt for e in stored] == ["first call", "second call"]
     assert audit.verify(tenant) == []
     rds.close()
+
+
+def test_a_flushs_token_bucket_corrections_are_summed_into_one_call_per_tenant() -> None:
+    """Thirty calls' corrections (refunds and overruns) to two tenants' buckets: one
+    script call per tenant, and each bucket ends where one call per correction would
+    have left it."""
+    rds = redis.Redis.from_url(settings.REDIS_URL)
+    url = urlsplit(str(settings.REDIS_URL))
+    slow = 6e-4  # per minute: no refill worth counting during the test
+    tenants = [f"sum-{i}-{datetime.now(UTC).timestamp()}" for i in range(2)]
+    buckets = {t: [ratelimit.Bucket(ratelimit.bucket_key(t, 1, "tokens", s), "tokens",
+                                    slow, 10_000.0) for s in ("tenant", "model")]
+               for t in tenants}
+    for t in tenants:  # each bucket starts 5,000 below full
+        rds.eval(ratelimit.BUCKETS_LUA, 2, *[b.key for b in buckets[t]],
+                 *ratelimit.args_for(buckets[t], [5000, 5000], "check"))
+    corrections = [(-120 if i % 3 else 45) for i in range(30)]  # -2,265 each tenant
+
+    async def scenario() -> int:
+        relay = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
+        port = await relay.start()
+        client = aioredis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0))
+        recorder = Recorder(client, lambda _name: None)
+        try:
+            for cost in corrections:
+                for t in tenants:
+                    recorder.correct_buckets(t, buckets[t], cost)
+            await recorder.flush()
+            return relay.commands(b"EVALSHA") + relay.commands(b"EVAL")
+        finally:
+            await client.aclose()
+            await relay.close()
+
+    assert asyncio.run(scenario()) == len(tenants)
+    for t in tenants:
+        for bucket in buckets[t]:
+            level = float(rds.hget(bucket.key, "v") or 0)
+            assert level == pytest.approx(5000 - sum(corrections), abs=1.0)
