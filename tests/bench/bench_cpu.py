@@ -4,7 +4,10 @@ The governed `/v1/chat/completions` setup of bench_http.py (tenant and model rat
 limits, a daily token quota; one echo worker; the audit writer), driven by wrk; each
 process's CPU seconds (user + system, children included, from /proc/<pid>/stat) over
 the run, divided by the requests served. Redis is counted when it runs on this machine
-(the first `redis-server` process). Linux only.
+(the first `redis-server` process). Then Redis's own count of each command per
+request and its time in it (`INFO commandstats`, reset before the drive: a script's
+inner commands are counted too; the server's other clients are counted with it). Linux
+only.
 
     .venv/bin/python tests/bench/bench_cpu.py [--connections 64] [--seconds 10]
         [--workers 1] (gateway processes) [--server uvicorn|granian|daphne]
