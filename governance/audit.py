@@ -151,12 +151,33 @@ def write_events(batch: list[dict[str, Any]]) -> int:
             head.seq += 1
             fields = {**fields, "seq": head.seq}
             digest = chain_hash(head.last_hash, fields)
-            rows.append(AuditEvent(prev_hash=head.last_hash, hash=digest, **fields))
+            rows.append({**fields, "prev_hash": head.last_hash, "hash": digest})
             head.last_hash = digest
-        AuditEvent.objects.bulk_create(rows)
+        _insert(rows)
         for head in heads.values():
             head.save(update_fields=["seq", "last_hash"])
         return len(rows)
+
+
+def _insert(rows: list[dict[str, Any]]) -> None:
+    """What `bulk_create` of these rows does, in one executemany: each value prepared by
+    its field (`get_db_prep_save`: datetimes, JSON), a missing one given its default,
+    without building model instances and compiling the INSERT per batch (those were
+    ~40% of the audit writer's CPU). An unknown field is a TypeError, as in the model."""
+    fields = [f for f in AuditEvent._meta.concrete_fields if f is not AuditEvent._meta.pk]
+    names = {f.attname for f in fields}
+    for row in rows:
+        unknown = set(row) - names
+        if unknown:
+            raise TypeError(f"AuditEvent has no field(s) {sorted(unknown)}")
+    quote = connection.ops.quote_name
+    sql = (f"INSERT INTO {quote(AuditEvent._meta.db_table)} "  # noqa: S608 (the model's names)
+           f"({', '.join(quote(f.column) for f in fields)}) "
+           f"VALUES ({', '.join(['%s'] * len(fields))})")
+    params = [[f.get_db_prep_save(row[f.attname] if f.attname in row else f.get_default(),
+                                  connection) for f in fields] for row in rows]
+    with connection.cursor() as cursor:
+        cursor.executemany(sql, params)
 
 
 class Consumer:

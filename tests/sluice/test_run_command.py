@@ -39,6 +39,7 @@ class Running:
     redis_port: int
     grpc_port: int
     output: list[str]  # what the processes printed after the banner (kept drained)
+    env: dict[str, str]  # the run command's environment (its state dir: the SQLite file)
 
 
 def _port_open(port: int) -> bool:
@@ -88,7 +89,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
 
     threading.Thread(target=drain, daemon=True).start()
     yield Running(proc, f"http://127.0.0.1:{port}", banner, key.group(1), int(redis.group(1)),
-                  grpc_port, output)
+                  grpc_port, output, env)
     if proc.poll() is None:
         proc.kill()
 
@@ -122,6 +123,39 @@ def test_printed_key_works_against_the_live_server(running: Running) -> None:
     assert status == 200 and body["token_type"] == "Bearer"
     status, ready = http("GET", f"{running.base}/readyz")
     assert status == 200 and ready["checks"] == {"database": "ok", "redis": "ok"}
+
+
+def test_calls_are_audited_into_the_embedded_database_redacted_and_chained(
+        running: Running) -> None:
+    """The audit writer's insert on SQLite (the suite's other tests run on PostgreSQL):
+    calls reach the database, redacted, and the demo chain verifies."""
+    marker = f"run-{time.monotonic_ns()}"
+    for _ in range(3):
+        status, _body = http("POST", f"{running.base}/v1/chat/completions", json.dumps(
+            {"model": "echo", "messages": [{"role": "user", "content":
+                                            f"{marker} mail jane.doe@example.com"}]}).encode(),
+            {"Authorization": f"Bearer {running.key}", "Content-Type": "application/json"})
+        assert status == 200
+    check = ("import django, json; django.setup(); from governance import audit; "
+             "from governance.models import AuditEvent as E; "
+             f"rows = list(E.objects.filter(request_excerpt__contains='{marker}')"
+             ".values('chain', 'action', 'status', 'request_excerpt', 'detail')); "
+             "print(json.dumps({'rows': rows, 'problems': len(audit.verify('demo'))}))")
+    deadline = time.monotonic() + 20
+    while True:
+        done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
+                              text=True, env={**running.env,
+                                              "DJANGO_SETTINGS_MODULE": "sluice.settings.base"})
+        assert done.returncode == 0, done.stderr
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        if len(found["rows"]) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(found["rows"]) == 3 and found["problems"] == 0
+    for row in found["rows"]:
+        assert row["chain"] == "demo" and row["action"] == "chat.completions"
+        assert row["status"] == 200 and row["detail"]["finish"] == "stop"
+        assert "jane.doe@example.com" not in row["request_excerpt"]
 
 
 @pytest.mark.timeout(300)  # on a fresh machine the chat model's weights convert first
