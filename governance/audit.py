@@ -172,7 +172,7 @@ def _insert(rows: list[dict[str, Any]]) -> None:
             raise TypeError(f"AuditEvent has no field(s) {sorted(unknown)}")
     quote = connection.ops.quote_name
     sql = (f"INSERT INTO {quote(AuditEvent._meta.db_table)} "  # noqa: S608 (the model's names)
-           f"({', '.join(quote(f.column) for f in fields)}) "
+           f"({', '.join(quote(str(f.column)) for f in fields)}) "
            f"VALUES ({', '.join(['%s'] * len(fields))})")
     params = [[f.get_db_prep_save(row[f.attname] if f.attname in row else f.get_default(),
                                   connection) for f in fields] for row in rows]
