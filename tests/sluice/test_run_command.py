@@ -125,39 +125,6 @@ def test_printed_key_works_against_the_live_server(running: Running) -> None:
     assert status == 200 and ready["checks"] == {"database": "ok", "redis": "ok"}
 
 
-def test_calls_are_audited_into_the_embedded_database_redacted_and_chained(
-        running: Running) -> None:
-    """The audit writer's insert on SQLite (the suite's other tests run on PostgreSQL):
-    calls reach the database, redacted, and the demo chain verifies."""
-    marker = f"run-{time.monotonic_ns()}"
-    for _ in range(3):
-        status, _body = http("POST", f"{running.base}/v1/chat/completions", json.dumps(
-            {"model": "echo", "messages": [{"role": "user", "content":
-                                            f"{marker} mail jane.doe@example.com"}]}).encode(),
-            {"Authorization": f"Bearer {running.key}", "Content-Type": "application/json"})
-        assert status == 200
-    check = ("import django, json; django.setup(); from governance import audit; "
-             "from governance.models import AuditEvent as E; "
-             f"rows = list(E.objects.filter(request_excerpt__contains='{marker}')"
-             ".values('chain', 'action', 'status', 'request_excerpt', 'detail')); "
-             "print(json.dumps({'rows': rows, 'problems': len(audit.verify('demo'))}))")
-    deadline = time.monotonic() + 20
-    while True:
-        done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
-                              text=True, env={**running.env,
-                                              "DJANGO_SETTINGS_MODULE": "sluice.settings.base"})
-        assert done.returncode == 0, done.stderr
-        found = json.loads(done.stdout.strip().splitlines()[-1])
-        if len(found["rows"]) == 3 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert len(found["rows"]) == 3 and found["problems"] == 0
-    for row in found["rows"]:
-        assert row["chain"] == "demo" and row["action"] == "chat.completions"
-        assert row["status"] == 200 and row["detail"]["finish"] == "stop"
-        assert "jane.doe@example.com" not in row["request_excerpt"]
-
-
 @pytest.mark.timeout(300)  # on a fresh machine the chat model's weights convert first
 def test_seeded_models_are_listed_and_their_workers_come_up(running: Running) -> None:
     status, body = http("GET", f"{running.base}/v1/models",
@@ -326,6 +293,40 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_calls_are_audited_into_the_embedded_database_redacted_and_chained(
+        running: Running) -> None:
+    """The audit writer's insert on SQLite (the suite's other tests run on PostgreSQL):
+    calls reach the database, redacted, and the demo chain verifies. (After the tests
+    that wait for the workers and that read the first chat call's log line.)"""
+    marker = f"run-{time.monotonic_ns()}"
+    for _ in range(3):
+        status, _body = http("POST", f"{running.base}/v1/chat/completions", json.dumps(
+            {"model": "echo", "messages": [{"role": "user", "content":
+                                            f"{marker} mail jane.doe@example.com"}]}).encode(),
+            {"Authorization": f"Bearer {running.key}", "Content-Type": "application/json"})
+        assert status == 200
+    check = ("import django, json; django.setup(); from governance import audit; "
+             "from governance.models import AuditEvent as E; "
+             f"rows = list(E.objects.filter(request_excerpt__contains='{marker}')"
+             ".values('chain', 'action', 'status', 'request_excerpt', 'detail')); "
+             "print(json.dumps({'rows': rows, 'problems': len(audit.verify('demo'))}))")
+    deadline = time.monotonic() + 20
+    while True:
+        done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
+                              text=True, env={**running.env,
+                                              "DJANGO_SETTINGS_MODULE": "sluice.settings.base"})
+        assert done.returncode == 0, done.stderr
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        if len(found["rows"]) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(found["rows"]) == 3 and found["problems"] == 0
+    for row in found["rows"]:
+        assert row["chain"] == "demo" and row["action"] == "chat.completions"
+        assert row["status"] == 200 and row["detail"]["finish"] == "stop"
+        assert "jane.doe@example.com" not in row["request_excerpt"]
 
 
 def test_a_process_that_dies_is_restarted(running: Running) -> None:
