@@ -205,8 +205,7 @@ class Governor:
             if quotas:
                 # The reservation may have been made with only its reply lost: release
                 # it when Redis answers again (releasing one never made is a no-op).
-                self.recorder.write(quota.SETTLE_LUA, quota.keys_for(tenant, quotas),
-                                    quota.settle_args(adm.id, quotas, requests=0, tokens=0))
+                self.recorder.settle(tenant, quotas, adm.id, requests=0, tokens=0)
             self._without_redis(adm, limits, quotas)
             return
         if quotas and replies[-1][0] == 1:
@@ -366,9 +365,7 @@ class Governor:
         tenant, name = adm.principal.tenant_slug, adm.spec.name
         rec = self.recorder
         if adm.quotas:
-            rec.write(quota.SETTLE_LUA, quota.keys_for(tenant, adm.quotas),
-                      quota.settle_args(adm.id, adm.quotas, requests=int(billable),
-                                        tokens=tokens))
+            rec.settle(tenant, adm.quotas, adm.id, requests=int(billable), tokens=tokens)
         if adm.token_buckets:
             # The estimate was debited up front: book the difference (a refund, mostly).
             rec.correct_buckets(tenant, adm.token_buckets, tokens - adm.tokens)

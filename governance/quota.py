@@ -141,20 +141,30 @@ end
 return {1, unpack(shadows)}
 """
 
-# KEYS: 3 per quota. ARGV: clock, rid, requests to charge (0/1), tokens to charge, then
-# per quota: period length, rolling. Drops the reservation and books the real usage, once:
-# a reservation no longer open (settled already, expired) is not charged again.
+# KEYS: 3 per quota. ARGV: clock, per quota its period length and rolling flag, then per
+# settled call its rid, requests to charge (0/1) and tokens to charge: the calls of one
+# flush that had the same quotas, in one call. Drops each reservation and books the real
+# usage, once: a reservation no longer open (settled already, expired) is not charged
+# again.
 SETTLE_LUA = _PRELUDE + """
-local rid, req, tok = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-for q = 0, #KEYS / 3 - 1 do
-  local len, rolling = tonumber(ARGV[5 + q * 2]), tonumber(ARGV[6 + q * 2])
-  local open = unhold(KEYS[3 * q + 2], rid)
-  redis.call('ZREM', KEYS[3 * q + 3], rid)
-  -- Only an open reservation is charged: settling twice (a retried write) charges once.
-  if open and (req > 0 or tok > 0) then
+local quotas = #KEYS / 3
+local reqs, toks = {}, {}
+for q = 0, quotas - 1 do reqs[q], toks[q] = 0, 0 end
+for s = 2 + 2 * quotas, #ARGV, 3 do
+  local rid, req, tok = ARGV[s], tonumber(ARGV[s + 1]), tonumber(ARGV[s + 2])
+  for q = 0, quotas - 1 do
+    local open = unhold(KEYS[3 * q + 2], rid)
+    redis.call('ZREM', KEYS[3 * q + 3], rid)
+    -- Only an open reservation is charged: settling twice (a retried write) charges once.
+    if open then reqs[q], toks[q] = reqs[q] + req, toks[q] + tok end
+  end
+end
+for q = 0, quotas - 1 do
+  if reqs[q] > 0 or toks[q] > 0 then
+    local len, rolling = tonumber(ARGV[2 + q * 2]), tonumber(ARGV[3 + q * 2])
     local slot = window(len, rolling)
-    redis.call('HINCRBY', KEYS[3 * q + 1], 'r:' .. slot, req)
-    redis.call('HINCRBY', KEYS[3 * q + 1], 't:' .. slot, tok)
+    redis.call('HINCRBY', KEYS[3 * q + 1], 'r:' .. slot, reqs[q])
+    redis.call('HINCRBY', KEYS[3 * q + 1], 't:' .. slot, toks[q])
     local keep = (len == 0 and 32 * 86400 or len) * 2 + 3600
     redis.call('EXPIRE', KEYS[3 * q + 1], keep)
   end
@@ -217,9 +227,13 @@ def _limit(value: int | None) -> int:
     return -1 if value is None else value
 
 
-def settle_args(rid: str, quotas: list[Quota], *, requests: int, tokens: int,
+Settlement = tuple[str, int, int]  # a call's rid, requests and tokens to charge
+
+
+def settle_args(quotas: list[Quota], settlements: list[Settlement],
                 clock: float | None = None) -> list[Any]:
-    return [clock_arg(clock), rid, requests, tokens, *shape_args(quotas)]
+    return [clock_arg(clock), *shape_args(quotas),
+            *(x for settlement in settlements for x in settlement)]
 
 
 def peek_args(quotas: list[Quota], clock: float | None = None) -> list[Any]:

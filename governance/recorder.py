@@ -1,12 +1,14 @@
 """Everything a finished call reports, written to Redis off the response path.
 
-Per-call work (a quota settlement, a probe's verdict) is queued and written by one
-flusher task per gateway process, in one pipeline with whatever else is pending ("group
-commit": under load, hundreds of calls share a round trip; idle, a call's settlement is
-written within a round trip of its end). Token-bucket corrections are summed per bucket
-within a flush and written in one script call per tenant: the buckets' levels are the
-same as with one call per request (a forced debit has no check; only a refund to a
-bucket that is already full differs, by the part the cap would have cut). Counters
+Per-call work (a quota settlement, a token-bucket correction, a probe's verdict) is
+queued and written by one flusher task per gateway process, in one pipeline with
+whatever else is pending ("group commit": under load, hundreds of calls share a round
+trip; idle, a call's settlement is written within a round trip of its end). The quota
+settlements of calls with the same quotas go in one script call (each reservation is
+still settled once, by its rid); token-bucket corrections are summed per bucket and
+written in one script call per tenant: the buckets' levels are the same as with one call
+per request (a forced debit has no check; only a refund to a bucket that is already
+full differs, by the part the cap would have cut). Counters
 that only need totals are summed in-process and written at most every FLUSH_S: usage
 for billing, the latency histograms of the adaptive limits, and the outcomes that feed
 the breakers (one script call per deployment per flush, so a breaker reacts within
@@ -38,15 +40,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from governance import audit, breaker, ratelimit, signals, usage
-from governance.models import BreakerPolicy
+from governance import audit, breaker, quota, ratelimit, signals, usage
+from governance.models import BreakerPolicy, Quota
 from sluice.redis import ScriptBatch
 
 logger = logging.getLogger("sluice.governance")
 FLUSH_S = 0.1
 RETRY_FOR_S = 60.0  # how long a failed flush is kept for retrying
 MAX_HELD_AUDIT = 100_000  # audit events held while Redis is away, at most
-CORRECTIONS_PER_CALL = 500  # token buckets per script call (bounds how long it holds Redis)
+PER_CALL = 500  # settlements, or buckets, per script call (bounds how long it holds Redis)
 
 # A queued per-call write: (Lua source, keys, args).
 Write = tuple[str, list[str], list[Any]]
@@ -64,13 +66,20 @@ class _Pending:
     outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
         default_factory=dict)
     audit: list[str] = field(default_factory=list)
+    # (tenant, the quotas' keys and shape) -> (the quotas, their calls' settlements)
+    settlements: dict[tuple[str, tuple[Any, ...]],
+                      tuple[list[Quota], list[quota.Settlement]]] = field(default_factory=dict)
     # tenant -> bucket key -> (the bucket, the sum of its corrections)
     buckets: dict[str, dict[str, tuple[ratelimit.Bucket, float]]] = field(
         default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.writes or self.usage or self.latency or self.outcomes or self.audit
-                    or self.buckets)
+                    or self.settlements or self.buckets)
+
+    def settle(self, tenant: str, quotas: list[Quota], settlement: quota.Settlement) -> None:
+        group = (tenant, (*quota.keys_for(tenant, quotas), *quota.shape_args(quotas)))
+        self.settlements.setdefault(group, (quotas, []))[1].append(settlement)
 
     def correct(self, tenant: str, bucket: ratelimit.Bucket, cost: float) -> None:
         mine = self.buckets.setdefault(tenant, {})
@@ -90,6 +99,8 @@ class _Pending:
         for name, (policy, calls) in later.outcomes.items():
             self.outcomes.setdefault(name, (policy, []))[1].extend(calls)
         self.audit += later.audit
+        for group, (quotas, settled) in later.settlements.items():
+            self.settlements.setdefault(group, (quotas, []))[1].extend(settled)
         for tenant, corrections in later.buckets.items():
             for held, cost in corrections.values():
                 self.correct(tenant, held, cost)
@@ -111,6 +122,13 @@ class Recorder:
     # -- what calls report -------------------------------------------------------------
     def write(self, script: str, keys: list[str], args: list[Any]) -> None:
         self._pending.writes.append((script, keys, args))
+        self._ensure_running()
+        self._wake.set()
+
+    def settle(self, tenant: str, quotas: list[Quota], rid: str, *, requests: int,
+               tokens: int) -> None:
+        """Settle a call's quota reservation with what it used (0, 0: release it)."""
+        self._pending.settle(tenant, quotas, (rid, requests, tokens))
         self._ensure_running()
         self._wake.set()
 
@@ -176,10 +194,14 @@ class Recorder:
         pipe = batch.pipe
         for script, keys, args in pending.writes:
             batch.script(script, keys, args)
+        for (tenant, _group), (quotas, settled) in pending.settlements.items():
+            for i in range(0, len(settled), PER_CALL):
+                batch.script(quota.SETTLE_LUA, quota.keys_for(tenant, quotas),
+                             quota.settle_args(quotas, settled[i:i + PER_CALL]))
         for corrections in pending.buckets.values():  # a tenant's buckets share a slot
             due = [(bucket, cost) for bucket, cost in corrections.values() if cost]
-            for i in range(0, len(due), CORRECTIONS_PER_CALL):
-                part = due[i:i + CORRECTIONS_PER_CALL]
+            for i in range(0, len(due), PER_CALL):
+                part = due[i:i + PER_CALL]
                 buckets = [bucket for bucket, _cost in part]
                 batch.script(ratelimit.BUCKETS_LUA, [b.key for b in buckets],
                              ratelimit.args_for(buckets, [c for _b, c in part], "force"))
@@ -200,9 +222,10 @@ class Recorder:
             self._hold(pending)  # Redis away (restart, failover): try again with the next
             return
         except RedisError:  # a command refused: retrying would not help
-            logger.exception("governance flush refused by Redis: %d settlements, %d tenants' "
-                             "bucket corrections and %d audit events lost",
-                             len(pending.writes), len(pending.buckets), len(pending.audit))
+            logger.exception("governance flush refused by Redis: %d writes, %d quota "
+                             "settlement groups, %d tenants' bucket corrections and %d audit "
+                             "events lost", len(pending.writes), len(pending.settlements),
+                             len(pending.buckets), len(pending.audit))
             return
         if self._failing_since is not None:
             logger.warning("governance flush succeeded again after %.1f s",
@@ -220,9 +243,10 @@ class Recorder:
             logger.warning("governance flush failed (Redis); retrying with the next one",
                            exc_info=True)
         if now - self._failing_since > RETRY_FOR_S or len(failed.audit) > MAX_HELD_AUDIT:
-            logger.error("governance flush failing for %.0f s: %d settlements and %d audit "
-                         "events dropped", now - self._failing_since, len(failed.writes),
-                         len(failed.audit))
+            logger.error("governance flush failing for %.0f s: %d writes, %d quota "
+                         "settlement groups and %d audit events dropped",
+                         now - self._failing_since, len(failed.writes),
+                         len(failed.settlements), len(failed.audit))
             self._failing_since = now
             return
         self._pending = failed.merge(self._pending)

@@ -45,7 +45,7 @@ def settle(rds: redis.Redis, quotas: list[Quota], rid: str, tokens: int, clock: 
            requests: int = 1) -> None:
     keys = keys_for("t", quotas)
     rds.eval(SETTLE_LUA, len(keys), *keys,
-             *settle_args(rid, quotas, requests=requests, tokens=tokens, clock=clock))
+             *settle_args(quotas, [(rid, requests, tokens)], clock=clock))
 
 
 def peek(rds: redis.Redis, quotas: list[Quota], clock: float) -> list[QuotaUse]:
@@ -150,3 +150,21 @@ def test_all_or_nothing_across_quotas(rds: redis.Redis) -> None:
     now = ts(2026, 12, 3)
     assert reserve(rds, quotas, "big", 50, now)[0] == 0
     assert peek(rds, quotas, now)[0].open_reservations == 0  # the day quota took nothing
+
+
+def test_one_call_settles_many_reservations_each_once(rds: redis.Redis) -> None:
+    """A flush's settlements of calls with the same quotas go in one call: each open
+    reservation is charged what its call used (a release charges nothing), and one
+    settled before (a retried flush) is not charged again."""
+    quotas = [q(4, period="day", max_tokens=1000), q(5, period="minute", max_requests=10)]
+    now = ts(2026, 12, 3, 12, 0, 10)
+    for rid in "abcd":
+        assert reserve(rds, quotas, rid, 100, now)[0] == 1
+    settle(rds, quotas, "a", 30, now)
+    keys = keys_for("t", quotas)
+    rds.eval(SETTLE_LUA, len(keys), *keys, *settle_args(
+        quotas, [("a", 1, 30), ("b", 1, 20), ("c", 0, 0), ("d", 1, 5)], clock=now))
+    day, minute = peek(rds, quotas, now)
+    assert (day.tokens, day.requests, day.open_reservations, day.reserved_tokens) == \
+        (55, 3, 0, 0)
+    assert (minute.tokens, minute.requests, minute.open_reservations) == (55, 3, 0)
