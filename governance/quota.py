@@ -17,6 +17,7 @@ sixty slots of a sixtieth of the period, so "the last day" moves in 24-minute st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -230,7 +231,7 @@ def _limit(value: int | None) -> int:
 Settlement = tuple[str, int, int]  # a call's rid, requests and tokens to charge
 
 
-def settle_args(quotas: list[Quota], settlements: list[Settlement],
+def settle_args(quotas: list[Quota], settlements: Sequence[Settlement],
                 clock: float | None = None) -> list[Any]:
     return [clock_arg(clock), *shape_args(quotas),
             *(x for settlement in settlements for x in settlement)]

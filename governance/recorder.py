@@ -42,7 +42,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from governance import audit, breaker, quota, ratelimit, signals, usage
 from governance.models import BreakerPolicy, Quota
-from sluice.redis import ScriptBatch
+from sluice.redis import ScriptBatch, chunks
 
 logger = logging.getLogger("sluice.governance")
 FLUSH_S = 0.1
@@ -66,8 +66,8 @@ class _Pending:
     outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
         default_factory=dict)
     audit: list[str] = field(default_factory=list)
-    # (tenant, the quotas' keys and shape) -> (the quotas, their calls' settlements)
-    settlements: dict[tuple[str, tuple[Any, ...]],
+    # (the quotas' keys, their shape) -> (the quotas, their calls' settlements)
+    settlements: dict[tuple[tuple[str, ...], tuple[Any, ...]],
                       tuple[list[Quota], list[quota.Settlement]]] = field(default_factory=dict)
     # tenant -> bucket key -> (the bucket, the sum of its corrections)
     buckets: dict[str, dict[str, tuple[ratelimit.Bucket, float]]] = field(
@@ -78,13 +78,19 @@ class _Pending:
                     or self.settlements or self.buckets)
 
     def settle(self, tenant: str, quotas: list[Quota], settlement: quota.Settlement) -> None:
-        group = (tenant, (*quota.keys_for(tenant, quotas), *quota.shape_args(quotas)))
+        group = (tuple(quota.keys_for(tenant, quotas)), tuple(quota.shape_args(quotas)))
         self.settlements.setdefault(group, (quotas, []))[1].append(settlement)
 
     def correct(self, tenant: str, bucket: ratelimit.Bucket, cost: float) -> None:
         mine = self.buckets.setdefault(tenant, {})
         _, total = mine.get(bucket.key, (bucket, 0.0))
         mine[bucket.key] = (bucket, total + cost)
+
+    def describe(self) -> str:
+        """What this flush carries, for the log lines of one that is lost."""
+        return (f"{len(self.writes)} writes, {len(self.settlements)} quota settlement "
+                f"groups, {len(self.buckets)} tenants' bucket corrections and "
+                f"{len(self.audit)} audit events")
 
     def merge(self, later: _Pending) -> _Pending:
         """This (failed, older) flush followed by `later`, as one. The usage counts keep
@@ -122,15 +128,13 @@ class Recorder:
     # -- what calls report -------------------------------------------------------------
     def write(self, script: str, keys: list[str], args: list[Any]) -> None:
         self._pending.writes.append((script, keys, args))
-        self._ensure_running()
-        self._wake.set()
+        self._flush_soon()
 
     def settle(self, tenant: str, quotas: list[Quota], rid: str, *, requests: int,
                tokens: int) -> None:
         """Settle a call's quota reservation with what it used (0, 0: release it)."""
         self._pending.settle(tenant, quotas, (rid, requests, tokens))
-        self._ensure_running()
-        self._wake.set()
+        self._flush_soon()
 
     def correct_buckets(self, tenant: str, buckets: list[ratelimit.Bucket],
                         cost: float) -> None:
@@ -138,8 +142,7 @@ class Recorder:
         of its level: a call's real usage against the estimate it was charged."""
         for bucket in buckets:
             self._pending.correct(tenant, bucket, cost)
-        self._ensure_running()
-        self._wake.set()
+        self._flush_soon()
 
     def count_usage(self, *, tenant: str, model: str, key_prefix: str, prompt: int,
                     completion: int) -> None:
@@ -171,6 +174,11 @@ class Recorder:
         self._ensure_running()
 
     # -- flushing ----------------------------------------------------------------------
+    def _flush_soon(self) -> None:
+        """A per-call write is pending: flush now, not at the end of the interval."""
+        self._ensure_running()
+        self._wake.set()
+
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="sluice-governance-recorder")
@@ -194,14 +202,13 @@ class Recorder:
         pipe = batch.pipe
         for script, keys, args in pending.writes:
             batch.script(script, keys, args)
-        for (tenant, _group), (quotas, settled) in pending.settlements.items():
-            for i in range(0, len(settled), PER_CALL):
-                batch.script(quota.SETTLE_LUA, quota.keys_for(tenant, quotas),
-                             quota.settle_args(quotas, settled[i:i + PER_CALL]))
+        for (quota_keys, _shape), (quotas, settled) in pending.settlements.items():
+            for run in chunks(settled, PER_CALL):
+                batch.script(quota.SETTLE_LUA, list(quota_keys),
+                             quota.settle_args(quotas, run))
         for corrections in pending.buckets.values():  # a tenant's buckets share a slot
             due = [(bucket, cost) for bucket, cost in corrections.values() if cost]
-            for i in range(0, len(due), PER_CALL):
-                part = due[i:i + PER_CALL]
+            for part in chunks(due, PER_CALL):
                 buckets = [bucket for bucket, _cost in part]
                 batch.script(ratelimit.BUCKETS_LUA, [b.key for b in buckets],
                              ratelimit.args_for(buckets, [c for _b, c in part], "force"))
@@ -222,10 +229,7 @@ class Recorder:
             self._hold(pending)  # Redis away (restart, failover): try again with the next
             return
         except RedisError:  # a command refused: retrying would not help
-            logger.exception("governance flush refused by Redis: %d writes, %d quota "
-                             "settlement groups, %d tenants' bucket corrections and %d audit "
-                             "events lost", len(pending.writes), len(pending.settlements),
-                             len(pending.buckets), len(pending.audit))
+            logger.exception("governance flush refused by Redis: %s lost", pending.describe())
             return
         if self._failing_since is not None:
             logger.warning("governance flush succeeded again after %.1f s",
@@ -243,10 +247,8 @@ class Recorder:
             logger.warning("governance flush failed (Redis); retrying with the next one",
                            exc_info=True)
         if now - self._failing_since > RETRY_FOR_S or len(failed.audit) > MAX_HELD_AUDIT:
-            logger.error("governance flush failing for %.0f s: %d writes, %d quota "
-                         "settlement groups and %d audit events dropped",
-                         now - self._failing_since, len(failed.writes),
-                         len(failed.settlements), len(failed.audit))
+            logger.error("governance flush failing for %.0f s: %s dropped",
+                         now - self._failing_since, failed.describe())
             self._failing_since = now
             return
         self._pending = failed.merge(self._pending)

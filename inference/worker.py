@@ -50,7 +50,7 @@ from inference.runtimes.base import (
 from inference.scheduler import pick
 from inference.spec import DeploymentSpec
 from sluice import gctuning, telemetry
-from sluice.redis import ScriptBatch, reconnecting
+from sluice.redis import ScriptBatch, chunks, reconnecting
 
 if TYPE_CHECKING:
     from inference.tools import ToolCallConstraint
@@ -722,8 +722,7 @@ class Worker:
             claims = ScriptBatch(self.redis)
             order: list[str] = []
             for group in by_tenant.values():
-                for i in range(0, len(group), q.EVENTS_PER_CALL):
-                    part = group[i:i + q.EVENTS_PER_CALL]
+                for part in chunks(group, q.EVENTS_PER_CALL):
                     order += [req.rid for req, _events in part]
                     claims.script(q.FINALS_LUA,
                                   [key for req, _events in part
@@ -757,16 +756,14 @@ class Worker:
                     (q.out_key(req.tenant, req.rid), data, "1" if event["seq"] == 0 else "0"))
             by_gateway.setdefault(req.gateway, []).append(q.gateway_item(req.rid, data))
         for rows in appends.values():  # a tenant's streams share a cluster slot
-            for i in range(0, len(rows), q.EVENTS_PER_CALL):
-                chunk = rows[i:i + q.EVENTS_PER_CALL]
+            for chunk in chunks(rows, q.EVENTS_PER_CALL):
                 batch.script(q.EVENTS_LUA, [stream for stream, _e, _f in chunk],
                              [q.OUT_TTL_S, *(x for _stream, event, first in chunk
                                              for x in (event, first))])
         # One message per gateway per iteration carries every event of the step.
         for gateway, items in by_gateway.items():
             q.add_gateway_message(pipe, gateway, items)
-        for i in range(0, len(acks), q.EVENTS_PER_CALL):
-            done = acks[i:i + q.EVENTS_PER_CALL]
+        for done in chunks(acks, q.EVENTS_PER_CALL):
             batch.script(q.ACKS_LUA, q.ack_keys(self.spec.name, [p.stream for p in done]),
                          [x for p in done for x in (p.req.tenant, p.stream, p.msg_id, p.req.rid)])
         batch.run()

@@ -1,6 +1,7 @@
 """A TCP relay to Redis that loses replies on purpose: what a Redis restart or a network
 failure after a write was applied looks like to a client (redis-py then retries the
-command). For the tests of what a retried write must not do twice."""
+command). For the tests of what a retried write must not do twice, and, since it sees
+every byte, for the tests that count the commands a client sends."""
 
 from __future__ import annotations
 

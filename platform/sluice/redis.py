@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -83,6 +84,16 @@ def async_redis() -> aioredis.Redis:
         socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
         **reconnecting(),
     )
+
+
+T = TypeVar("T")
+
+
+def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    """`items` in runs of at most `size`: what one script call may take, so that no call
+    holds Redis (single-threaded) for long."""
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
 
 
 class ScriptBatch:

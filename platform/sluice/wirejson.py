@@ -1,7 +1,7 @@
 """JSON text for what the pipeline writes to Redis (queued requests, worker events, audit
 events): compact, by orjson (several times faster than the standard encoder on the hot
-path), with the standard encoder for the one thing orjson refuses, an integer beyond 64
-bits. Either reads back with any JSON decoder."""
+path), with the standard encoder for what orjson refuses: an integer beyond 64 bits, a
+dict key that is not a string. Either reads back with any JSON decoder."""
 
 from __future__ import annotations
 
