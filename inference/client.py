@@ -118,6 +118,7 @@ class InferenceClient:
             self._router = None
         with contextlib.suppress(Exception):
             await self.redis.delete(self.key)
+        await self.scripts.aclose()
         await self.redis.aclose()
         await self._reader.aclose()
 

@@ -44,9 +44,11 @@ class ClientGone(Exception):
 
 async def _send_json(send: Send, status: int, body: Any,
                      headers: dict[str, str] | None = None) -> None:
+    encoded = orjson.dumps(body)
     raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": _JSON + raw})
-    await send({"type": "http.response.body", "body": orjson.dumps(body)})
+    await send({"type": "http.response.start", "status": status, "headers": [
+        *_JSON, (b"content-length", b"%d" % len(encoded)), *raw]})
+    await send({"type": "http.response.body", "body": encoded})
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

@@ -21,6 +21,8 @@ class ReplyCutter:
         self.cut = False
         self.cuts = 0
         self.sent = bytearray()  # every byte the clients sent, to count commands in
+        self.connections = 0  # client connections relayed
+        self.writes = 0  # reads of client data (one per client write, when not split)
         self.server: asyncio.Server | None = None
 
     def commands(self, name: bytes) -> int:
@@ -36,12 +38,14 @@ class ReplyCutter:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.connections += 1
         cutting = False
 
         async def upward() -> None:
             nonlocal cutting
             while data := await reader.read(65536):
                 self.sent += data
+                self.writes += 1
                 cutting = cutting or (self.cut and (self.match is None or self.match in data))
                 up_writer.write(data)
                 await up_writer.drain()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import math
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -147,17 +149,34 @@ class ScriptBatch:
 class Coalescer:
     """Scripts that many concurrent calls run go to Redis together: each call awaits
     its own reply, and what the calls of one event-loop turn (and of the turns while a
-    batch is in flight) ask for leaves as one pipeline. Under load, hundreds of calls
-    share a round trip and redis-py's per-execute cost; idle, a call waits for nothing
-    but its own round trip. One per asyncio client (and so per event loop).
+    batch is in flight) ask for leaves as one write. Under load, hundreds of calls
+    share a round trip; idle, a call waits for nothing but its own round trip. One per
+    asyncio client (and so per event loop).
 
-    A reply that is an error fails only its own call; a connection error fails every
-    call of that batch (each sees the RedisError)."""
+    Batches go one at a time, so the coalescer keeps one connection of its own and
+    talks to it directly: one write of the packed EVALSHAs, then the replies read in
+    order under one deadline for the batch. redis-py's pipeline (a pool checkout and
+    release with their locks and bookkeeping, a retry wrapper, a task per write and a
+    timer per reply, reply callbacks) had cost more than the scripts' own packing and
+    parsing. A connection idle for a while is checked before use (Redis may have
+    restarted meanwhile), as the pool checks the ones it hands out; nothing is sent
+    twice: a batch that fails fails its calls (each sees the RedisError), and the
+    next batch reconnects.
+
+    A reply that is an error fails only its own call; a script Redis does not know
+    (first use, or after a restart) is run once more with EVAL, which caches it."""
+
+    IDLE_CHECK_S = 1.0
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
         self._queued: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]] = []
         self._flushing: asyncio.Task[None] | None = None
+        pool = client.connection_pool
+        # The batch's deadline replaces the connection's per-read timeouts.
+        self._timeout = float(pool.connection_kwargs.get("socket_timeout") or 10.0)
+        self._conn: aioredis.Connection | None = None
+        self._used = 0.0
 
     def script(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """The script's reply, as a future to await."""
@@ -172,11 +191,8 @@ class Coalescer:
             while self._queued:
                 await asyncio.sleep(0)  # let this turn's other calls add theirs
                 calls, self._queued = self._queued, []
-                batch = ScriptBatch(self.client)
-                for source, keys, args, _ in calls:
-                    batch.script(source, keys, args)
                 try:
-                    replies = await batch.run_async(raise_errors=False)
+                    replies = await self._run(calls)
                 except Exception as exc:  # the connection: every call of the batch fails
                     for *_, future in calls:
                         if not future.done():
@@ -191,6 +207,65 @@ class Coalescer:
                         future.set_result(reply)
         finally:
             self._flushing = None
+
+    async def _connection(self) -> aioredis.Connection:
+        conn = self._conn
+        if conn is not None and time.monotonic() - self._used > self.IDLE_CHECK_S:
+            try:
+                if await conn.can_read():  # unread data on an idle connection: unusable
+                    raise redis.ConnectionError("unexpected data")
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                await conn.disconnect(nowait=True)
+                conn = None
+        if conn is None:
+            pool = self.client.connection_pool
+            conn = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
+            self._conn = conn
+        if not conn.is_connected:
+            await conn.connect()
+        return conn
+
+    async def _run(self, calls: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]]
+                   ) -> list[Any]:
+        """The batch's replies, in order; a reply that is an error is its exception."""
+        replies: list[Any] = []
+        try:
+            async with asyncio.timeout(self._timeout):  # connecting included
+                conn = await self._connection()
+                await conn.send_packed_command(conn.pack_commands(
+                    [("EVALSHA", sha1(source), len(keys), *keys, *args)
+                     for source, keys, args, _ in calls]), check_health=False)
+                for _ in calls:
+                    try:
+                        replies.append(await conn.read_response(timeout=math.inf))
+                    except redis.ResponseError as exc:
+                        replies.append(exc)
+        except BaseException as exc:
+            # A reply half read, or one never read: the connection cannot be reused.
+            dead, self._conn = self._conn, None
+            if dead is not None:
+                await dead.disconnect(nowait=True)
+            if isinstance(exc, TimeoutError) and not isinstance(exc, redis.RedisError):
+                raise redis.TimeoutError(
+                    f"Redis did not answer {len(calls)} script calls within "
+                    f"{self._timeout:g} s") from None
+            raise
+        finally:
+            self._used = time.monotonic()
+        for i, reply in enumerate(replies):
+            if isinstance(reply, NoScriptError):
+                source, keys, args, _ = calls[i]
+                try:
+                    replies[i] = await self.client.eval(source, len(keys), *keys, *args)
+                except redis.ResponseError as exc:
+                    replies[i] = exc
+        return replies
+
+    async def aclose(self) -> None:
+        """Close the coalescer's connection (its client's pool is the caller's)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.disconnect()
 
 
 @functools.cache

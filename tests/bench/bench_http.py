@@ -121,14 +121,18 @@ FRONT = ("sluice", "grpc")
 
 
 def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
-                 output: Path | None = None) -> None:
+                 output: Path | None = None,
+                 prefix: Callable[[str], list[str]] = lambda name: []) -> None:
     """The gateway (`http`: its server command), an echo worker, and the audit writer;
-    their output goes to `output` when given."""
+    their output goes to `output` when given; `prefix(name)` goes before a process's
+    command (a profiler's)."""
     manage = [sys.executable, str(REPO / "manage.py")]
-    group.start("sluice", http, output=output)
-    group.start("worker", [*manage, "runworker", "--deployment", "echo"], output=output)
+    group.start("sluice", [*prefix("sluice"), *http], output=output)
+    group.start("worker", [*prefix("worker"), *manage, "runworker", "--deployment", "echo"],
+                output=output)
     if audit:
-        group.start("auditwriter", [*manage, "auditwriter"], output=output)
+        group.start("auditwriter", [*prefix("auditwriter"), *manage, "auditwriter"],
+                    output=output)
 
 
 def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None,

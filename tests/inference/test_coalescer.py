@@ -1,0 +1,119 @@
+"""The Coalescer (platform/sluice/redis.py), which sends the gateway's admission and
+enqueue scripts: concurrent calls' scripts leave in one write on the coalescer's own
+connection, errors stay with their call, and a dead or stalled connection costs one
+batch at most. Against the real Redis, through a counting relay."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from sluice.redis import Coalescer
+from tests.replycutter import ReplyCutter
+
+ECHO_LUA = "return {KEYS[1], ARGV[1]}"
+REFUSE_LUA = "return redis.error_reply('REFUSED ' .. ARGV[1])"
+
+
+def through_relay(redis_url: str, scenario: Callable[[Coalescer, ReplyCutter],
+                                                     Awaitable[Any]]) -> Any:
+    url = urlsplit(redis_url)
+
+    async def main() -> Any:
+        cutter = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
+        port = await cutter.start()
+        client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/{url.path[1:] or 0}",
+                                         socket_timeout=5)
+        coalescer = Coalescer(client)
+        try:
+            return await scenario(coalescer, cutter)
+        finally:
+            await coalescer.aclose()
+            await client.aclose()
+            await cutter.close()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_scripts_leave_in_one_write_and_an_error_fails_only_its_call(
+        redis_url: str, rds: redis.Redis) -> None:
+    rds.script_load(ECHO_LUA)
+    rds.script_load(REFUSE_LUA)
+
+    async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
+        assert await coalescer.script(ECHO_LUA, ["first"], [0]) == [b"first", b"0"]
+        writes = cutter.writes  # the connection's set-up and the first call
+        calls = [coalescer.script(ECHO_LUA, [f"k{i}"], [i]) for i in range(50)]
+        calls.insert(25, coalescer.script(REFUSE_LUA, ["k"], ["this one"]))
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        refused = replies.pop(25)
+        assert isinstance(refused, redis.ResponseError) and "REFUSED this one" in str(refused)
+        assert replies == [[f"k{i}".encode(), str(i).encode()] for i in range(50)]
+        assert cutter.commands(b"EVALSHA") == 52 and cutter.commands(b"EVAL") == 0
+        assert cutter.writes == writes + 1, "one write for the whole batch"
+        # Later batches reuse the coalescer's one connection.
+        assert await coalescer.script(ECHO_LUA, ["again"], [1]) == [b"again", b"1"]
+        assert cutter.connections == 1 and cutter.writes == writes + 2
+
+    through_relay(redis_url, scenario)
+
+
+def test_a_script_redis_does_not_know_runs_once_more_with_eval(
+        redis_url: str, rds: redis.Redis) -> None:
+    async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
+        rds.script_flush()
+        assert await coalescer.script(ECHO_LUA, ["k"], ["v"]) == [b"k", b"v"]
+        assert cutter.commands(b"EVALSHA") == 1 and cutter.commands(b"EVAL") == 1
+        assert await coalescer.script(ECHO_LUA, ["k"], ["w"]) == [b"k", b"w"]  # cached now
+        assert cutter.commands(b"EVALSHA") == 2 and cutter.commands(b"EVAL") == 1
+
+    through_relay(redis_url, scenario)
+
+
+@pytest.mark.parametrize("idle_check", [True, False])
+def test_a_connection_closed_while_idle(redis_url: str, rds: redis.Redis,
+                                        idle_check: bool) -> None:
+    """Redis closed the coalescer's connection (a restart, an idle timeout) while no
+    batch was in flight. Idle long enough to be checked, the next batch reconnects
+    first; not checked (busy until just now), that batch fails retriably (RedisError)
+    and the one after it reconnects. Nothing is sent twice."""
+    rds.script_load(ECHO_LUA)
+
+    async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
+        assert await coalescer.script(ECHO_LUA, ["k"], [1]) == [b"k", b"1"]
+        rds.client_kill_filter(_type="normal", skipme=True)  # the relay's upstream too
+        await asyncio.sleep(0.2)
+        coalescer.IDLE_CHECK_S = 0.1 if idle_check else 60.0
+        if idle_check:
+            assert await coalescer.script(ECHO_LUA, ["k"], [2]) == [b"k", b"2"]
+        else:
+            with pytest.raises(redis.ConnectionError):
+                await coalescer.script(ECHO_LUA, ["k"], [2])
+            assert await coalescer.script(ECHO_LUA, ["k"], [3]) == [b"k", b"3"]
+        assert cutter.connections == 2
+        # The failed batch is not sent again (it may not have reached the relay).
+        assert cutter.commands(b"EVALSHA") in ((2,) if idle_check else (2, 3))
+
+    through_relay(redis_url, scenario)
+
+
+def test_a_batch_redis_does_not_answer_in_time_fails_retriably_and_the_next_runs(
+        redis_url: str, rds: redis.Redis) -> None:
+    rds.script_load(ECHO_LUA)
+
+    async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
+        assert await coalescer.script(ECHO_LUA, ["k"], ["before"]) == [b"k", b"before"]
+        coalescer._timeout = 0.2
+        rds.client_pause(700, all=True)
+        with pytest.raises(redis.TimeoutError):  # a RedisError: the adapters answer 503
+            await asyncio.gather(*(coalescer.script(ECHO_LUA, ["k"], [i]) for i in range(3)))
+        await asyncio.sleep(0.6)
+        assert await coalescer.script(ECHO_LUA, ["k"], ["after"]) == [b"k", b"after"]
+
+    through_relay(redis_url, scenario)
