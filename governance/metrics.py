@@ -78,20 +78,33 @@ SHED = Counter("sluice_load_shed", "Calls refused to protect a deployment.",
                ["model", "reason"])
 
 _REFUSALS: dict[str, Callable[[str], None]] = {
-    "rate_limit_requests": lambda m: RATELIMITED.labels(m, "requests").inc(),
-    "rate_limit_tokens": lambda m: RATELIMITED.labels(m, "tokens").inc(),
-    "tenant_queue_full": lambda m: RATELIMITED.labels(m, "tenant_queue").inc(),
-    "quota_exceeded": lambda m: QUOTA_REFUSED.labels(m).inc(),
-    "load_shed": lambda m: SHED.labels(m, "load_shed").inc(),
-    "circuit_open": lambda m: SHED.labels(m, "circuit_open").inc(),
-    "memory_pressure": lambda m: SHED.labels(m, "memory_pressure").inc(),
+    "rate_limit_requests": lambda m: _child(RATELIMITED, m, "requests").inc(),
+    "rate_limit_tokens": lambda m: _child(RATELIMITED, m, "tokens").inc(),
+    "tenant_queue_full": lambda m: _child(RATELIMITED, m, "tenant_queue").inc(),
+    "quota_exceeded": lambda m: _child(QUOTA_REFUSED, m).inc(),
+    "load_shed": lambda m: _child(SHED, m, "load_shed").inc(),
+    "circuit_open": lambda m: _child(SHED, m, "circuit_open").inc(),
+    "memory_pressure": lambda m: _child(SHED, m, "memory_pressure").inc(),
 }
+
+
+# Each labelled child once: `labels()` (validation, a lock, string conversion) was ~2% of
+# a governed call. Bounded as the labels are (resolved deployments, our own routes).
+_children: dict[tuple[Any, tuple[Any, ...]], Any] = {}
+
+
+def _child(metric: Any, *values: Any) -> Any:
+    key = (metric, values)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*values)
+    return child
 
 
 def observe_request(route: str, protocol: str, model: str, status: int,
                     seconds: float) -> None:
-    REQUESTS.labels(route, protocol, model, str(status)).inc()
-    DURATION.labels(route, protocol, model).observe(seconds)
+    _child(REQUESTS, route, protocol, model, status).inc()
+    _child(DURATION, route, protocol, model).observe(seconds)
 
 
 def observe_refusal(model: str, code: str | None) -> None:
@@ -104,13 +117,13 @@ def observe_refusal(model: str, code: str | None) -> None:
 def observe_generation(model: str, *, ttft_s: float | None, decode_s: float,
                        prompt_tokens: int, completion_tokens: int) -> None:
     if ttft_s is not None:
-        TTFT.labels(model).observe(ttft_s)
+        _child(TTFT, model).observe(ttft_s)
     if completion_tokens > 1 and decode_s > 0:
-        TOKENS_PER_S.labels(model).observe((completion_tokens - 1) / decode_s)
+        _child(TOKENS_PER_S, model).observe((completion_tokens - 1) / decode_s)
     if prompt_tokens:
-        TOKENS.labels(model, "prompt").inc(prompt_tokens)
+        _child(TOKENS, model, "prompt").inc(prompt_tokens)
     if completion_tokens:
-        TOKENS.labels(model, "completion").inc(completion_tokens)
+        _child(TOKENS, model, "completion").inc(completion_tokens)
 
 
 # -- cluster state ------------------------------------------------------------------
