@@ -22,11 +22,12 @@ import redis.asyncio as aioredis
 from inference import queue as q
 from inference.spec import DeploymentSpec
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
-from sluice.redis import Coalescer, fast_pool_options, reconnecting
+from sluice.redis import Coalescer, DirectConnection, fast_pool_options, reconnecting
 
 logger = logging.getLogger("sluice.inference")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
 _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
+_TRIM_EVERY_S = 0.1  # how often the router trims the events it has read
 _EXPIRED: dict[str, Any] = {"t": "expired"}  # put in a request's queue at its deadline
 
 
@@ -84,9 +85,12 @@ class InferenceClient:
             redis_url, max_connections=max_connections, timeout=10, socket_timeout=10,
             socket_connect_timeout=5, **fast_pool_options(redis_url), **reconnecting())
         self.redis = aioredis.Redis(connection_pool=pool)
-        # The router's blocking read gets its own connection and a longer timeout.
+        # Blocking reads (the router's, replays) get their own connections and a longer
+        # timeout; the router reads on a direct connection of its own.
         self._reader = aioredis.Redis.from_url(redis_url, socket_timeout=30,
                                                socket_connect_timeout=5, **reconnecting())
+        self._routing = DirectConnection(self._reader)
+        self._trim_due = 0.0
         self.gateway_id = gateway_id or token_hex(8)
         self.key = q.gateway_key(self.gateway_id)
         self._waiting: dict[str, asyncio.Queue[dict[str, Any]]] = {}
@@ -119,6 +123,7 @@ class InferenceClient:
         with contextlib.suppress(Exception):
             await self.redis.delete(self.key)
         await self.scripts.aclose()
+        await self._routing.aclose()
         await self.redis.aclose()
         await self._reader.aclose()
 
@@ -134,21 +139,30 @@ class InferenceClient:
                 await asyncio.sleep(0.2)
 
     async def _route_once(self) -> None:
-        reply = await self._reader.xread({self.key: self._last_id}, block=_ROUTER_BLOCK_MS,
-                                         count=1000)
-        for _key, entries in reply or []:
+        [reply] = await self._routing.run([(
+            "XREAD", "COUNT", 1000, "BLOCK", _ROUTER_BLOCK_MS, "STREAMS", self.key,
+            self._last_id)])
+        if isinstance(reply, Exception):
+            raise reply
+        # Redis's own reply: {key: [[id, [field, value, ...]], ...]} (RESP3, redis-py's
+        # default), or [[key, entries]] (RESP2).
+        for _key, entries in (reply.items() if isinstance(reply, dict) else reply or []):
             for msg_id, fields in entries:
                 self._last_id = msg_id.decode()
-                for rid, event in orjson.loads(fields[b"b"]):
+                for rid, event in orjson.loads(fields[fields.index(b"b") + 1]):
                     waiting = self._waiting.get(rid)
                     if waiting is not None:
                         waiting.put_nowait(event)
-        if reply:
-            # Our own stream: keep it short and let it vanish if this process dies.
-            pipe = self._reader.pipeline(transaction=False)
-            pipe.xtrim(self.key, minid=self._last_id)
-            pipe.expire(self.key, 3600)
-            await pipe.execute()
+        if reply and time.monotonic() >= self._trim_due:
+            # Our own stream: keep it short and let it vanish if this process dies. At
+            # most every _TRIM_EVERY_S, not after every read (a read under load brings
+            # an event or two, and the trim had cost as much as the read).
+            self._trim_due = time.monotonic() + _TRIM_EVERY_S
+            for answer in await self._routing.run([
+                    ("XTRIM", self.key, "MINID", self._last_id),
+                    ("EXPIRE", self.key, 3600)]):
+                if isinstance(answer, Exception):
+                    raise answer
 
     def _forget(self, rid: str) -> None:
         self._waiting.pop(rid, None)

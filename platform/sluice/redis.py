@@ -146,37 +146,100 @@ class ScriptBatch:
         return list(replies)
 
 
+class DirectConnection:
+    """One Redis connection for a single task's sequential round trips (the Coalescer's
+    batches, the result router's reads), used directly instead of through the client's
+    pool: one write of the packed commands, then the replies read in order under one
+    deadline. redis-py's per-command path (a pool checkout and release with their locks
+    and bookkeeping, a task per write and a timer per reply, reply callbacks) had cost
+    more than the commands' own packing and parsing. Replies are Redis's raw ones.
+
+    A connection idle for a while is checked before use (Redis may have restarted
+    meanwhile), as the pool checks the ones it hands out. Nothing is sent twice: a round
+    trip that fails raises a RedisError (a deadline too: redis.TimeoutError) and drops
+    the connection; the next one reconnects."""
+
+    IDLE_CHECK_S = 1.0
+
+    def __init__(self, client: aioredis.Redis, *, timeout_s: float | None = None) -> None:
+        pool = client.connection_pool
+        self._class = pool.connection_class
+        # The round trip's deadline replaces the connection's per-read timeouts.
+        self._kwargs = {**pool.connection_kwargs, "socket_timeout": None}
+        self.timeout_s = float(timeout_s or pool.connection_kwargs.get("socket_timeout")
+                               or 10.0)
+        self._conn: aioredis.Connection | None = None
+        self._used = 0.0
+
+    async def _connection(self) -> aioredis.Connection:
+        conn = self._conn
+        if conn is not None and time.monotonic() - self._used > self.IDLE_CHECK_S:
+            try:
+                if await conn.can_read():  # unread data on an idle connection: unusable
+                    raise redis.ConnectionError("unexpected data")
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                await conn.disconnect(nowait=True)
+                conn = None
+        if conn is None:
+            conn = self._conn = self._class(**self._kwargs)
+        if not conn.is_connected:
+            await conn.connect()
+        return conn
+
+    async def run(self, commands: Sequence[Sequence[Any]], *,
+                  timeout_s: float | None = None) -> list[Any]:
+        """The replies to `commands`, in order; a reply that is an error is returned as
+        its exception (redis.ResponseError). `timeout_s`: this round trip's deadline
+        (connecting included), when not the default."""
+        deadline = self.timeout_s if timeout_s is None else timeout_s
+        replies: list[Any] = []
+        try:
+            async with asyncio.timeout(deadline):
+                conn = await self._connection()
+                await conn.send_packed_command(conn.pack_commands(commands),
+                                               check_health=False)
+                for _ in commands:
+                    try:
+                        replies.append(await conn.read_response(timeout=math.inf))
+                    except redis.ResponseError as exc:
+                        replies.append(exc)
+        except BaseException as exc:
+            # A reply half read, or one never read: the connection cannot be reused.
+            dead, self._conn = self._conn, None
+            if dead is not None:
+                await dead.disconnect(nowait=True)
+            if isinstance(exc, TimeoutError) and not isinstance(exc, redis.RedisError):
+                raise redis.TimeoutError(f"Redis did not answer {len(commands)} "
+                                         f"command(s) within {deadline:g} s") from None
+            raise
+        finally:
+            self._used = time.monotonic()
+        return replies
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.disconnect()
+
+
 class Coalescer:
     """Scripts that many concurrent calls run go to Redis together: each call awaits
     its own reply, and what the calls of one event-loop turn (and of the turns while a
     batch is in flight) ask for leaves as one write. Under load, hundreds of calls
     share a round trip; idle, a call waits for nothing but its own round trip. One per
-    asyncio client (and so per event loop).
+    asyncio client (and so per event loop). Batches go one at a time, on a
+    DirectConnection of the coalescer's own.
 
-    Batches go one at a time, so the coalescer keeps one connection of its own and
-    talks to it directly: one write of the packed EVALSHAs, then the replies read in
-    order under one deadline for the batch. redis-py's pipeline (a pool checkout and
-    release with their locks and bookkeeping, a retry wrapper, a task per write and a
-    timer per reply, reply callbacks) had cost more than the scripts' own packing and
-    parsing. A connection idle for a while is checked before use (Redis may have
-    restarted meanwhile), as the pool checks the ones it hands out; nothing is sent
-    twice: a batch that fails fails its calls (each sees the RedisError), and the
-    next batch reconnects.
-
-    A reply that is an error fails only its own call; a script Redis does not know
-    (first use, or after a restart) is run once more with EVAL, which caches it."""
-
-    IDLE_CHECK_S = 1.0
+    A reply that is an error fails only its own call; a failed round trip fails the
+    calls of its batch (each sees the RedisError) and is not sent again. A script Redis
+    does not know (first use, or after a restart) is run once more with EVAL, which
+    caches it."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
+        self.connection = DirectConnection(client)
         self._queued: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]] = []
         self._flushing: asyncio.Task[None] | None = None
-        pool = client.connection_pool
-        # The batch's deadline replaces the connection's per-read timeouts.
-        self._timeout = float(pool.connection_kwargs.get("socket_timeout") or 10.0)
-        self._conn: aioredis.Connection | None = None
-        self._used = 0.0
 
     def script(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """The script's reply, as a future to await."""
@@ -208,50 +271,11 @@ class Coalescer:
         finally:
             self._flushing = None
 
-    async def _connection(self) -> aioredis.Connection:
-        conn = self._conn
-        if conn is not None and time.monotonic() - self._used > self.IDLE_CHECK_S:
-            try:
-                if await conn.can_read():  # unread data on an idle connection: unusable
-                    raise redis.ConnectionError("unexpected data")
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                await conn.disconnect(nowait=True)
-                conn = None
-        if conn is None:
-            pool = self.client.connection_pool
-            conn = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
-            self._conn = conn
-        if not conn.is_connected:
-            await conn.connect()
-        return conn
-
     async def _run(self, calls: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]]
                    ) -> list[Any]:
-        """The batch's replies, in order; a reply that is an error is its exception."""
-        replies: list[Any] = []
-        try:
-            async with asyncio.timeout(self._timeout):  # connecting included
-                conn = await self._connection()
-                await conn.send_packed_command(conn.pack_commands(
-                    [("EVALSHA", sha1(source), len(keys), *keys, *args)
-                     for source, keys, args, _ in calls]), check_health=False)
-                for _ in calls:
-                    try:
-                        replies.append(await conn.read_response(timeout=math.inf))
-                    except redis.ResponseError as exc:
-                        replies.append(exc)
-        except BaseException as exc:
-            # A reply half read, or one never read: the connection cannot be reused.
-            dead, self._conn = self._conn, None
-            if dead is not None:
-                await dead.disconnect(nowait=True)
-            if isinstance(exc, TimeoutError) and not isinstance(exc, redis.RedisError):
-                raise redis.TimeoutError(
-                    f"Redis did not answer {len(calls)} script calls within "
-                    f"{self._timeout:g} s") from None
-            raise
-        finally:
-            self._used = time.monotonic()
+        replies = await self.connection.run(
+            [("EVALSHA", sha1(source), len(keys), *keys, *args)
+             for source, keys, args, _ in calls])
         for i, reply in enumerate(replies):
             if isinstance(reply, NoScriptError):
                 source, keys, args, _ = calls[i]
@@ -263,9 +287,7 @@ class Coalescer:
 
     async def aclose(self) -> None:
         """Close the coalescer's connection (its client's pool is the caller's)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            await conn.disconnect()
+        await self.connection.aclose()
 
 
 @functools.cache

@@ -89,7 +89,7 @@ def test_a_connection_closed_while_idle(redis_url: str, rds: redis.Redis,
         assert await coalescer.script(ECHO_LUA, ["k"], [1]) == [b"k", b"1"]
         rds.client_kill_filter(_type="normal", skipme=True)  # the relay's upstream too
         await asyncio.sleep(0.2)
-        coalescer.IDLE_CHECK_S = 0.1 if idle_check else 60.0
+        coalescer.connection.IDLE_CHECK_S = 0.1 if idle_check else 60.0
         if idle_check:
             assert await coalescer.script(ECHO_LUA, ["k"], [2]) == [b"k", b"2"]
         else:
@@ -109,7 +109,7 @@ def test_a_batch_redis_does_not_answer_in_time_fails_retriably_and_the_next_runs
 
     async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
         assert await coalescer.script(ECHO_LUA, ["k"], ["before"]) == [b"k", b"before"]
-        coalescer._timeout = 0.2
+        coalescer.connection.timeout_s = 0.2
         rds.client_pause(700, all=True)
         with pytest.raises(redis.TimeoutError):  # a RedisError: the adapters answer 503
             await asyncio.gather(*(coalescer.script(ECHO_LUA, ["k"], [i]) for i in range(3)))

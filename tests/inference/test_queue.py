@@ -439,6 +439,40 @@ def test_gateway_backfills_events_lost_on_its_own_stream(redis_url: str,
     run(go, redis_url)
 
 
+def test_the_router_trims_what_it_read_from_its_stream_at_most_every_interval(
+        redis_url: str, rds: redis.Redis) -> None:
+    """The router deletes the entries it has routed from the gateway's stream (and keeps
+    an expiry on it, so it vanishes with a dead gateway), but not after every read: at
+    most every `_TRIM_EVERY_S`."""
+    from inference import client as client_module
+
+    spec = echo()
+
+    async def go(client: InferenceClient) -> None:
+        key = q.gateway_key(client.gateway_id)
+
+        async def routed(text: str) -> None:
+            handle = await client.submit(spec, tenant="t", body=chat(text))
+            done = {"t": "done", "seq": 0, "finish": "stop",
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 0}}
+            rds.xadd(key, {"b": f'[["{handle.rid}",{q.encode_event(done)}]]'})
+            assert (await collect(handle)).final["finish"] == "stop"
+
+        # (XTRIM MINID keeps the last entry read: the trim removes those before it.)
+        await routed("first")
+        await asyncio.sleep(0.05)
+        assert rds.xlen(key) == 1 and 0 < rds.ttl(key) <= 3600  # read, trimmed
+        await routed("second")  # within the interval: routed, not trimmed yet
+        await asyncio.sleep(0.05)
+        assert rds.xlen(key) == 2
+        await asyncio.sleep(client_module._TRIM_EVERY_S)
+        await routed("third")  # the next read after the interval trims the earlier two
+        await asyncio.sleep(0.05)
+        assert rds.xlen(key) == 1
+
+    run(go, redis_url)
+
+
 def test_emptied_streams_stay_watched_then_are_forgotten(thread_worker: StartWorker,
                                                          redis_url: str,
                                                          rds: redis.Redis) -> None:
