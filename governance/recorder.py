@@ -3,7 +3,8 @@
 Per-call work (a quota settlement, a token-bucket correction, a probe's verdict) is
 queued and written by one flusher task per gateway process, in one pipeline with
 whatever else is pending ("group commit": under load, hundreds of calls share a round
-trip; idle, a call's settlement is written within a round trip of its end). The quota
+trip). A probe's verdict is written within a round trip of its call's end, the rest
+within FLUSH_S. The quota
 settlements of calls with the same quotas go in one script call (each reservation is
 still settled once, by its rid); token-bucket corrections are summed per bucket and
 written in one script call per tenant: the buckets' levels are the same as with one call
