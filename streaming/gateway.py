@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,34 +228,37 @@ def error_from_event(event: dict[str, Any]) -> ApiError:
 
 class Gateway:
     def __init__(self) -> None:
-        self._client: InferenceClient | None = None
-        self._governor: Governor | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # One client and governor per event loop: their connections and tasks belong to
+        # the loop that made them. A server has one loop; a process that runs several at
+        # once (a test's loop beside a server thread's, a restarted server) gets one set
+        # each, instead of one loop's calls replacing another's client under it.
+        self._per_loop: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[InferenceClient, Governor]] = \
+            weakref.WeakKeyDictionary()
+
+    def _state(self) -> tuple[InferenceClient, Governor]:
+        loop = asyncio.get_running_loop()
+        state = self._per_loop.get(loop)
+        if state is None:
+            client = InferenceClient(settings.REDIS_URL)
+            state = self._per_loop[loop] = (client, Governor(client))
+        return state
 
     @property
     def client(self) -> InferenceClient:
-        # One client per event loop: its connections and router task belong to the loop
-        # that created them (a server restarted in the same process gets a new one).
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._loop is not loop:
-            self._client = InferenceClient(settings.REDIS_URL)
-            self._governor = Governor(self._client)
-            self._loop = loop
-        return self._client
+        return self._state()[0]
 
     @property
     def governor(self) -> Governor:
-        client = self.client
-        assert self._governor is not None and self._governor.client is client  # noqa: S101
-        return self._governor
+        return self._state()[1]
 
     async def close(self) -> None:
-        if self._governor is not None:
-            await self._governor.close()
-            self._governor = None
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        """Settle and write what this loop's calls reported, and close its client."""
+        state = self._per_loop.pop(asyncio.get_running_loop(), None)
+        if state is not None:
+            client, governor = state
+            await governor.close()
+            await client.close()
 
     async def _submit(self, principal: Principal, spec: DeploymentSpec,
                       body: dict[str, Any], admission: Admission,

@@ -5,7 +5,6 @@ queue message)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
 from tests.streaming.test_grpc import call
-from tests.streaming.test_websocket import frames_until, socket
+from tests.streaming.test_websocket import frames_until, in_loop, socket
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +146,7 @@ def test_a_websocket_request_is_one_trace_from_frame_to_batch(
         await ws.disconnect()
         return frames
 
-    frames = asyncio.run(go())
+    frames = in_loop(go)
     assert frames[-1]["type"] == "chat.done"
     name = "chat.request /v1/realtime"
     # The socket authenticated once, at connect: a frame's trace has no auth stage.

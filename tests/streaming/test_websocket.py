@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 import websockets
@@ -21,6 +22,20 @@ from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
+T = TypeVar("T")
+
+
+def in_loop(go: Callable[[], Awaitable[T]]) -> T:
+    """Run a communicator scenario in a fresh event loop. The consumers' gateway state
+    for that loop (its Redis client, result router and recorder) is closed before the
+    loop ends: settled and written, with nothing left for the loop's teardown to cancel."""
+    async def main() -> T:
+        try:
+            return await go()
+        finally:
+            await shared_gateway().close()
+
+    return asyncio.run(main())
 
 
 @pytest.fixture
@@ -65,7 +80,7 @@ def test_auth_at_connect(org: Org) -> None:
         denied = json.loads(await auditor.receive_from())
         closed2 = await auditor.receive_output()
         return first, closed, denied, closed2
-    first, closed, denied, closed2 = asyncio.run(go())
+    first, closed, denied, closed2 = in_loop(go)
     assert first["type"] == "error" and first["error"]["type"] == "authentication_error"
     assert closed == {"type": "websocket.close", "code": 4401}
     assert denied["error"]["type"] == "permission_error" and closed2["code"] == 4403
@@ -83,7 +98,7 @@ def test_concurrent_requests_on_one_socket(org: Org) -> None:
         frames = await frames_until(ws, {"a", "b", "e"})
         await ws.disconnect()
         return frames
-    frames = asyncio.run(go())
+    frames = in_loop(go)
     text = {rid: "".join(f["delta"] for f in frames if f["id"] == rid and
                          f["type"] == "chat.delta") for rid in ("a", "b")}
     assert text == {"a": "first request", "b": "second one"}
@@ -112,7 +127,7 @@ def test_bad_frames_get_errors_and_the_socket_stays(org: Org) -> None:
         out += await frames_until(ws, {"ok"})
         await ws.disconnect()
         return out
-    out = asyncio.run(go())
+    out = in_loop(go)
     assert [f["type"] for f in out[:5]] == ["error"] * 5
     assert out[0]["error"]["code"] == "invalid_json" and out[1]["error"]["param"] == "id"
     assert out[3]["id"] == "m" and out[3]["error"]["code"] == "model_not_found"
@@ -142,10 +157,8 @@ def test_cancel_frame_and_disconnect_stop_the_generation(org: Org, live: Live) -
         while worker.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         after_close = not worker.active
-        # this loop ends with the test: settle and write what its calls reported
-        await shared_gateway().close()
         return [first, {"cancelled": cancelled_in_time, "after_close": after_close}]
-    first, result = asyncio.run(go())
+    first, result = in_loop(go)
     assert first["type"] == "chat.delta"
     assert result == {"cancelled": True, "after_close": True}
     audit.drain()
