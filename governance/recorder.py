@@ -4,16 +4,15 @@ Per-call work (a quota settlement, a token-bucket correction, a probe's verdict)
 queued and written by one flusher task per gateway process, in one pipeline with
 whatever else is pending ("group commit": under load, hundreds of calls share a round
 trip). A probe's verdict is written within a round trip of its call's end, the rest
-within FLUSH_S. The quota
-settlements of calls with the same quotas go in one script call (each reservation is
-still settled once, by its rid); token-bucket corrections are summed per bucket and
-written in one script call per tenant: the buckets' levels are the same as with one call
-per request (a forced debit has no check; only a refund to a bucket that is already
-full differs, by the part the cap would have cut). Counters
-that only need totals are summed in-process and written at most every FLUSH_S: usage
-for billing, the latency histograms of the adaptive limits, and the outcomes that feed
-the breakers (one script call per deployment per flush, so a breaker reacts within
-FLUSH_S). Audit events ride along: appended to the audit stream with each flush.
+within FLUSH_S. The quota settlements of calls with the same quotas go in one script
+call (each reservation is still settled once, by its rid); token-bucket corrections are
+summed per bucket and written in one script call per tenant: the buckets' levels are the
+same as with one call per request (a forced debit has no check; only a refund to a
+bucket that is already full differs, by the part the cap would have cut). Counters that
+only need totals are summed in-process and written at most every FLUSH_S: usage for
+billing, the latency histograms of the adaptive limits, and the outcomes that feed the
+breakers (one script call per deployment per flush, so a breaker reacts within FLUSH_S).
+Audit events ride along: appended to the audit stream with each flush.
 
 A gateway that crashes loses at most FLUSH_S of these counters and audit events; its
 open reservations expire at their deadline. A flush that fails because Redis is away
