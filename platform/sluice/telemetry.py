@@ -133,10 +133,11 @@ def span_context_of(value: str) -> trace.SpanContext | None:
 
 def child_span(name: str, parent: Context, attributes: dict[str, Any]) -> trace.Span:
     """A span under `parent` that is not made current (ended by the caller); in an
-    unsampled trace, a non-recording stand-in with the parent's ids."""
+    unsampled trace, the parent's own non-recording span (a stand-in would carry the
+    same ids, and ending or annotating it does nothing either way)."""
     current = trace.get_current_span(parent)
-    if current.get_span_context().is_valid and not current.is_recording():
-        return trace.NonRecordingSpan(current.get_span_context())
+    if not current.is_recording() and current.get_span_context().is_valid:
+        return current
     return tracer.start_span(name, context=parent, attributes=attributes)
 
 
