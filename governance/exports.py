@@ -5,8 +5,10 @@ renamed)."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +81,28 @@ def run(export_id: int) -> str:
         raise
 
 
+class ChunkedFileResponse(FileResponse):
+    """A file download that an ASGI server sends a chunk at a time. Django's own
+    FileResponse, served by its ASGI handler, first reads the whole file into memory
+    (its synchronous iterator consumed in one go, with a warning): an export of
+    millions of events would be held whole for each download. Here each chunk is read
+    in a thread as the previous one is sent; under WSGI it iterates as Django's does."""
+
+    block_size = 64 * 1024
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        chunks = self.streaming_content  # the file, block_size at a time
+        assert isinstance(chunks, Iterator)  # noqa: S101 - a file's reads are synchronous
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield chunk
+
+
 def export_file(export: AuditExport) -> FileResponse:
     """A finished export as a download (409 while it is still running)."""
     if export.status != ExportStatus.DONE:
         raise Conflict(f"The export is {export.status}; download it when it is done.",
                        code="export_not_ready")
     content_type = "text/csv" if export.format == "csv" else "application/x-ndjson"
-    return FileResponse(Path(export.path).open("rb"), as_attachment=True,
-                        filename=f"audit-{export.pk}.{export.format}",
-                        content_type=content_type)
+    return ChunkedFileResponse(Path(export.path).open("rb"), as_attachment=True,
+                               filename=f"audit-{export.pk}.{export.format}",
+                               content_type=content_type)

@@ -12,6 +12,7 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from django.core.management import call_command
@@ -209,6 +210,27 @@ def test_export_runs_on_a_real_celery_worker(org: Org, celery_worker: None) -> N
 
 
 # -- API calls ----------------------------------------------------------------------------
+def test_an_export_download_is_streamed_by_the_asgi_server(
+        live: Live, org: Org, tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    """Served by uvicorn (ASGI), a finished export goes out a chunk at a time, whole and
+    unchanged. Django's FileResponse reads the whole file into memory first there (and
+    warns), for every download of a possibly huge file."""
+    body = b"".join(b'{"seq": %d, "pad": "%s"}\n' % (i, b"x" * 200) for i in range(20_000))
+    path = tmp_path / "audit-big.jsonl"
+    path.write_bytes(body)
+    export = AuditExport.objects.create(tenant=org.tenant, requested_by="test",
+                                        format="jsonl", status="done", path=str(path))
+    url = live.base_url.removesuffix("/v1") + f"/api/v1/audit/exports/{export.pk}/download"
+    with httpx.stream("GET", url, timeout=30,
+                      headers={"Authorization": f"Bearer {org.keys[Role.AUDITOR]}"}) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-length"] == str(len(body))
+        assert "audit-" in reply.headers["content-disposition"]
+        received = b"".join(reply.iter_raw())
+    assert received == body
+    assert not [w for w in recwarn if "consume synchronous iterators" in str(w.message)]
+
+
 def test_api_calls_are_audited_with_redacted_excerpts(live: Live, org: Org) -> None:
     admin = org.client(Role.TENANT_ADMIN)
     unsafe = admin.post("/api/v1/governance/redaction-patterns",
