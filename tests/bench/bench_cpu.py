@@ -28,7 +28,6 @@ import bench_http as bench
 import redis
 
 from sluice.localinfra import free_port
-from sluice.processes import ProcessGroup
 from sluice.servers import http_command
 from tests.procstat import cpu_seconds, process_tree
 
@@ -64,9 +63,7 @@ def main() -> None:
     workers, profile = args.workers, args.profile
     if profile and not Path(sys.executable).with_name("py-spy").exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
-    env, state, private = bench.bench_env()
-    group = ProcessGroup(env)
-    try:
+    with bench.platform() as (env, state, group, private):
         key = bench.seed_demo(env)
         bench.govern_demo(env)
         port = free_port()
@@ -115,10 +112,6 @@ def main() -> None:
                       f"all stacks in {raw})")
                 for share, frame in top_frames(raw):
                     print(f"  {share:6.1%}  {frame[:110]}")
-    finally:
-        group.stop(first=bench.FRONT)
-        if private:
-            private.stop()
 
 
 if __name__ == "__main__":

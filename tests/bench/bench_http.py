@@ -17,6 +17,7 @@ far above what the run reaches), so every request runs the bucket and quota scri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,22 @@ def govern_demo(env: dict[str, str]) -> None:
 # calls a load generator left in flight finish instead of waiting on a stopped worker
 # (and the gateway logging their cancellation at its graceful timeout).
 FRONT = ("sluice", "grpc")
+
+
+@contextlib.contextmanager
+def platform(**extra_env: str) -> Iterator[tuple[dict[str, str], str, ProcessGroup, Any]]:
+    """`bench_env()` (plus `extra_env`) and a process group on it: (environment, state
+    dir, group, private Redis or None). At the end the group is stopped, servers first,
+    and a private Redis with it."""
+    env, state, private = bench_env()
+    env.update(extra_env)
+    group = ProcessGroup(env)
+    try:
+        yield env, state, group, private
+    finally:
+        group.stop(first=FRONT)
+        if private:
+            private.stop()
 
 
 def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,

@@ -37,7 +37,6 @@ from pathlib import Path
 import bench_http as bench
 
 from sluice.localinfra import free_port
-from sluice.processes import ProcessGroup
 from sluice.servers import http_command
 
 BODY = b'{"model": "echo", "messages": [{"role": "user", "content": "hello"}]}'
@@ -99,21 +98,18 @@ def main() -> None:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         sys.exit("valgrind is needed: apt-get install valgrind")
     counted = set(args.only.split(","))
-    env, state, private = bench.bench_env()
     # The same hashes every run: dict and set layouts, so the same paths, both sides.
-    env["PYTHONHASHSEED"] = "0"
-    out = Path(state) / "callgrind"
-    out.mkdir()
+    with bench.platform(PYTHONHASHSEED="0") as (env, state, group, _private):
+        out = Path(state) / "callgrind"
+        out.mkdir()
 
-    def under_valgrind(name: str) -> list[str]:
-        if name not in counted:
-            return []
-        return ["valgrind", "-q", "--tool=callgrind", "--instr-atstart=no",
-                "--dump-instr=no", "--compress-strings=no",
-                f"--callgrind-out-file={out}/{name}.%p"]
+        def under_valgrind(name: str) -> list[str]:
+            if name not in counted:
+                return []
+            return ["valgrind", "-q", "--tool=callgrind", "--instr-atstart=no",
+                    "--dump-instr=no", "--compress-strings=no",
+                    f"--callgrind-out-file={out}/{name}.%p"]
 
-    group = ProcessGroup(env)
-    try:
         key = bench.seed_demo(env)
         bench.govern_demo(env)
         port = free_port()
@@ -150,10 +146,6 @@ def main() -> None:
               f"{sum(idle.values()) / args.calls:11,.0f} {total / args.calls:12,.0f}")
         if failed:
             sys.exit(f"{failed} calls were not answered 200")
-    finally:
-        group.stop(first=bench.FRONT)
-        if private:
-            private.stop()
 
 
 if __name__ == "__main__":
