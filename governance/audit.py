@@ -149,9 +149,10 @@ def write_events(batch: list[dict[str, Any]]) -> int:
         for fields in batch:
             head = heads[fields["chain"]]
             head.seq += 1
-            fields = {**fields, "seq": head.seq}
-            digest = chain_hash(head.last_hash, fields)
-            rows.append({**fields, "prev_hash": head.last_hash, "hash": digest})
+            row = {**fields, "seq": head.seq}
+            digest = chain_hash(head.last_hash, row)
+            row["prev_hash"], row["hash"] = head.last_hash, digest
+            rows.append(row)
             head.last_hash = digest
         _insert(rows)
         for head in heads.values():

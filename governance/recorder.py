@@ -175,7 +175,8 @@ class Recorder:
 
     # -- flushing ----------------------------------------------------------------------
     def _flush_soon(self) -> None:
-        """A per-call write is pending: flush now, not at the end of the interval."""
+        """A per-call write is pending: wake the flusher, which writes a probe's verdict
+        at once and settlements and corrections within FLUSH_S (see `_run`)."""
         self._ensure_running()
         self._wake.set()
 

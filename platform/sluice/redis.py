@@ -116,33 +116,27 @@ class ScriptBatch:
         self._scripts[len(self.pipe.command_stack)] = (source, argv)
         self.pipe.evalsha(sha1(source), *argv)
 
-    def _failures(self, replies: list[Any], raise_errors: bool
-                  ) -> list[tuple[int, str, list[Any]]]:
+    def _missing(self, replies: list[Any]) -> list[tuple[int, str, list[Any]]]:
+        """The scripts Redis did not know, to run once more with EVAL; any other failed
+        command raises its error."""
         missing = []
         for i, reply in enumerate(replies):
             if isinstance(reply, NoScriptError) and i in self._scripts:
                 missing.append((i, *self._scripts[i]))
-            elif isinstance(reply, Exception) and raise_errors:
+            elif isinstance(reply, Exception):
                 raise reply
         return missing
 
     def run(self) -> list[Any]:
         replies = self.pipe.execute(raise_on_error=False)
-        for i, source, argv in self._failures(replies, True):
+        for i, source, argv in self._missing(replies):
             replies[i] = self.client.eval(source, *argv)
         return list(replies)
 
-    async def run_async(self, *, raise_errors: bool = True) -> list[Any]:
-        """The replies; with raise_errors=False a failed command's reply is its
-        exception (connection errors still raise)."""
+    async def run_async(self) -> list[Any]:
         replies = await self.pipe.execute(raise_on_error=False)
-        for i, source, argv in self._failures(replies, raise_errors):
-            try:
-                replies[i] = await self.client.eval(source, *argv)
-            except redis.ResponseError as exc:
-                if raise_errors:
-                    raise
-                replies[i] = exc
+        for i, source, argv in self._missing(replies):
+            replies[i] = await self.client.eval(source, *argv)
         return list(replies)
 
 
