@@ -218,56 +218,86 @@ class DirectConnection:
 
 class Coalescer:
     """Scripts that many concurrent calls run go to Redis together: each call awaits
-    its own reply, and what the calls of one event-loop turn (and of the turns while a
-    batch is in flight) ask for leaves as one write. Under load, hundreds of calls
-    share a round trip; idle, a call waits for nothing but its own round trip. One per
-    asyncio client (and so per event loop). Batches go one at a time, on a
-    DirectConnection of the coalescer's own.
+    its own reply, and what the calls of one event-loop turn ask for leaves as one
+    write. Under load, dozens of calls share a round trip; idle, a call waits for
+    nothing but its own round trip. One per asyncio client (and so per event loop).
+
+    Up to `in_flight` batches are out at once, each on a DirectConnection of the
+    coalescer's own (the most recently used first, so a lightly loaded coalescer keeps
+    to one). With one batch at a time, every call that arrived meanwhile waited for the
+    batch's reply and then for the next batch's whole round trip, and at 64 concurrent
+    calls that wait was most of a call's latency while the gateway sat idle (see
+    docs/BENCHMARKS.md, "eighth pass"). Calls of one turn that find every connection
+    busy leave together when the first one comes back.
 
     A reply that is an error fails only its own call; a failed round trip fails the
     calls of its batch (each sees the RedisError) and is not sent again. A script Redis
     does not know (first use, or after a restart) is run once more with EVAL, which
     caches it."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    IN_FLIGHT = 4
+
+    def __init__(self, client: aioredis.Redis, *, in_flight: int = IN_FLIGHT) -> None:
         self.client = client
-        self.connection = DirectConnection(client)
+        self.connections = [DirectConnection(client) for _ in range(max(1, in_flight))]
+        self._idle = self.connections[::-1]  # a stack: pop() takes the latest returned
         self._queued: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]] = []
-        self._flushing: asyncio.Task[None] | None = None
+        self._due = False  # a batch leaves at the loop's next turn
+        self._batches: set[asyncio.Task[None]] = set()
 
     def script(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """The script's reply, as a future to await."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         self._queued.append((source, keys, args, future))
-        if self._flushing is None:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        self._send_soon(loop)
         return future
 
-    async def _flush(self) -> None:
-        try:
-            while self._queued:
-                await asyncio.sleep(0)  # let this turn's other calls add theirs
-                calls, self._queued = self._queued, []
-                try:
-                    replies = await self._run(calls)
-                except Exception as exc:  # the connection: every call of the batch fails
-                    for *_, future in calls:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                for (*_, future), reply in zip(calls, replies, strict=True):
-                    if future.done():
-                        continue  # its caller was cancelled
-                    if isinstance(reply, Exception):
-                        future.set_exception(reply)
-                    else:
-                        future.set_result(reply)
-        finally:
-            self._flushing = None
+    def _send_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        # At the next turn: the scripts the calls of this turn add go with this one.
+        if not self._due and self._idle:
+            self._due = True
+            loop.call_soon(self._send)
 
-    async def _run(self, calls: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]]
+    def _send(self) -> None:
+        self._due = False
+        if not self._queued or not self._idle:
+            return
+        calls, self._queued = self._queued, []
+        task = asyncio.get_running_loop().create_task(self._batch(self._idle.pop(), calls))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _batch(self, connection: DirectConnection,
+                     calls: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]]
+                     ) -> None:
+        try:
+            replies = await self._run(connection, calls)
+        except Exception as exc:  # the connection: every call of the batch fails
+            for *_, future in calls:
+                if not future.done():
+                    future.set_exception(exc)
+        except BaseException:  # cancelled (the loop is closing): so are its calls
+            for *_, future in calls:
+                future.cancel()
+            raise
+        else:
+            for (*_, future), reply in zip(calls, replies, strict=True):
+                if future.done():
+                    continue  # its caller was cancelled
+                if isinstance(reply, Exception):
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
+        finally:
+            self._idle.append(connection)
+            if self._queued:  # calls that found every connection busy
+                self._send_soon(asyncio.get_running_loop())
+
+    async def _run(self, connection: DirectConnection,
+                   calls: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]]
                    ) -> list[Any]:
-        replies = await self.connection.run(
+        replies = await connection.run(
             [("EVALSHA", sha1(source), len(keys), *keys, *args)
              for source, keys, args, _ in calls])
         for i, reply in enumerate(replies):
@@ -280,8 +310,9 @@ class Coalescer:
         return replies
 
     async def aclose(self) -> None:
-        """Close the coalescer's connection (its client's pool is the caller's)."""
-        await self.connection.aclose()
+        """Close the coalescer's connections (its client's pool is the caller's)."""
+        for connection in self.connections:
+            await connection.aclose()
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """The Coalescer (platform/sluice/redis.py), which sends the gateway's admission and
-enqueue scripts: concurrent calls' scripts leave in one write on the coalescer's own
-connection, errors stay with their call, and a dead or stalled connection costs one
-batch at most. Against the real Redis, through a counting relay."""
+enqueue scripts: concurrent calls' scripts leave in one write on a connection of the
+coalescer's own, a batch in flight does not hold back the next ones (up to a bound),
+errors stay with their call, and a dead or stalled connection costs one batch at most.
+Against the real Redis, through a counting relay."""
 
 from __future__ import annotations
 
@@ -19,10 +20,16 @@ from tests.replycutter import ReplyCutter
 
 ECHO_LUA = "return {KEYS[1], ARGV[1]}"
 REFUSE_LUA = "return redis.error_reply('REFUSED ' .. ARGV[1])"
+# Holds Redis for ARGV[1] microseconds (a batch Redis is slow to answer).
+SLOW_LUA = """local t = redis.call('TIME')
+repeat local n = redis.call('TIME')
+until (n[1] - t[1]) * 1000000 + (n[2] - t[2]) >= tonumber(ARGV[1])
+return ARGV[1]"""
 
 
 def through_relay(redis_url: str, scenario: Callable[[Coalescer, ReplyCutter],
-                                                     Awaitable[Any]]) -> Any:
+                                                     Awaitable[Any]],
+                  in_flight: int = Coalescer.IN_FLIGHT) -> Any:
     url = urlsplit(redis_url)
 
     async def main() -> Any:
@@ -30,7 +37,7 @@ def through_relay(redis_url: str, scenario: Callable[[Coalescer, ReplyCutter],
         port = await cutter.start()
         client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/{url.path[1:] or 0}",
                                          socket_timeout=5)
-        coalescer = Coalescer(client)
+        coalescer = Coalescer(client, in_flight=in_flight)
         try:
             return await scenario(coalescer, cutter)
         finally:
@@ -57,11 +64,44 @@ def test_concurrent_scripts_leave_in_one_write_and_an_error_fails_only_its_call(
         assert replies == [[f"k{i}".encode(), str(i).encode()] for i in range(50)]
         assert cutter.commands(b"EVALSHA") == 52 and cutter.commands(b"EVAL") == 0
         assert cutter.writes == writes + 1, "one write for the whole batch"
-        # Later batches reuse the coalescer's one connection.
+        # Batches one after another keep to one connection.
         assert await coalescer.script(ECHO_LUA, ["again"], [1]) == [b"again", b"1"]
         assert cutter.connections == 1 and cutter.writes == writes + 2
 
     through_relay(redis_url, scenario)
+
+
+def test_a_batch_in_flight_does_not_hold_back_the_next_up_to_the_bound(
+        redis_url: str, rds: redis.Redis) -> None:
+    """While Redis works on one batch, the next calls leave at once on another
+    connection, up to `in_flight` batches; a call that finds every connection busy
+    leaves when one comes back."""
+    rds.script_load(ECHO_LUA)
+    rds.script_load(SLOW_LUA)
+
+    async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
+        # Both connections open first (a connection's handshake waits for a busy Redis).
+        warm = coalescer.script(SLOW_LUA, ["k"], [50_000])
+        await asyncio.sleep(0.01)
+        assert await coalescer.script(ECHO_LUA, ["k"], ["warm"]) == [b"k", b"warm"]
+        assert await warm == b"50000" and cutter.connections == 2
+        sent = cutter.commands(b"EVALSHA")
+        first = coalescer.script(SLOW_LUA, ["a"], [300_000])
+        await asyncio.sleep(0.05)
+        second = coalescer.script(SLOW_LUA, ["b"], [300_000])
+        await asyncio.sleep(0.05)
+        third = coalescer.script(ECHO_LUA, ["c"], ["last"])
+        await asyncio.sleep(0.1)
+        assert not first.done()
+        assert cutter.commands(b"EVALSHA") == sent + 2, \
+            "the second batch is out while the first is in flight; the third waits"
+        assert cutter.connections == 2
+        assert await third == [b"c", b"last"]
+        assert first.done() and await first == b"300000"
+        assert await second == b"300000"
+        assert cutter.connections == 2 and cutter.commands(b"EVALSHA") == sent + 3
+
+    through_relay(redis_url, scenario, in_flight=2)
 
 
 def test_a_script_redis_does_not_know_runs_once_more_with_eval(
@@ -89,7 +129,8 @@ def test_a_connection_closed_while_idle(redis_url: str, rds: redis.Redis,
         assert await coalescer.script(ECHO_LUA, ["k"], [1]) == [b"k", b"1"]
         rds.client_kill_filter(_type="normal", skipme=True)  # the relay's upstream too
         await asyncio.sleep(0.2)
-        coalescer.connection.IDLE_CHECK_S = 0.1 if idle_check else 60.0
+        for connection in coalescer.connections:
+            connection.IDLE_CHECK_S = 0.1 if idle_check else 60.0
         if idle_check:
             assert await coalescer.script(ECHO_LUA, ["k"], [2]) == [b"k", b"2"]
         else:
@@ -109,7 +150,8 @@ def test_a_batch_redis_does_not_answer_in_time_fails_retriably_and_the_next_runs
 
     async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
         assert await coalescer.script(ECHO_LUA, ["k"], ["before"]) == [b"k", b"before"]
-        coalescer.connection.timeout_s = 0.2
+        for connection in coalescer.connections:
+            connection.timeout_s = 0.2
         rds.client_pause(700, all=True)
         with pytest.raises(redis.TimeoutError):  # a RedisError: the adapters answer 503
             await asyncio.gather(*(coalescer.script(ECHO_LUA, ["k"], [i]) for i in range(3)))
