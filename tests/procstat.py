@@ -48,3 +48,21 @@ def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU of `pid` and its descendants, in seconds."""
     return sum(cpu_seconds(member) for member in process_tree(pid))
 
+
+
+def waited_seconds(pid: int) -> float:
+    """How long the threads of a process were ready to run but waited for a CPU (the
+    scheduler's run-queue delay, /proc/<pid>/task/*/schedstat), in seconds: with the
+    CPU time, it tells a process that is short of cores from one that waits on others."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
+
+
+def idle_seconds() -> float:
+    """Idle time of all the machine's cores together since boot (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return (int(fields[3]) + int(fields[4])) / os.sysconf("SC_CLK_TCK")  # idle + iowait

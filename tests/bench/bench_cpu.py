@@ -3,8 +3,11 @@
 The governed `/v1/chat/completions` setup of bench_http.py (tenant and model rate
 limits, a daily token quota; one echo worker; the audit writer), driven by wrk; each
 process's CPU seconds (user + system, children included, from /proc/<pid>/stat) over
-the run, divided by the requests served. Redis is counted when it runs on this machine
-(the first `redis-server` process). Then Redis's own count of each command per
+the run, divided by the requests served, and the share of the run it spent ready to
+run but waiting for a core (/proc/<pid>/task/*/schedstat); then how idle the machine's
+cores were. A process that is neither running nor waiting for a core is waiting on the
+others. Redis is counted when it runs on this machine (the first `redis-server`
+process). Then Redis's own count of each command per
 request and its time in it (`INFO commandstats`, reset before the drive: a script's
 inner commands are counted too; the server's other clients are counted with it). Linux
 only.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import subprocess
 import sys
 import time
@@ -29,7 +33,7 @@ import redis
 
 from sluice.localinfra import free_port
 from sluice.servers import http_command
-from tests.procstat import cpu_seconds, process_tree
+from tests.procstat import cpu_seconds, idle_seconds, process_tree, waited_seconds
 
 
 def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
@@ -88,21 +92,29 @@ def main() -> None:
         stats = redis.Redis.from_url(env["REDIS_URL"])
         stats.config_resetstat()
         before = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
+        waited = {name: sum(map(waited_seconds, ps)) for name, ps in pids.items()}
+        idle = idle_seconds()
         began = time.monotonic()
         result = bench.wrk(url, args.connections, args.seconds, str(script))
         wall = time.monotonic() - began
         after = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
+        waited = {name: sum(map(waited_seconds, ps)) - waited[name]
+                  for name, ps in pids.items()}
+        idle = idle_seconds() - idle
         served = result["rps"] * args.seconds
         print(f"governed /v1/chat/completions, {workers} {args.server} process(es), "
               f"{args.connections} connections: {result['rps']:.0f} req/s, "
               f"p50 {result['p50']:.1f} ms")
-        print(f"{'process':12} {'CPU s':>7} {'µs/request':>11} {'of a core':>10}")
+        print(f"{'process':12} {'CPU s':>7} {'µs/request':>11} {'of a core':>10} "
+              f"{'core wait':>10}")
         total = 0.0
         for name in pids:
             used = after[name] - before[name]
             total += used
-            print(f"{name:12} {used:7.2f} {used / served * 1e6:11.0f} {used / wall:10.0%}")
+            print(f"{name:12} {used:7.2f} {used / served * 1e6:11.0f} {used / wall:10.0%} "
+                  f"{waited[name] / wall:10.0%}")
         print(f"{'all':12} {total:7.2f} {total / served * 1e6:11.0f} {total / wall:10.0%}")
+        print(f"cores idle meanwhile: {idle / wall:.0%} of a core, of {os.cpu_count()}")
         print_commandstats(stats.info("commandstats"), served)
         for name, spy in spies.items():
             spy.wait(30)
