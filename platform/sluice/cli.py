@@ -22,7 +22,7 @@ from pathlib import Path
 from sluice.localinfra import Started, ensure_postgres, ensure_redis
 from sluice.processes import ProcessGroup
 from sluice.servers import DEFAULT as DEFAULT_SERVER
-from sluice.servers import SERVERS, http_command
+from sluice.servers import MAX_DEFAULT_WORKERS, SERVERS, default_workers, http_command
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run the platform locally")
     run.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"))
     run.add_argument("--port", type=int, default=int(os.environ.get("SLUICE_PORT", "8000")))
-    run.add_argument("--workers", type=int, default=int(os.environ.get("SLUICE_HTTP_WORKERS", "1")))
+    run.add_argument("--workers", type=int, default=default_workers(),
+                     help="HTTP processes (default: SLUICE_HTTP_WORKERS, else one per core, "
+                          f"up to {MAX_DEFAULT_WORKERS})")
     run.add_argument("--server", choices=SERVERS,
                      default=os.environ.get("SLUICE_HTTP_SERVER", DEFAULT_SERVER),
                      help=f"ASGI server for REST, SSE and WebSocket (default {DEFAULT_SERVER})")

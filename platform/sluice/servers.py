@@ -7,10 +7,20 @@ faster, but behind Sluice's pipeline the two are even at 64 connections, uvicorn
 a lone request sooner (p50 0.4-2 ms less) and holds an idle SSE stream in about half
 the memory; granian keeps a lower p99 when one process fans out to 10,000 SSE streams,
 so it stays selectable (`--server granian`). daphne keeps working (the card's server;
-~0.2x bare, ~0.7x behind the pipeline)."""
+~0.2x bare, ~0.7x behind the pipeline).
+
+The run command serves HTTP with one process per core, up to MAX_DEFAULT_WORKERS
+(`default_workers`). On two cores, one gateway process left half a core idle at 64
+connections: it ran ~70% of a core and slept the rest while its calls were with Redis,
+the model worker or the audit writer, which run as processes of their own. Two kept the
+cores busy and served 37-47% more governed calls at a 30% lower p50, with less CPU per
+call (`tests/bench/bench_cpu.py --workers 1|2`, alternating; docs/BENCHMARKS.md,
+"eighth pass"). Larger machines were not measured: the cap keeps cores for the model
+workers."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 SERVERS = ("uvicorn", "granian", "daphne")
@@ -20,6 +30,16 @@ DEFAULT = "uvicorn"
 # backlog/workers = 1024) and queues the rest: an SSE stream is a request for its
 # whole life, so the cap is set far above the concurrent streams one process serves.
 GRANIAN_MAX_CONCURRENT = 65536
+MAX_DEFAULT_WORKERS = 4
+
+
+def default_workers() -> int:
+    """How many HTTP processes the run command starts: SLUICE_HTTP_WORKERS when set,
+    else one per core up to MAX_DEFAULT_WORKERS."""
+    configured = os.environ.get("SLUICE_HTTP_WORKERS", "").strip()
+    if configured:
+        return int(configured)
+    return max(1, min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1))
 
 
 def http_command(server: str, app: str, *, host: str, port: int, workers: int = 1,

@@ -13,7 +13,8 @@ inner commands are counted too; the server's other clients are counted with it).
 only.
 
     .venv/bin/python tests/bench/bench_cpu.py [--connections 64] [--seconds 10]
-        [--workers 1] (gateway processes) [--server uvicorn|granian|daphne]
+        [--workers N] (gateway processes; default the run command's: one per core,
+        up to 4) [--server uvicorn|granian|daphne]
         [--profile] (py-spy each process meanwhile: its top functions by own time;
                      py-spy is installed into the virtualenv on first use)
 """
@@ -59,11 +60,10 @@ def print_commandstats(info: dict[str, dict[str, float]], served: float) -> None
 
 def main() -> None:
     def options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--workers", type=int, default=1, help="gateway processes")
         parser.add_argument("--profile", action="store_true",
                             help="py-spy every process during the run")
 
-    args = bench.wrk_args(__doc__ or "", extra=options)
+    args = bench.wrk_args(__doc__ or "", workers=True, extra=options)
     workers, profile = args.workers, args.profile
     if profile and not Path(sys.executable).with_name("py-spy").exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)

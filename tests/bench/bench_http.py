@@ -1,7 +1,8 @@
 """Requests/s of Sluice's OpenAI path against a bare ASGI app, same server, same run.
 
 Both run under the same ASGI server (--server, default the run command's: uvicorn) with
-one worker process on loopback; wrk (Debian package `wrk`) drives them with the same
+the same number of processes (--workers, default the run command's: one per core, up to
+4) on loopback; wrk (Debian package `wrk`) drives them with the same
 connections and duration. Sluice's side is the full path a client takes today: bearer
 API key (cached), model lookup (cached), governance admission, enqueue on Redis, one
 echo worker (no model compute), events back, settlement, JSON response; the audit
@@ -11,7 +12,7 @@ It is measured twice: with no policies (breaker and shedding checks only), and
 far above what the run reaches), so every request runs the bucket and quota scripts.
 
     .venv/bin/python tests/bench/bench_http.py [--connections 64] [--seconds 10]
-        [--server uvicorn|granian|daphne]
+        [--server uvicorn|granian|daphne] [--workers N]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import redis  # noqa: E402
 
 from sluice.localinfra import ensure_redis, free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
-from sluice.servers import DEFAULT, SERVERS, http_command  # noqa: E402
+from sluice.servers import DEFAULT, SERVERS, default_workers, http_command  # noqa: E402
 
 WRK_LUA = """
 wrk.method = "POST"
@@ -153,11 +154,12 @@ def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
 
 
 def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None,
+             workers: bool = False,
              extra: Callable[[argparse.ArgumentParser], object] | None = None
              ) -> argparse.Namespace:
-    """The options every wrk benchmark takes (--connections, --seconds, --server, and
-    --rounds where it alternates modes), plus those `extra` adds; exits with a hint
-    when wrk is missing."""
+    """The options every wrk benchmark takes (--connections, --seconds, --server,
+    --rounds where it alternates modes, --workers where it chooses the HTTP processes),
+    plus those `extra` adds; exits with a hint when wrk is missing."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     if extra is not None:
         extra(parser)
@@ -167,6 +169,10 @@ def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None,
     parser.add_argument("--seconds", type=int, default=seconds)
     if rounds is not None:
         parser.add_argument("--rounds", type=int, default=rounds)
+    if workers:
+        parser.add_argument("--workers", type=int, default=default_workers(),
+                            help="HTTP processes (default: the run command's, "
+                                 f"{default_workers()} here)")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is needed: apt-get install wrk")
@@ -174,16 +180,17 @@ def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None,
 
 
 def main() -> None:
-    args = wrk_args(__doc__)
+    args = wrk_args(__doc__, workers=True)
     env, state, private = bench_env()
     group = ProcessGroup(env)
     try:
         key = seed_demo(env)
         bare_port, sluice_port = free_port(), free_port()
         group.start("bare", http_command(args.server, "bare_asgi:app", host="127.0.0.1",
-                                         port=bare_port, app_dir=str(REPO / "tests" / "bench")))
+                                         port=bare_port, workers=args.workers,
+                                         app_dir=str(REPO / "tests" / "bench")))
         sluice = http_command(args.server, "sluice.asgi:application", host="127.0.0.1",
-                              port=sluice_port)
+                              port=sluice_port, workers=args.workers)
         start_sluice(group, sluice, audit=False)
         wait_http(f"http://127.0.0.1:{bare_port}/")
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
@@ -211,10 +218,10 @@ def main() -> None:
                        args.connections, args.seconds, str(script))
         governed_one = wrk(f"http://127.0.0.1:{sluice_port}/v1/chat/completions", 1,
                            args.seconds, str(script))
-        print(json.dumps({"server": args.server, "connections": args.connections,
-                          "seconds": args.seconds}))
+        print(json.dumps({"server": args.server, "workers": args.workers,
+                          "connections": args.connections, "seconds": args.seconds}))
         print(f"{'server':34} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
-        rows = [(f"bare ASGI ({args.server}, 1 proc)", bare),
+        rows = [(f"bare ASGI ({args.server}, {args.workers} proc)", bare),
                 ("sluice /v1/chat, no policies", full),
                 ("sluice /v1/chat, governed", governed),
                 ("bare ASGI, 1 connection", bare_one),
