@@ -19,9 +19,10 @@ open reservations expire at their deadline. A flush that fails because Redis is 
 (restart, failover) is kept and retried with the next one, for up to RETRY_FOR_S or
 MAX_HELD_AUDIT audit events (then dropped, logged); never a call. A flush that Redis
 applied but whose reply was lost is harmless to retry: quota settlements are idempotent
-(a reservation is charged once), usage counts are added once per flush number, and audit
-events carry their own id, which the audit writer stores once. Latency histograms and
-breaker outcomes would count twice (signals, not records).
+(a reservation is charged once), usage counts and token-bucket corrections are applied
+once per flush number (a mark per tenant and gateway process), and audit events carry
+their own id, which the audit writer stores once. Latency histograms and breaker outcomes
+would count twice (signals, not records).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ FLUSH_S = 0.1
 RETRY_FOR_S = 60.0  # how long a failed flush is kept for retrying
 MAX_HELD_AUDIT = 100_000  # audit events held while Redis is away, at most
 PER_CALL = 500  # settlements, or buckets, per script call (bounds how long it holds Redis)
+# A flush's corrections to one tenant's token buckets ("force": no check), applied once
+# however often the flush is retried. Its script calls are marked flush * _MARKS + i.
+CORRECT_LUA = usage.ONCE_PER_FLUSH_LUA + ratelimit.BUCKETS_LUA
+_MARKS = 1_000_000
 
 # A queued per-call write: (Lua source, keys, args).
 Write = tuple[str, list[str], list[Any]]
@@ -69,8 +74,8 @@ class _Pending:
     # (the quotas' keys, their shape) -> (the quotas, their calls' settlements)
     settlements: dict[tuple[tuple[str, ...], tuple[Any, ...]],
                       tuple[list[Quota], list[quota.Settlement]]] = field(default_factory=dict)
-    # tenant -> bucket key -> (the bucket, the sum of its corrections)
-    buckets: dict[str, dict[str, tuple[ratelimit.Bucket, float]]] = field(
+    # (flush number, tenant) -> bucket key -> (the bucket, the sum of its corrections)
+    buckets: dict[tuple[int, str], dict[str, tuple[ratelimit.Bucket, float]]] = field(
         default_factory=dict)
 
     def __bool__(self) -> bool:
@@ -81,8 +86,9 @@ class _Pending:
         group = (tuple(quota.keys_for(tenant, quotas)), tuple(quota.shape_args(quotas)))
         self.settlements.setdefault(group, (quotas, []))[1].append(settlement)
 
-    def correct(self, tenant: str, bucket: ratelimit.Bucket, cost: float) -> None:
-        mine = self.buckets.setdefault(tenant, {})
+    def correct(self, number: int, tenant: str, bucket: ratelimit.Bucket,
+                cost: float) -> None:
+        mine = self.buckets.setdefault((number, tenant), {})
         _, total = mine.get(bucket.key, (bucket, 0.0))
         mine[bucket.key] = (bucket, total + cost)
 
@@ -93,9 +99,12 @@ class _Pending:
                 f"{len(self.audit)} audit events")
 
     def merge(self, later: _Pending) -> _Pending:
-        """This (failed, older) flush followed by `later`, as one. The usage counts keep
-        their flush numbers: the failed flush's may have been applied with only the reply
-        lost, and are then skipped, while `later`'s still count."""
+        """This (failed, older) flush followed by `later`, as one. Usage counts and bucket
+        corrections keep their flush numbers: the failed flush's may have been applied
+        with only the reply lost, and are then skipped, while `later`'s still count.
+        What is recorded from now on goes under `later`'s number (under this one's, it
+        would be skipped with it)."""
+        self.number = later.number
         self.writes += later.writes
         self.usage.update(later.usage)
         for key, histogram in later.latency.items():
@@ -107,9 +116,9 @@ class _Pending:
         self.audit += later.audit
         for group, (quotas, settled) in later.settlements.items():
             self.settlements.setdefault(group, (quotas, []))[1].extend(settled)
-        for tenant, corrections in later.buckets.items():
+        for (number, tenant), corrections in later.buckets.items():
             for held, cost in corrections.values():
-                self.correct(tenant, held, cost)
+                self.correct(number, tenant, held, cost)
         return self
 
 
@@ -140,8 +149,9 @@ class Recorder:
                         cost: float) -> None:
         """Debit (or, negative, refund) each of a tenant's token buckets `cost` regardless
         of its level: a call's real usage against the estimate it was charged."""
+        pending = self._pending
         for bucket in buckets:
-            self._pending.correct(tenant, bucket, cost)
+            pending.correct(pending.number, tenant, bucket, cost)
         self._flush_soon()
 
     def count_usage(self, *, tenant: str, model: str, key_prefix: str, prompt: int,
@@ -207,12 +217,16 @@ class Recorder:
             for run in chunks(settled, PER_CALL):
                 batch.script(quota.SETTLE_LUA, list(quota_keys),
                              quota.settle_args(quotas, run))
-        for corrections in pending.buckets.values():  # a tenant's buckets share a slot
+        # A tenant's buckets share a slot; the oldest flush's first (the marks' order).
+        for (number, tenant), corrections in sorted(pending.buckets.items()):
             due = [(bucket, cost) for bucket, cost in corrections.values() if cost]
-            for part in chunks(due, PER_CALL):
+            for i, part in enumerate(chunks(due, PER_CALL)):
                 buckets = [bucket for bucket, _cost in part]
-                batch.script(ratelimit.BUCKETS_LUA, [b.key for b in buckets],
-                             ratelimit.args_for(buckets, [c for _b, c in part], "force"))
+                batch.script(CORRECT_LUA, *usage.once_per_flush(
+                    [b.key for b in buckets],
+                    ratelimit.args_for(buckets, [c for _b, c in part], "force"),
+                    tenant=tenant, writer=self.writer, flush=number * _MARKS + i,
+                    what="rl"))
         for (number, tenant), rows in sorted(pending.usage.items()):  # oldest flush first
             usage.count(batch, tenant=tenant, writer=self.writer, flush=number, rows=rows)
         for (deployment, metric), histogram in pending.latency.items():

@@ -31,26 +31,39 @@ def usage_index_key(day: str) -> str:
     return f"sluice:usage:tenants:{day}"
 
 
-def applied_key(tenant: str, writer: str) -> str:
-    """The last flush of `writer` (one gateway process's recorder) whose counts for
-    `tenant` were added: flushes are numbered in order, so a retried one adds nothing."""
-    return f"sluice:{{{tenant}}}:usage:applied:{writer}"
+def applied_key(tenant: str, writer: str, what: str = "usage") -> str:
+    """The last flush of `writer` (one gateway process's recorder) whose `what` (usage
+    counts, "rl": token-bucket corrections) for `tenant` were applied: flushes are
+    numbered in order, so a retried one adds nothing."""
+    return f"sluice:{{{tenant}}}:{what}:applied:{writer}"
 
 
-# Add one flush's counts for one tenant, once. KEYS: usage key, applied key.
-# ARGV: TTL of the counters, TTL of the applied mark, the flush's number, then
-# field/increment pairs. A writer's flushes reach Redis in order (a failed one is
-# retried ahead of later ones), so a number at or below the mark was applied.
-COUNT_LUA = """
-if tonumber(ARGV[3]) <= tonumber(redis.call('GET', KEYS[2]) or '-1') then return 0 end
-redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2])
-for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+# The rest of a script runs once per flush of a writer. KEYS ends with the writer's mark
+# (`applied_key`), ARGV with the mark's TTL and the flush's number; the prelude takes
+# them off, so the rest sees its own KEYS and ARGV. A writer's flushes reach Redis in
+# order (a failed one is retried ahead of later ones), so a number at or below the mark
+# was applied: the script returns 0.
+ONCE_PER_FLUSH_LUA = """
+local flush, ttl, mark = table.remove(ARGV), table.remove(ARGV), table.remove(KEYS)
+if tonumber(flush) <= tonumber(redis.call('GET', mark) or '-1') then return 0 end
+redis.call('SET', mark, flush, 'EX', ttl)
+"""
+# Add one flush's counts for one tenant. KEYS: the usage key. ARGV: the counters' TTL,
+# then field/increment pairs.
+COUNT_LUA = ONCE_PER_FLUSH_LUA + """
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 # How long a writer's mark outlives its last flush: longer than a failed flush is retried
 # (recorder.RETRY_FOR_S). One small key per tenant and gateway process.
 APPLIED_TTL_S = 300
+
+
+def once_per_flush(keys: list[str], args: list[Any], *, tenant: str, writer: str,
+                   flush: int, what: str) -> tuple[list[str], list[Any]]:
+    """A script's keys and args with the mark ONCE_PER_FLUSH_LUA takes off them."""
+    return [*keys, applied_key(tenant, writer, what)], [*args, APPLIED_TTL_S, flush]
 
 
 def count(batch: ScriptBatch, *, tenant: str, writer: str, flush: int,
@@ -60,11 +73,12 @@ def count(batch: ScriptBatch, *, tenant: str, writer: str, flush: int,
     `flush` (numbered in order per writer) identify the flush: the same one written
     twice (a retry after a reply was lost) counts once."""
     day = datetime.now(UTC).date().isoformat()
-    args: list[Any] = [USAGE_TTL_S, APPLIED_TTL_S, flush]
+    args: list[Any] = [USAGE_TTL_S]
     for (model, key_prefix), (requests, prompt, completion) in rows.items():
         field = f"{model}|{key_prefix}|"
         args += [field + "r", requests, field + "p", prompt, field + "c", completion]
-    batch.script(COUNT_LUA, [usage_key(tenant, day), applied_key(tenant, writer)], args)
+    batch.script(COUNT_LUA, *once_per_flush([usage_key(tenant, day)], args, tenant=tenant,
+                                            writer=writer, flush=flush, what="usage"))
     # The day's tenant index is in no tenant's slot; adding to a set twice is harmless.
     batch.pipe.sadd(usage_index_key(day), tenant)
     batch.pipe.expire(usage_index_key(day), USAGE_TTL_S)

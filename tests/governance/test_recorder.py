@@ -1,5 +1,8 @@
 """The governance recorder's flushes when Redis applies a write but the reply never
-arrives: the flush is retried, and what it carried counts once.
+arrives: the flush is retried, and what it carried counts once. Retried two ways:
+redis-py sends the pipeline again at once (its default retry on a connection error), or,
+with that retry off (or failing too), the recorder holds the flush and sends it with
+its next one.
 
 Between the recorder and the real Redis sits a TCP relay (tests/replycutter.py) that,
 when told, passes a request on, waits for Redis' whole reply (so the writes are applied)
@@ -10,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from governance import audit, ratelimit, usage
 from governance.models import AuditEvent
-from governance.recorder import Recorder
+from governance.recorder import CORRECT_LUA, Recorder
 from sluice.redis import reconnecting
 from tenants.roles import Role
 from tests.conftest import make_org, principal_for
@@ -28,7 +34,16 @@ from tests.replycutter import ReplyCutter
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once() -> None:
+def relayed_client(port: int, url: Any, *, retries: bool) -> aioredis.Redis:
+    """A client of the relay; `retries`: redis-py's default retry, else none."""
+    return aioredis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0),
+                          socket_timeout=5, **reconnecting(),
+                          **({} if retries else {"retry": Retry(NoBackoff(), 0)}))
+
+
+@pytest.mark.parametrize("retries", [True, False], ids=["redis-py retries", "held"])
+def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once(
+        retries: bool) -> None:
     org = make_org("recorded", [Role.DEVELOPER])
     principal = principal_for(org.members[Role.DEVELOPER])
     tenant = principal.tenant_slug
@@ -37,6 +52,7 @@ def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once() -> No
     rds.script_load(usage.COUNT_LUA)  # so the cut flush runs it (no NOSCRIPT first)
     url = urlsplit(str(settings.REDIS_URL))
     day = datetime.now(UTC).date().isoformat()
+    rds.delete(usage.usage_key(tenant, day))  # an earlier run's counts (same tenant)
 
     def event(text: str) -> dict:
         return audit.call_event(principal=principal, action="chat.completions",
@@ -46,8 +62,7 @@ def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once() -> No
     async def scenario() -> int:
         cutter = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
         port = await cutter.start()
-        client = aioredis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0),
-                                socket_timeout=5, **reconnecting())
+        client = relayed_client(port, url, retries=retries)
         recorder = Recorder(client, lambda _name: None)
         try:
             await client.ping()  # connected: the cut falls on the flush, not the hello
@@ -97,6 +112,7 @@ def test_a_flushs_token_bucket_corrections_are_summed_into_one_call_per_tenant()
         rds.eval(ratelimit.BUCKETS_LUA, 2, *[b.key for b in buckets[t]],
                  *ratelimit.args_for(buckets[t], [5000, 5000], "check"))
     corrections = [(-120 if i % 3 else 45) for i in range(30)]  # -2,265 each tenant
+    rds.script_load(CORRECT_LUA)  # counted below: no NOSCRIPT and EVAL first
 
     async def scenario() -> int:
         relay = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
@@ -118,3 +134,42 @@ def test_a_flushs_token_bucket_corrections_are_summed_into_one_call_per_tenant()
         for bucket in buckets[t]:
             level = float(rds.hget(bucket.key, "v") or 0)
             assert level == pytest.approx(5000 - sum(corrections), abs=1.0)
+
+
+@pytest.mark.parametrize("retries", [True, False], ids=["redis-py retries", "held"])
+def test_a_flushs_bucket_corrections_applied_with_the_reply_lost_count_once(
+        retries: bool) -> None:
+    """A refund to a tenant's token bucket in a flush whose reply was cut, then a debit
+    in the next: the retried flush carries both, and the refund is applied once (twice,
+    a tenant would get the tokens back twice)."""
+    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds.script_load(CORRECT_LUA)  # so the cut flush runs it (no NOSCRIPT first)
+    url = urlsplit(str(settings.REDIS_URL))
+    tenant = f"refund-{datetime.now(UTC).timestamp()}"
+    bucket = ratelimit.Bucket(ratelimit.bucket_key(tenant, 1, "tokens", "tenant"), "tokens",
+                              6e-4, 10_000.0)  # no refill worth counting during the test
+    rds.eval(ratelimit.BUCKETS_LUA, 1, bucket.key,
+             *ratelimit.args_for([bucket], [5000], "check"))  # 5,000 below full
+
+    async def scenario() -> int:
+        cutter = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
+        port = await cutter.start()
+        client = relayed_client(port, url, retries=retries)
+        recorder = Recorder(client, lambda _name: None)
+        try:
+            await client.ping()  # connected: the cut falls on the flush, not the hello
+            recorder.correct_buckets(tenant, [bucket], -1000)  # a call used less
+            cutter.cut = True
+            await recorder.flush()  # applied by Redis, the reply lost: held for retry
+            assert cutter.cuts == 1
+            assert float(rds.hget(bucket.key, "v") or 0) == pytest.approx(6000, abs=1.0)
+            recorder.correct_buckets(tenant, [bucket], 300)  # the next used more
+            await recorder.flush()  # the held flush again, with the next one's
+            return cutter.cuts
+        finally:
+            await client.aclose()
+            await cutter.close()
+
+    assert asyncio.run(scenario()) == 1
+    assert float(rds.hget(bucket.key, "v") or 0) == pytest.approx(5700, abs=1.0)
+    rds.close()
