@@ -89,7 +89,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         group.env = dict(os.environ)
         group.start("http", http_command(args.server, "sluice.asgi:application",
                                          host=args.host, port=args.port,
-                                         workers=args.workers))
+                                         workers=args.workers
+                                         or default_workers(args.server)))
         grpc_address = f"{args.host}:{args.grpc_port}"
         group.start("grpc", [sys.executable, str(REPO / "manage.py"), "rungrpc",
                              "--address", grpc_address])
@@ -215,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run the platform locally")
     run.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"))
     run.add_argument("--port", type=int, default=int(os.environ.get("SLUICE_PORT", "8000")))
-    run.add_argument("--workers", type=int, default=default_workers(),
+    run.add_argument("--workers", type=int, default=None,
                      help="HTTP processes (default: SLUICE_HTTP_WORKERS, else one per core, "
-                          f"up to {MAX_DEFAULT_WORKERS})")
+                          f"up to {MAX_DEFAULT_WORKERS}; daphne runs one)")
     run.add_argument("--server", choices=SERVERS,
                      default=os.environ.get("SLUICE_HTTP_SERVER", DEFAULT_SERVER),
                      help=f"ASGI server for REST, SSE and WebSocket (default {DEFAULT_SERVER})")

@@ -33,12 +33,15 @@ GRANIAN_MAX_CONCURRENT = 65536
 MAX_DEFAULT_WORKERS = 4
 
 
-def default_workers() -> int:
-    """How many HTTP processes the run command starts: SLUICE_HTTP_WORKERS when set,
-    else one per core up to MAX_DEFAULT_WORKERS."""
+def default_workers(server: str = DEFAULT) -> int:
+    """How many HTTP processes the run command starts under `server`:
+    SLUICE_HTTP_WORKERS when set, else one per core up to MAX_DEFAULT_WORKERS (daphne:
+    one, all it runs)."""
     configured = os.environ.get("SLUICE_HTTP_WORKERS", "").strip()
     if configured:
         return int(configured)
+    if server == "daphne":
+        return 1
     return max(1, min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1))
 
 

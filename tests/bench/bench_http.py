@@ -170,10 +170,12 @@ def wrk_args(doc: str, *, seconds: int = 10, rounds: int | None = None,
     if rounds is not None:
         parser.add_argument("--rounds", type=int, default=rounds)
     if workers:
-        parser.add_argument("--workers", type=int, default=default_workers(),
+        parser.add_argument("--workers", type=int, default=None,
                             help="HTTP processes (default: the run command's, "
-                                 f"{default_workers()} here)")
+                                 f"{default_workers()} here under uvicorn)")
     args = parser.parse_args()
+    if workers and args.workers is None:
+        args.workers = default_workers(args.server)
     if shutil.which("wrk") is None:
         sys.exit("wrk is needed: apt-get install wrk")
     return args

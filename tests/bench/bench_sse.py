@@ -120,12 +120,13 @@ def main() -> None:
     parser.add_argument("--token-ms", type=int, default=1000)
     parser.add_argument("--ramp", type=float, default=10.0)
     parser.add_argument("--server", choices=SERVERS, default=DEFAULT)
-    parser.add_argument("--gateways", type=int, default=default_workers(),
+    parser.add_argument("--gateways", type=int, default=None,
                         help="gateway processes (default: the run command's, "
-                             f"{default_workers()} here)")
+                             f"{default_workers()} here under uvicorn)")
     parser.add_argument("--workers", type=int, default=1,
                         help="echo workers; each batches up to streams/workers at once")
     args = parser.parse_args()
+    args.gateways = args.gateways or default_workers(args.server)
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, args.streams + 4096)  # each side (client, gateway) is one process
     resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
