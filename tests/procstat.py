@@ -49,7 +49,6 @@ def tree_cpu_seconds(pid: int) -> float:
     return sum(cpu_seconds(member) for member in process_tree(pid))
 
 
-
 def waited_seconds(pid: int) -> float:
     """How long the threads of a process were ready to run but waited for a CPU (the
     scheduler's run-queue delay, /proc/<pid>/task/*/schedstat), in seconds: with the

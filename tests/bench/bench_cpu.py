@@ -7,10 +7,9 @@ the run, divided by the requests served, and the share of the run it spent ready
 run but waiting for a core (/proc/<pid>/task/*/schedstat); then how idle the machine's
 cores were. A process that is neither running nor waiting for a core is waiting on the
 others. Redis is counted when it runs on this machine (the first `redis-server`
-process). Then Redis's own count of each command per
-request and its time in it (`INFO commandstats`, reset before the drive: a script's
-inner commands are counted too; the server's other clients are counted with it). Linux
-only.
+process). Then Redis's own count of each command per request and its time in it
+(`INFO commandstats`, reset before the drive: a script's inner commands are counted
+too; the server's other clients are counted with it). Linux only.
 
     .venv/bin/python tests/bench/bench_cpu.py [--connections 64] [--seconds 10]
         [--workers N] (gateway processes; default the run command's: one per core,

@@ -29,6 +29,7 @@ from streaming.protos import inference_pb2_grpc as pb_grpc  # noqa: E402
 from tests.bench.bench_http import (  # noqa: E402
     FRONT,
     bench_env,
+    report,
     seed_demo,
     start_sluice,
     wait_http,
@@ -111,6 +112,7 @@ def main() -> None:
             print(f"{label:22} {row['rps']:8.0f} {row['p50']:8.2f} {row['p99']:8.2f} "
                   f"{row['errors']:7.0f}")
         print(f"ratio: gRPC / REST = {g['rps'] / r['rps']:.2f}x (goal >= 1.5x)")
+        report("grpc", rest=r, grpc=g)
     finally:
         group.stop(first=FRONT)
         if private:

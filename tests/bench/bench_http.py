@@ -49,6 +49,15 @@ wrk.headers["Authorization"] = "Bearer %s"
 """
 
 
+def report(bench: str, **figures: Any) -> None:
+    """A benchmark's headline figures for tests/bench/suite.py: one JSON line appended to
+    the file SLUICE_BENCH_REPORT names (nothing when it is unset)."""
+    path = os.environ.get("SLUICE_BENCH_REPORT")
+    if path:
+        with Path(path).open("a") as out:
+            out.write(json.dumps({"bench": bench, **figures}) + "\n")
+
+
 def wait_http(url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -236,6 +245,8 @@ def main() -> None:
               f"(governance costs {1 - governed['rps'] / full['rps']:.0%})")
         print(f"added p50 at one connection (governed pipeline, echo worker included): "
               f"{governed_one['p50'] - bare_one['p50']:.2f} ms")
+        report("rest", workers=args.workers, bare=bare, no_policies=full, governed=governed,
+               bare_one=bare_one, governed_one=governed_one)
     finally:
         group.stop(first=FRONT)
         if private:

@@ -40,9 +40,11 @@ sys.path[:0] = [str(REPO), str(REPO / "platform"), str(REPO / "tests" / "bench")
 
 import redis  # noqa: E402
 from bench_http import (  # noqa: E402
+    FRONT,
     WRK_LUA,
     bench_env,
     govern_demo,
+    report,
     seed_demo,
     start_sluice,
     wait_http,
@@ -204,7 +206,7 @@ def main() -> None:
         wrk(url, 8, 2, str(sluice_script))
         results["Sluice, governed"] = wrk(url, args.connections, args.seconds,
                                           str(sluice_script))
-        group.stop()
+        group.stop(first=FRONT)  # calls wrk left in flight finish on the running worker
         group = ProcessGroup(env)
         start_sluice(group, http_command(args.server, "sluice.asgi:application",
                                          host="127.0.0.1", port=sluice_port, workers=2))
@@ -218,7 +220,7 @@ def main() -> None:
             print(log.read_text()[-4000:], file=sys.stderr)
         raise
     finally:
-        group.stop()
+        group.stop(first=FRONT)
         if private:
             private.stop()
         shutil.rmtree(state, ignore_errors=True)
@@ -236,6 +238,7 @@ def main() -> None:
         a, b = results[ours], results[theirs]
         print(f"{ours} / {theirs}: {a['rps'] / b['rps']:.2f}x req/s, "
               f"p99 {a['p99']:.1f} vs {b['p99']:.1f} ms")
+    report("litellm", version=version, results=results)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,8 @@ def main() -> None:
               f"{ours['added_p99_ms'] - floor['added_p99_ms']:.1f} ms "
               f"(goal: p99 <= 50 ms); p99 after the ramp "
               f"{ours['steady_p99_ms'] - floor['steady_p99_ms']:.1f} ms")
+        bench.report("sse", streams=args.streams, tokens=args.tokens,
+                     gateways=args.gateways, results=results)
     finally:
         group.stop(first=bench.FRONT)
         if private:

@@ -12,8 +12,8 @@ a network failure after the write looks like from the gateway."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -34,11 +34,37 @@ from tests.replycutter import ReplyCutter
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def relayed_client(port: int, url: Any, *, retries: bool) -> aioredis.Redis:
-    """A client of the relay; `retries`: redis-py's default retry, else none."""
-    return aioredis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0),
-                          socket_timeout=5, **reconnecting(),
-                          **({} if retries else {"retry": Retry(NoBackoff(), 0)}))
+def flush_cut_then_retried(retries: bool, before: Callable[[Recorder], None],
+                           after: Callable[[Recorder], None],
+                           when_cut: Callable[[], None] = lambda: None) -> int:
+    """`before` records into a flush whose reply the relay cuts (Redis applied it), then
+    `when_cut` runs and `after` records more, and the next flush goes out: the cut one
+    was sent again by redis-py's retry at once (`retries`), or is held and sent with this
+    one (no retry). Returns the relay's cuts."""
+    url = urlsplit(str(settings.REDIS_URL))
+
+    async def scenario() -> int:
+        cutter = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
+        port = await cutter.start()
+        client = aioredis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0),
+                                socket_timeout=5, **reconnecting(),
+                                **({} if retries else {"retry": Retry(NoBackoff(), 0)}))
+        recorder = Recorder(client, lambda _name: None)
+        try:
+            await client.ping()  # connected: the cut falls on the flush, not the hello
+            before(recorder)
+            cutter.cut = True
+            await recorder.flush()  # applied by Redis, the reply lost
+            assert cutter.cuts == 1
+            when_cut()
+            after(recorder)
+            await recorder.flush()
+            return cutter.cuts
+        finally:
+            await client.aclose()
+            await cutter.close()
+
+    return asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("retries", [True, False], ids=["redis-py retries", "held"])
@@ -50,7 +76,6 @@ def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once(
     rds = redis.Redis.from_url(settings.REDIS_URL)
     rds.delete(audit.STREAM)
     rds.script_load(usage.COUNT_LUA)  # so the cut flush runs it (no NOSCRIPT first)
-    url = urlsplit(str(settings.REDIS_URL))
     day = datetime.now(UTC).date().isoformat()
     rds.delete(usage.usage_key(tenant, day))  # an earlier run's counts (same tenant)
 
@@ -59,29 +84,17 @@ def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once(
                                 model="echo", protocol="rest", status=200, latency_ms=1.0,
                                 request_text=text)
 
-    async def scenario() -> int:
-        cutter = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
-        port = await cutter.start()
-        client = relayed_client(port, url, retries=retries)
-        recorder = Recorder(client, lambda _name: None)
-        try:
-            await client.ping()  # connected: the cut falls on the flush, not the hello
-            recorder.count_usage(tenant=tenant, model="echo", key_prefix="sk-a", prompt=3,
-                                 completion=5)
-            recorder.audit(event("first call"))
-            cutter.cut = True
-            await recorder.flush()  # applied by Redis, the reply lost: held for retry
-            assert cutter.cuts == 1
-            recorder.count_usage(tenant=tenant, model="echo", key_prefix="sk-a", prompt=1,
-                                 completion=1)
-            recorder.audit(event("second call"))
-            await recorder.flush()  # the held flush again, with the second call's
-            return cutter.cuts
-        finally:
-            await client.aclose()
-            await cutter.close()
+    def first(recorder: Recorder) -> None:
+        recorder.count_usage(tenant=tenant, model="echo", key_prefix="sk-a", prompt=3,
+                             completion=5)
+        recorder.audit(event("first call"))
 
-    assert asyncio.run(scenario()) == 1
+    def second(recorder: Recorder) -> None:
+        recorder.count_usage(tenant=tenant, model="echo", key_prefix="sk-a", prompt=1,
+                             completion=1)
+        recorder.audit(event("second call"))
+
+    assert flush_cut_then_retried(retries, first, second) == 1
     counts = {k.decode(): int(v) for k, v in
               rds.hgetall(usage.usage_key(tenant, day)).items()}
     assert counts == {"echo|sk-a|r": 2, "echo|sk-a|p": 4, "echo|sk-a|c": 6}
@@ -144,32 +157,18 @@ def test_a_flushs_bucket_corrections_applied_with_the_reply_lost_count_once(
     a tenant would get the tokens back twice)."""
     rds = redis.Redis.from_url(settings.REDIS_URL)
     rds.script_load(CORRECT_LUA)  # so the cut flush runs it (no NOSCRIPT first)
-    url = urlsplit(str(settings.REDIS_URL))
     tenant = f"refund-{datetime.now(UTC).timestamp()}"
     bucket = ratelimit.Bucket(ratelimit.bucket_key(tenant, 1, "tokens", "tenant"), "tokens",
                               6e-4, 10_000.0)  # no refill worth counting during the test
     rds.eval(ratelimit.BUCKETS_LUA, 1, bucket.key,
              *ratelimit.args_for([bucket], [5000], "check"))  # 5,000 below full
 
-    async def scenario() -> int:
-        cutter = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
-        port = await cutter.start()
-        client = relayed_client(port, url, retries=retries)
-        recorder = Recorder(client, lambda _name: None)
-        try:
-            await client.ping()  # connected: the cut falls on the flush, not the hello
-            recorder.correct_buckets(tenant, [bucket], -1000)  # a call used less
-            cutter.cut = True
-            await recorder.flush()  # applied by Redis, the reply lost: held for retry
-            assert cutter.cuts == 1
-            assert float(rds.hget(bucket.key, "v") or 0) == pytest.approx(6000, abs=1.0)
-            recorder.correct_buckets(tenant, [bucket], 300)  # the next used more
-            await recorder.flush()  # the held flush again, with the next one's
-            return cutter.cuts
-        finally:
-            await client.aclose()
-            await cutter.close()
+    def applied_once() -> None:
+        assert float(rds.hget(bucket.key, "v") or 0) == pytest.approx(6000, abs=1.0)
 
-    assert asyncio.run(scenario()) == 1
+    assert flush_cut_then_retried(
+        retries, lambda recorder: recorder.correct_buckets(tenant, [bucket], -1000),
+        lambda recorder: recorder.correct_buckets(tenant, [bucket], 300),
+        applied_once) == 1
     assert float(rds.hget(bucket.key, "v") or 0) == pytest.approx(5700, abs=1.0)
     rds.close()
