@@ -32,7 +32,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform"), str(REPO / "tests" / "bench")]
 
-from bench_http import WRK_LUA, bench_env, seed_demo, start_sluice, wait_http, wrk, wrk_args  # noqa: E402
+from bench_http import (  # noqa: E402
+    FRONT,
+    WRK_LUA,
+    bench_env,
+    seed_demo,
+    start_sluice,
+    wait_http,
+    wrk,
+    wrk_args,
+)
 
 from sluice.localinfra import free_port  # noqa: E402
 from sluice.processes import ProcessGroup  # noqa: E402
@@ -124,10 +133,10 @@ def main() -> None:
                 wrk(f"{url}/v1/chat/completions", 8, 2, str(script))  # warm-up
                 results[mode].append(wrk(f"{url}/v1/chat/completions", args.connections,
                                          args.seconds, str(script)))
-                group.stop()
+                group.stop(first=FRONT)  # calls wrk left in flight finish on the worker
         decision_ns, span_us = micro()
     finally:
-        group.stop()
+        group.stop(first=FRONT)
         sink.shutdown()
         if private:
             private.stop()
