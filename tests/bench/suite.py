@@ -105,8 +105,8 @@ def main() -> None:
         for name, (full, quick) in BENCHES.items():
             if name in skipped:
                 continue
-            command = [sys.executable, str(HERE / (quick if args.quick else full)[0]),
-                       *(quick if args.quick else full)[1:]]
+            script, *options = quick if args.quick else full
+            command = [sys.executable, str(HERE / script), *options]
             print(f"\n=== {name}: {' '.join(command[1:])}", flush=True)
             began = time.monotonic()
             code = subprocess.run(command, env=env, check=False).returncode
