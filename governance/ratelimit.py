@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from governance.models import RateLimitPolicy
@@ -72,6 +72,11 @@ class Bucket:
     kind: str  # "requests" | "tokens"
     per_minute: float  # the effective limit (after the adaptive factor)
     capacity: float
+    # (refill per second, capacity) as BUCKETS_LUA reads them: made once per bucket.
+    wire: tuple[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wire", (repr(self.rate_per_s), repr(self.capacity)))
 
     @property
     def rate_per_s(self) -> float:
@@ -93,12 +98,16 @@ class Verdict:
 
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers, from the tightest bucket of each kind."""
+        tightest: dict[str, BucketState] = {}
+        for state in self.states:
+            held = tightest.get(state.bucket.kind)
+            if held is None or state.remaining < held.remaining:
+                tightest[state.bucket.kind] = state
         out: dict[str, str] = {}
         for kind in ("requests", "tokens"):
-            mine = [s for s in self.states if s.bucket.kind == kind]
-            if not mine:
+            tight = tightest.get(kind)
+            if tight is None:
                 continue
-            tight = min(mine, key=lambda s: s.remaining)
             out[f"x-ratelimit-limit-{kind}"] = str(int(tight.bucket.per_minute))
             out[f"x-ratelimit-remaining-{kind}"] = str(max(0, tight.remaining))
             out[f"x-ratelimit-reset-{kind}"] = duration(tight.full_in_ms / 1000)
@@ -123,10 +132,27 @@ def bucket_key(tenant: str, policy_id: int, kind: str, subject: str) -> str:
     return f"sluice:{{{tenant}}}:rl:{policy_id}:{kind[0]}:{subject}"
 
 
+_MADE: dict[tuple[Any, ...], tuple[Bucket, ...]] = {}
+_MADE_MAX = 10_000  # distinct (policy, subject, factor): an adaptive factor moves
+
+
 def buckets_for(policy: RateLimitPolicy, *, tenant: str, subject: str,
                 factor: float) -> list[Bucket]:
     """The request and token buckets one policy puts on one subject (tenant, key id or
-    model name), with the refill scaled by the adaptive factor."""
+    model name), with the refill scaled by the adaptive factor. Made once per policy
+    version, subject and factor (every call asks; ~5 µs each)."""
+    key = (policy.pk, policy.requests_per_minute, policy.tokens_per_minute,
+           policy.burst_requests, policy.burst_tokens, tenant, subject, factor)
+    made = _MADE.get(key)
+    if made is None:
+        if len(_MADE) >= _MADE_MAX:
+            _MADE.clear()
+        made = _MADE[key] = tuple(_make_buckets(policy, tenant, subject, factor))
+    return list(made)
+
+
+def _make_buckets(policy: RateLimitPolicy, tenant: str, subject: str,
+                  factor: float) -> list[Bucket]:
     out = []
     for kind, rate, burst in (("requests", policy.requests_per_minute, policy.burst_requests),
                               ("tokens", policy.tokens_per_minute, policy.burst_tokens)):
@@ -154,7 +180,7 @@ def args_for(buckets: list[Bucket], costs: Sequence[float], mode: str,
              clock: float | None = None) -> list[Any]:
     args: list[Any] = [mode, "" if clock is None else repr(clock)]
     for bucket, cost in zip(buckets, costs, strict=True):
-        args += [repr(bucket.rate_per_s), repr(bucket.capacity), repr(float(cost))]
+        args += [*bucket.wire, repr(float(cost))]
     return args
 
 

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("sluice.worker")
 _EMBED_CHUNK = 64
 _RELEASE_IDLE_MS = 10**9  # "idle forever": the next reaper takes it at once
-_IDLE_POLL_S = 0.05  # how soon an idle worker notices a stream that did not exist
+_IDLE_POLL_S = 0.05  # how often the list of streams is read (a new one shows within 2x)
 _CANCEL_CHECK_S = 0.05  # how often cancellations are looked up (bounds their latency)
 _CLEANUP_S = 60.0  # an empty stream is forgotten after one to two of these
 
@@ -259,11 +259,11 @@ class Worker:
     def _read(self, room: int, block_ms: int | None) -> list[Pending]:
         """New entries from every non-empty stream at once, a fair share of `room` each."""
         now = time.monotonic()
-        if block_ms or now >= self._streams_fresh_until:
+        if now >= self._streams_fresh_until:
             self._streams_seen = self._streams()
-            # Mid-batch the list is reused for a moment (a read per decode step would
-            # otherwise cost two round trips); a new tenant's stream still shows within
-            # _IDLE_POLL_S, as when idle.
+            # The list is reused for _IDLE_POLL_S, blocking reads included (a read per
+            # decode step or per wave of requests would otherwise cost two round trips):
+            # a new tenant's stream shows within 2 x _IDLE_POLL_S at worst.
             self._streams_fresh_until = now + _IDLE_POLL_S
         suffixes = self._streams_seen
         if not suffixes:
@@ -271,8 +271,8 @@ class Worker:
                 time.sleep(_IDLE_POLL_S)
             return []
         per_stream = max(1, room // len(suffixes))
-        # A new tenant's stream is not among those we block on: bound the block so it is
-        # noticed within _IDLE_POLL_S.
+        # A new tenant's stream is not among those we block on: bound the block so the
+        # list is read again soon.
         block = min(block_ms, int(_IDLE_POLL_S * 1000)) if block_ms else None
         try:
             reply = self.redis.xreadgroup(q.GROUP, self.id,

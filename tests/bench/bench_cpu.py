@@ -115,6 +115,10 @@ def main() -> None:
         print(f"{'all':12} {total:7.2f} {total / served * 1e6:11.0f} {total / wall:10.0%}")
         print(f"cores idle meanwhile: {idle / wall:.0%} of a core, of {os.cpu_count()}")
         print_commandstats(stats.info("commandstats"), served)
+        io = stats.info("stats")
+        print(f"redis socket reads per request {io['total_reads_processed'] / served:.2f}, "
+              f"writes {io['total_writes_processed'] / served:.2f} (each client's write "
+              "is a read here: fewer means bigger batches)")
         for name, spy in spies.items():
             spy.wait(30)
             raw = Path(state) / f"{name}.raw"

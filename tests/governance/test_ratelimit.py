@@ -20,6 +20,7 @@ from governance.ratelimit import (
     Bucket,
     adaptive_factor,
     args_for,
+    buckets_for,
     default_burst,
     duration,
     verdict,
@@ -98,6 +99,33 @@ def test_headers_follow_openai_names(rds: redis.Redis) -> None:
     assert h["x-ratelimit-limit-tokens"] == "6000"
     assert h["x-ratelimit-remaining-tokens"] == "500"
     assert duration(0.02) == "20ms" and duration(360) == "6m0s"
+
+
+def test_headers_show_the_tightest_bucket_of_each_kind(rds: redis.Redis) -> None:
+    loose, tight = per_min("loose", 600, 60), per_min("tight", 60, 3)
+    h = take(rds, [loose, tight], [1, 1], clock=5.0).headers()
+    assert h["x-ratelimit-limit-requests"] == "60"
+    assert h["x-ratelimit-remaining-requests"] == "2"
+    assert "x-ratelimit-limit-tokens" not in h
+
+
+def test_buckets_follow_an_edited_policy_and_the_adaptive_factor() -> None:
+    """buckets_for remembers what it made: an edit of the policy (same id) and a new
+    adaptive factor must still give their own buckets."""
+    policy = RateLimitPolicy(pk=991, scope="tenant", requests_per_minute=600,
+                             tokens_per_minute=6000)
+    first = buckets_for(policy, tenant="t", subject="s", factor=1.0)
+    assert [(b.kind, b.per_minute, b.capacity) for b in first] == \
+        [("requests", 600, 60), ("tokens", 6000, 600)]
+    assert buckets_for(policy, tenant="t", subject="s", factor=1.0) == first
+    assert [b.per_minute for b in buckets_for(policy, tenant="t", subject="s",
+                                              factor=0.5)] == [300, 3000]
+    policy.requests_per_minute, policy.burst_requests = 120, 7
+    edited = buckets_for(policy, tenant="t", subject="s", factor=1.0)
+    assert (edited[0].per_minute, edited[0].capacity) == (120, 7)
+    assert edited[0].wire == (repr(2.0), repr(7.0))
+    assert buckets_for(policy, tenant="t", subject="other", factor=1.0)[0].key.endswith(
+        ":other")
 
 
 def test_time_comes_from_redis_when_no_clock_is_sent(rds: redis.Redis) -> None:

@@ -93,3 +93,26 @@ def test_qps_estimate_follows_the_last_second(monkeypatch: pytest.MonkeyPatch) -
     sampler.rate("/r", 200, 0.001)
     clock[0] += 1.0
     assert all(sampler.rate("/r", 200, 0.001) == 1.0 for _ in range(5))
+
+
+_TRACE, _SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+@pytest.mark.parametrize("value", [
+    f"00-{_TRACE}-{_SPAN}-01", f"00-{_TRACE}-{_SPAN}-00", f"01-{_TRACE}-{_SPAN}-01-future",
+    f"00-{_TRACE}-{_SPAN}-01-extra", f"ff-{_TRACE}-{_SPAN}-01", f"00-{'0' * 32}-{_SPAN}-01",
+    f"00-{_TRACE}-{'0' * 16}-01", f"00-{_TRACE.upper()}-{_SPAN}-01", f"00-{_TRACE}-{_SPAN}",
+    f"00-{_TRACE[:-1]}-{_SPAN}-01", f"0-{_TRACE}-{_SPAN}-01", "", "garbage",
+    f" 00-{_TRACE}-{_SPAN}-01", f"00-{_TRACE}-{_SPAN}-01\t", f"00-{_TRACE}-{_SPAN}-0g",
+    f"01-{_TRACE}-{_SPAN}-01-{'x' * 500}",
+])
+def test_a_traceparent_reads_as_the_w3c_propagator_reads_it(value: str) -> None:
+    """The worker's direct parse (one per queued request) against OpenTelemetry's own
+    propagator, valid and invalid headers alike."""
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    ctx = trace.get_current_span(
+        TraceContextTextMapPropagator().extract({"traceparent": value})).get_span_context()
+    expected = ctx if ctx.is_valid else None
+    assert telemetry.span_context_of(value) == expected
