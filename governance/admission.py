@@ -91,6 +91,11 @@ class Admission:
 
     async def finish(self, final: dict[str, Any] | None, *, error: BaseException | None = None,
                      charge: bool = True, audited: bool = True) -> None:
+        self.finish_now(final, error=error, charge=charge, audited=audited)
+
+    def finish_now(self, final: dict[str, Any] | None, *, error: BaseException | None = None,
+                   charge: bool = True, audited: bool = True) -> None:
+        """Settle and audit the call (once): queued for the recorder, nothing awaited."""
         if self.done:
             return
         self.done = True

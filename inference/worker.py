@@ -692,12 +692,20 @@ class Worker:
     def _flush(self, *, wait: bool = False) -> None:
         """Hand this iteration's events and acks to the writer thread, so that Redis I/O
         overlaps the next decode step (torch releases the GIL while it computes). One
-        write is in flight at a time: order is kept and a slow Redis slows us down."""
+        write is in flight at a time: order is kept and a slow Redis slows us down.
+        With no step to overlap (the batch has ended) this thread writes them itself:
+        a handoff would only add a thread switch (up to the GIL's 5 ms switch interval
+        while this thread runs on) to a lone request's latency."""
         if self._outbox or self._acks:
             if self._writing is not None:
                 self._writing.result()
-            self._writing = self._writer.submit(self._write, self._outbox, self._acks)
+                self._writing = None
+            outbox, acks = self._outbox, self._acks
             self._outbox, self._acks = [], []
+            if self.active or self.backlog:
+                self._writing = self._writer.submit(self._write, outbox, acks)
+            else:
+                self._write(outbox, acks)
         if wait and self._writing is not None:
             self._writing.result()
             self._writing = None
