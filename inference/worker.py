@@ -718,33 +718,35 @@ class Worker:
         finishing: dict[str, tuple[q.QueuedRequest, list[str]]] = {
             req.rid: (req, []) for req, event, _data in encoded
             if event["t"] in q.FINAL_EVENTS}
+        for req, _event, data in encoded:
+            if req.rid in finishing:
+                finishing[req.rid][1].append(data)
         owned: set[str] = set()
         stored: dict[str, str] = {}  # rid -> the final another delivery wrote
-        if finishing:
-            for req, _event, data in encoded:
-                if req.rid in finishing:
-                    finishing[req.rid][1].append(data)
-            by_tenant: dict[str, list[tuple[q.QueuedRequest, list[str]]]] = {}
-            for req, events in finishing.values():
-                by_tenant.setdefault(req.tenant, []).append((req, events))
-            claims = ScriptBatch(self.redis)
-            order: list[str] = []
-            for group in by_tenant.values():
-                for part in chunks(group, q.EVENTS_PER_CALL):
-                    order += [req.rid for req, _events in part]
-                    claims.script(q.FINALS_LUA,
-                                  [key for req, _events in part
-                                   for key in (q.done_key(req.tenant, req.rid),
-                                               q.out_key(req.tenant, req.rid))],
-                                  [self.id, q.OUT_TTL_S,
-                                   *(x for _req, events in part for x in (len(events), *events))])
-            replies = [reply for call in claims.run() for reply in call]
-            for rid, reply in zip(order, replies, strict=True):
-                if reply == 1:
-                    owned.add(rid)
-                elif reply:
-                    stored[rid] = _s(reply)
         batch = ScriptBatch(self.redis)
+        presumed: list[list[str]] = []  # request ids per FINALS call, when presumed
+        if finishing:
+            first = {p.req.rid for p in acks if p.deliveries == 1}
+            if first.issuperset(finishing):
+                # First deliveries all: no other worker can have finished them unless
+                # it took one over from this worker while this one lived on (a stall
+                # past reclaim_after_ms). So the claims go in the same round trip as
+                # the rest, ownership presumed; in that rare case the gateway may get
+                # this worker's final as well as the owner's and keeps the first (one
+                # reply, once), and the request's stream keeps the owner's.
+                presumed = self._claims(batch, list(finishing.values()))
+                owned = set(finishing)
+            else:
+                # A redelivery may find its request finished: ask first, then tell
+                # the gateway the final that stands.
+                claims = ScriptBatch(self.redis)
+                calls = self._claims(claims, list(finishing.values()))
+                replies = [reply for call in claims.run() for reply in call]
+                for rid, reply in zip([r for c in calls for r in c], replies, strict=True):
+                    if reply == 1:
+                        owned.add(rid)
+                    elif reply:
+                        stored[rid] = _s(reply)
         pipe = batch.pipe
         # Events first, acks after: a crash in between leaves the entry pending, and the
         # next delivery resumes from (or just acknowledges) what was written.
@@ -774,7 +776,32 @@ class Worker:
         for done in chunks(acks, q.EVENTS_PER_CALL):
             batch.script(q.ACKS_LUA, q.ack_keys(self.spec.name, [p.stream for p in done]),
                          [x for p in done for x in (p.req.tenant, p.stream, p.msg_id, p.req.rid)])
-        batch.run()
+        replies = batch.run()
+        if presumed:  # the FINALS calls went first
+            for rids, call in zip(presumed, replies, strict=False):
+                for rid, reply in zip(rids, call, strict=True):
+                    if reply != 1:
+                        logger.warning("request %s was finished by another worker too; "
+                                       "the gateway kept the first final it got", rid)
+
+    def _claims(self, batch: ScriptBatch,
+                finishing: list[tuple[q.QueuedRequest, list[str]]]) -> list[list[str]]:
+        """FINALS_LUA calls for the finishing requests (one per tenant and chunk) added
+        to `batch`; per call, its request ids in reply order."""
+        by_tenant: dict[str, list[tuple[q.QueuedRequest, list[str]]]] = {}
+        for req, events in finishing:
+            by_tenant.setdefault(req.tenant, []).append((req, events))
+        calls: list[list[str]] = []
+        for group in by_tenant.values():
+            for part in chunks(group, q.EVENTS_PER_CALL):
+                calls.append([req.rid for req, _events in part])
+                batch.script(q.FINALS_LUA,
+                             [key for req, _events in part
+                              for key in (q.done_key(req.tenant, req.rid),
+                                          q.out_key(req.tenant, req.rid))],
+                             [self.id, q.OUT_TTL_S,
+                              *(x for _req, events in part for x in (len(events), *events))])
+        return calls
 
     def _heartbeat(self) -> None:
         guard = {_s(k): _s(v) for k, v in self.redis.hgetall(q.guard_key(self.spec.name)).items()}

@@ -517,3 +517,71 @@ def test_a_requests_final_events_are_written_once_and_a_later_claim_gets_the_sto
     assert rds.xlen(q.out_key(tenant, rids[1])) == 1
     assert not rds.exists(q.out_key(tenant, rids[2]))
     assert 0 < rds.ttl(q.out_key(tenant, rids[0])) <= q.OUT_TTL_S
+
+
+def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_first(
+        redis_url: str, rds: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker writing the final of a first delivery claims it in the same round trip
+    as the gateway's message and the ack (no other worker can have finished it unless
+    it took it over from a stalled worker); a redelivery asks first and tells the
+    gateway the final that stands. In the stall case the gateway gets both finals (it
+    keeps the first) while the request's stream keeps the owner's, and it is logged."""
+    from inference.worker import Pending
+
+    spec, tenant, gateway = echo(), unique("t"), unique("gw")
+    url = urlsplit(redis_url)
+
+    def request(rid: str) -> q.QueuedRequest:
+        return q.QueuedRequest(rid=rid, tenant=tenant, kind="chat", body={}, gateway=gateway,
+                               deadline_ms=q.now_ms() + 60_000)
+
+    def events(text: str) -> list[dict[str, Any]]:
+        return [{"t": "delta", "seq": 0, "text": text},
+                {"t": "done", "seq": 1, "finish": "stop",
+                 "usage": {"prompt_tokens": 1, "completion_tokens": 1}}]
+
+    def gateway_items() -> list[tuple[str, dict[str, Any]]]:
+        return [(rid, event) for _id, fields in rds.xrange(q.gateway_key(gateway))
+                for rid, event in json.loads(fields[b"b"])]
+
+    def stored(rid: str) -> list[str]:
+        return [json.loads(f[b"e"])["text"] for _id, f in rds.xrange(q.out_key(tenant, rid))
+                if json.loads(f[b"e"])["t"] == "delta"]
+
+    async def scenario() -> list[int]:
+        relay = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
+        port = await relay.start()
+        worker = Worker(spec, redis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0)))
+        writes = []
+        try:
+            await asyncio.to_thread(worker.redis.ping)  # connected, the handshake done
+            for script in (q.FINALS_LUA, q.EVENTS_LUA, q.ACKS_LUA):
+                rds.script_load(script)  # known to Redis: no EVAL fallback round trip
+            for rid, deliveries in (("fresh", 1), ("stalled", 1), ("redelivered", 2)):
+                req = request(rid)
+                if rid != "fresh":  # another worker finished it first
+                    keys = [q.done_key(tenant, rid), q.out_key(tenant, rid)]
+                    rds.eval(q.FINALS_LUA, 2, *keys, "w0", q.OUT_TTL_S, 2,
+                             *(q.encode_event(e) for e in events("owner's")))
+                before = relay.writes
+                await asyncio.to_thread(worker._write, [(req, e) for e in events("mine")],
+                                        [Pending(f"{tenant}:0", "1-1", req, deliveries)])
+                writes.append(relay.writes - before)
+        finally:
+            worker.redis.close()
+            await relay.close()
+        return writes
+
+    with caplog.at_level("WARNING", logger="sluice.worker"):
+        writes = asyncio.run(scenario())
+    assert writes == [1, 1, 2], "round trips: first deliveries 1, a redelivery 2"
+    items = gateway_items()
+    texts = {rid: [e.get("text") for r, e in items if r == rid] for rid in
+             ("fresh", "stalled", "redelivered")}
+    assert texts["fresh"] == ["mine", None]
+    assert texts["stalled"] == ["mine", None], "presumed owner: its events went out"
+    assert texts["redelivered"] == [None], "only the stored final, none of its own events"
+    assert [e["t"] for r, e in items if r == "redelivered"] == ["done"]
+    assert stored("fresh") == ["mine"]
+    assert stored("stalled") == stored("redelivered") == ["owner's"]
+    assert any("stalled" in r.getMessage() for r in caplog.records)
