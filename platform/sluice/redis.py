@@ -244,9 +244,12 @@ class Coalescer:
         self._queued: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]] = []
         self._due = False  # a batch leaves at the loop's next turn
         self._batches: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     def script(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """The script's reply, as a future to await."""
+        if self._closed:
+            raise redis.ConnectionError("the coalescer is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._queued.append((source, keys, args, future))
@@ -261,6 +264,9 @@ class Coalescer:
 
     def _send(self) -> None:
         self._due = False
+        if self._closed:
+            self._fail_queued()
+            return
         if not self._queued or not self._idle:
             return
         calls, self._queued = self._queued, []
@@ -309,8 +315,24 @@ class Coalescer:
                     replies[i] = exc
         return replies
 
-    async def aclose(self) -> None:
-        """Close the coalescer's connections (its client's pool is the caller's)."""
+    def _fail_queued(self) -> None:
+        calls, self._queued = self._queued, []
+        for *_, future in calls:
+            if not future.done():
+                future.set_exception(redis.ConnectionError("the coalescer is closed"))
+
+    async def aclose(self, *, grace_s: float = 2.0) -> None:
+        """Stop taking scripts; let the batches in flight finish (up to `grace_s`, then
+        cancel them: their calls are cancelled), fail the calls still queued (a
+        ConnectionError, retriable), and close the connections (its client's pool is
+        the caller's)."""
+        self._closed = True
+        if self._batches:
+            _, late = await asyncio.wait(list(self._batches), timeout=grace_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        self._fail_queued()
         for connection in self.connections:
             await connection.aclose()
 

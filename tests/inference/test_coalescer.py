@@ -159,3 +159,28 @@ def test_a_batch_redis_does_not_answer_in_time_fails_retriably_and_the_next_runs
         assert await coalescer.script(ECHO_LUA, ["k"], ["after"]) == [b"k", b"after"]
 
     through_relay(redis_url, scenario)
+
+
+def test_closing_lets_batches_in_flight_finish_then_cancels_what_is_late(
+        redis_url: str, rds: redis.Redis) -> None:
+    """aclose: a batch in flight that answers within the grace period is delivered; one
+    that does not is cancelled (and so are its calls); calls still queued (every
+    connection busy) and calls after the close fail with a retriable ConnectionError."""
+    rds.script_load(SLOW_LUA)
+
+    async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
+        assert await coalescer.script(SLOW_LUA, ["k"], [1]) == b"1"  # connected
+        quick = coalescer.script(SLOW_LUA, ["a"], [100_000])
+        await asyncio.sleep(0.01)
+        slow = coalescer.script(SLOW_LUA, ["b"], [900_000])  # the second connection
+        await asyncio.sleep(0.01)
+        queued = coalescer.script(SLOW_LUA, ["c"], [1])  # no connection free
+        await coalescer.aclose(grace_s=0.4)
+        assert await quick == b"100000"
+        assert slow.cancelled()
+        with pytest.raises(redis.ConnectionError):
+            await queued
+        with pytest.raises(redis.ConnectionError):
+            coalescer.script(SLOW_LUA, ["d"], [1])
+
+    through_relay(redis_url, scenario, in_flight=2)
