@@ -19,10 +19,10 @@ open reservations expire at their deadline. A flush that fails because Redis is 
 (restart, failover) is kept and retried with the next one, for up to RETRY_FOR_S or
 MAX_HELD_AUDIT audit events (then dropped, logged); never a call. A flush that Redis
 applied but whose reply was lost is harmless to retry: quota settlements are idempotent
-(a reservation is charged once), usage counts and token-bucket corrections are applied
-once per flush number (a mark per tenant and gateway process), and audit events carry
-their own id, which the audit writer stores once. Latency histograms and breaker outcomes
-would count twice (signals, not records).
+(a reservation is charged once); usage counts, token-bucket corrections, latency
+histograms and breaker outcomes are applied once per flush number (a mark per tenant, or
+per deployment, and gateway process); and audit events carry their own id, which the
+audit writer stores once.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from governance import audit, breaker, quota, ratelimit, signals, usage
 from governance.models import BreakerPolicy, Quota
+from inference.queue import deployment_key
 from sluice.redis import ScriptBatch, chunks
 
 logger = logging.getLogger("sluice.governance")
@@ -54,6 +55,16 @@ PER_CALL = 500  # settlements, or buckets, per script call (bounds how long it h
 # however often the flush is retried. Its script calls are marked flush * _MARKS + i.
 CORRECT_LUA = usage.ONCE_PER_FLUSH_LUA + ratelimit.BUCKETS_LUA
 _MARKS = 1_000_000
+# A flush's latency histogram of one deployment and metric, and its breaker outcomes of
+# one deployment: each applied once however often the flush is retried (a doubled
+# failure count could open a breaker).
+LATENCIES_LUA = usage.ONCE_PER_FLUSH_LUA + signals.ADD_LUA
+OUTCOMES_LUA = usage.ONCE_PER_FLUSH_LUA + breaker.RECORD_LUA
+
+
+def deployment_mark(deployment: str, writer: str, what: str) -> str:
+    """A writer's mark (usage.applied_key) for what it writes in a deployment's slot."""
+    return deployment_key(deployment, f"{what}:applied:{writer}")
 
 # A queued per-call write: (Lua source, keys, args).
 Write = tuple[str, list[str], list[Any]]
@@ -67,9 +78,11 @@ class _Pending:
     # (flush number, tenant) -> (model, key prefix) -> [requests, prompt, completion]
     usage: dict[tuple[int, str], dict[tuple[str, str], list[int]]] = field(
         default_factory=dict)
-    latency: dict[tuple[str, str], dict[int, int]] = field(default_factory=dict)
-    outcomes: dict[str, tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] = field(
-        default_factory=dict)
+    # (flush number, deployment, metric) -> latency bucket -> calls
+    latency: dict[tuple[int, str, str], dict[int, int]] = field(default_factory=dict)
+    # (flush number, deployment) -> (its breaker policy, the calls' outcomes)
+    outcomes: dict[tuple[int, str], tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] \
+        = field(default_factory=dict)
     audit: list[str] = field(default_factory=list)
     # (the quotas' keys, their shape) -> (the quotas, their calls' settlements)
     settlements: dict[tuple[tuple[str, ...], tuple[Any, ...]],
@@ -99,20 +112,17 @@ class _Pending:
                 f"{len(self.audit)} audit events")
 
     def merge(self, later: _Pending) -> _Pending:
-        """This (failed, older) flush followed by `later`, as one. Usage counts and bucket
-        corrections keep their flush numbers: the failed flush's may have been applied
-        with only the reply lost, and are then skipped, while `later`'s still count.
+        """This (failed, older) flush followed by `later`, as one. Usage counts, bucket
+        corrections, latencies and outcomes keep their flush numbers: the failed
+        flush's may have been applied with only the reply lost, and are then skipped,
+        while `later`'s still count.
         What is recorded from now on goes under `later`'s number (under this one's, it
         would be skipped with it)."""
         self.number = later.number
         self.writes += later.writes
         self.usage.update(later.usage)
-        for key, histogram in later.latency.items():
-            mine = self.latency.setdefault(key, {})
-            for bucket, count in histogram.items():
-                mine[bucket] = mine.get(bucket, 0) + count
-        for name, (policy, calls) in later.outcomes.items():
-            self.outcomes.setdefault(name, (policy, []))[1].extend(calls)
+        self.latency.update(later.latency)
+        self.outcomes.update(later.outcomes)
         self.audit += later.audit
         for group, (quotas, settled) in later.settlements.items():
             self.settlements.setdefault(group, (quotas, []))[1].extend(settled)
@@ -165,7 +175,8 @@ class Recorder:
 
     def latency(self, deployment: str, ms: float, metric: str = "lat") -> None:
         """A call's latency ("lat") or time to first token ("ttft"), see signals.py."""
-        histogram = self._pending.latency.setdefault((deployment, metric), {})
+        pending = self._pending
+        histogram = pending.latency.setdefault((pending.number, deployment, metric), {})
         bucket = signals.bucket_of(ms)
         histogram[bucket] = histogram.get(bucket, 0) + 1
         self._ensure_running()
@@ -179,7 +190,8 @@ class Recorder:
 
     def outcome(self, deployment: str, policy: BreakerPolicy, outcome: breaker.Outcome,
                 ms: float) -> None:
-        _, calls = self._pending.outcomes.setdefault(deployment, (policy, []))
+        pending = self._pending
+        _, calls = pending.outcomes.setdefault((pending.number, deployment), (policy, []))
         calls.append((outcome, ms))
         self._ensure_running()
 
@@ -225,19 +237,23 @@ class Recorder:
                 batch.script(CORRECT_LUA, *usage.once_per_flush(
                     [b.key for b in buckets],
                     ratelimit.args_for(buckets, [c for _b, c in part], "force"),
-                    tenant=tenant, writer=self.writer, flush=number * _MARKS + i,
-                    what="rl"))
+                    mark=usage.applied_key(tenant, self.writer, "rl"),
+                    flush=number * _MARKS + i))
         for (number, tenant), rows in sorted(pending.usage.items()):  # oldest flush first
             usage.count(batch, tenant=tenant, writer=self.writer, flush=number, rows=rows)
-        for (deployment, metric), histogram in pending.latency.items():
-            signals.record_latencies(pipe, deployment, histogram, metric)
+        for (number, deployment, metric), histogram in sorted(pending.latency.items()):
+            batch.script(LATENCIES_LUA, *usage.once_per_flush(
+                *signals.latencies_call(deployment, histogram, metric),
+                mark=deployment_mark(deployment, self.writer, metric), flush=number))
         for wire in pending.audit:
             pipe.xadd(audit.STREAM, {"e": wire}, maxlen=audit.STREAM_MAXLEN, approximate=True)
-        names = list(pending.outcomes)
-        for name in names:
-            policy, calls = pending.outcomes[name]
-            batch.script(breaker.RECORD_LUA, breaker.keys(name),
-                         breaker.record_args("", calls, policy))
+        names = []
+        for (number, name), (policy, calls) in sorted(pending.outcomes.items(),
+                                                      key=lambda item: item[0]):
+            names.append(name)
+            batch.script(OUTCOMES_LUA, *usage.once_per_flush(
+                breaker.keys(name), breaker.record_args("", calls, policy),
+                mark=deployment_mark(name, self.writer, "br"), flush=number))
         try:
             replies = await batch.run_async()
         except (RedisConnectionError, RedisTimeoutError):

@@ -39,13 +39,22 @@ def latency_key(deployment: str, slot: int, metric: str = "lat") -> str:
     return deployment_key(deployment, f"{metric}:{slot}")
 
 
-def record_latencies(pipe: Any, deployment: str, histogram: dict[int, int],
-                     metric: str = "lat") -> None:
-    """Queue the commands that add a histogram of calls' latencies on a pipeline."""
-    key = latency_key(deployment, int(time.time()) // SLOT_S, metric)
+# Add a histogram of calls' latencies. KEYS: the slot's key. ARGV: its TTL, then
+# field/count pairs. (The recorder prepends usage.ONCE_PER_FLUSH_LUA.)
+ADD_LUA = """
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+def latencies_call(deployment: str, histogram: dict[int, int],
+                   metric: str = "lat") -> tuple[list[str], list[Any]]:
+    """ADD_LUA's keys and args for a histogram of calls' latencies, in the current slot."""
+    args: list[Any] = [_KEEP_S]
     for bucket, count in histogram.items():
-        pipe.hincrby(key, f"b{bucket}", count)
-    pipe.expire(key, _KEEP_S)
+        args += [f"b{bucket}", count]
+    return [latency_key(deployment, int(time.time()) // SLOT_S, metric)], args
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ def usage_index_key(day: str) -> str:
 def applied_key(tenant: str, writer: str, what: str = "usage") -> str:
     """The last flush of `writer` (one gateway process's recorder) whose `what` (usage
     counts, "rl": token-bucket corrections) for `tenant` were applied: flushes are
-    numbered in order, so a retried one adds nothing."""
+    numbered in order, so a retried one adds nothing. (A deployment's marks, for its
+    latencies and breaker outcomes, are in its own slot: recorder.py.)"""
     return f"sluice:{{{tenant}}}:{what}:applied:{writer}"
 
 
@@ -60,10 +61,11 @@ return 1
 APPLIED_TTL_S = 300
 
 
-def once_per_flush(keys: list[str], args: list[Any], *, tenant: str, writer: str,
-                   flush: int, what: str) -> tuple[list[str], list[Any]]:
-    """A script's keys and args with the mark ONCE_PER_FLUSH_LUA takes off them."""
-    return [*keys, applied_key(tenant, writer, what)], [*args, APPLIED_TTL_S, flush]
+def once_per_flush(keys: list[str], args: list[Any], *, mark: str,
+                   flush: int) -> tuple[list[str], list[Any]]:
+    """A script's keys and args with the mark ONCE_PER_FLUSH_LUA takes off them (`mark`:
+    the writer's key for what the script writes, in the same slot as `keys`)."""
+    return [*keys, mark], [*args, APPLIED_TTL_S, flush]
 
 
 def count(batch: ScriptBatch, *, tenant: str, writer: str, flush: int,
@@ -77,8 +79,8 @@ def count(batch: ScriptBatch, *, tenant: str, writer: str, flush: int,
     for (model, key_prefix), (requests, prompt, completion) in rows.items():
         field = f"{model}|{key_prefix}|"
         args += [field + "r", requests, field + "p", prompt, field + "c", completion]
-    batch.script(COUNT_LUA, *once_per_flush([usage_key(tenant, day)], args, tenant=tenant,
-                                            writer=writer, flush=flush, what="usage"))
+    batch.script(COUNT_LUA, *once_per_flush([usage_key(tenant, day)], args,
+                                            mark=applied_key(tenant, writer), flush=flush))
     # The day's tenant index is in no tenant's slot; adding to a set twice is harmless.
     batch.pipe.sadd(usage_index_key(day), tenant)
     batch.pipe.expire(usage_index_key(day), USAGE_TTL_S)

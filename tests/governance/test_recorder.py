@@ -23,9 +23,9 @@ from django.conf import settings
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from governance import audit, ratelimit, usage
-from governance.models import AuditEvent
-from governance.recorder import CORRECT_LUA, Recorder
+from governance import audit, breaker, ratelimit, signals, usage
+from governance.models import AuditEvent, BreakerPolicy
+from governance.recorder import CORRECT_LUA, LATENCIES_LUA, OUTCOMES_LUA, Recorder
 from sluice.redis import reconnecting
 from tenants.roles import Role
 from tests.conftest import make_org, principal_for
@@ -171,4 +171,38 @@ def test_a_flushs_bucket_corrections_applied_with_the_reply_lost_count_once(
         lambda recorder: recorder.correct_buckets(tenant, [bucket], 300),
         applied_once) == 1
     assert float(rds.hget(bucket.key, "v") or 0) == pytest.approx(5700, abs=1.0)
+    rds.close()
+
+
+@pytest.mark.parametrize("retries", [True, False], ids=["redis-py retries", "held"])
+def test_a_flushs_breaker_outcomes_and_latencies_applied_with_the_reply_lost_count_once(
+        retries: bool) -> None:
+    """Two failed calls and their latencies in a flush whose reply was cut, one more in
+    the next: the breaker's window holds three failures, not five (counted twice, the
+    failures of a retried flush could open a breaker), and the latency histogram three
+    calls."""
+    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds.script_load(LATENCIES_LUA)  # so the cut flush runs them (no NOSCRIPT first)
+    rds.script_load(OUTCOMES_LUA)
+    deployment = f"outcomes-{datetime.now(UTC).timestamp()}"
+    policy = BreakerPolicy(window_kind="count", window_size=100, min_calls=100)
+
+    def failed_call(recorder: Recorder) -> None:
+        recorder.outcome(deployment, policy, breaker.Outcome.FAILURE, 12.0)
+        recorder.latency(deployment, 12.0)
+
+    def applied_once() -> None:
+        assert rds.hget(breaker.keys(deployment)[0], "f") == b"2"
+
+    def first(recorder: Recorder) -> None:
+        failed_call(recorder)
+        failed_call(recorder)
+
+    assert flush_cut_then_retried(retries, first, failed_call, applied_once) == 1
+    window = rds.hgetall(breaker.keys(deployment)[0])
+    assert (window[b"c"], window[b"f"]) == (b"3", b"3")
+    assert rds.llen(breaker.keys(deployment)[1]) == 3
+    now = int(datetime.now(UTC).timestamp()) // signals.SLOT_S  # this slot, or the last
+    assert sum(int(count) for slot in (now - 1, now) for count in
+               rds.hgetall(signals.latency_key(deployment, slot)).values()) == 3
     rds.close()
