@@ -94,22 +94,25 @@ class Admission:
         self.finish_now(final, error=error, charge=charge, audited=audited)
 
     def finish_now(self, final: dict[str, Any] | None, *, error: BaseException | None = None,
-                   charge: bool = True, audited: bool = True) -> None:
-        """Settle and audit the call (once): queued for the recorder, nothing awaited."""
+                   charge: bool = True, audited: bool = True,
+                   ended: float | None = None) -> None:
+        """Settle and audit the call (once): queued for the recorder, nothing awaited.
+        `ended`: when the call ended (time.monotonic()), when that was before now."""
         if self.done:
             return
         self.done = True
         status = call_status(final, error)
-        self.governor.settle(self, final, status, error=error, charge=charge)
+        latency_ms = ((time.monotonic() if ended is None else ended) - self.started) * 1000
+        self.governor.settle(self, final, status, latency_ms, error=error, charge=charge)
         if audited:
-            self._audit(final, status)
+            self._audit(final, status, latency_ms)
 
-    def _audit(self, final: dict[str, Any] | None, status: int) -> None:
+    def _audit(self, final: dict[str, Any] | None, status: int, latency_ms: float) -> None:
         usage = (final or {}).get("usage") or {}
         self.governor.recorder.audit(audit.call_event(
             principal=self.principal, action=self.action, model=self.spec.name,
             protocol=self.protocol, status=status,
-            latency_ms=(time.monotonic() - self.started) * 1000,
+            latency_ms=latency_ms,
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
             request_id=self.request_id, trace_id=self.trace_id, request_text=self.request_text,
@@ -344,10 +347,11 @@ class Governor:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def settle(self, adm: Admission, final: dict[str, Any] | None, status: int, *,
+    def settle(self, adm: Admission, final: dict[str, Any] | None, status: int,
+               latency_ms: float, *,
                error: BaseException | None, charge: bool) -> None:
         """Queue the call's settlement (written by the recorder, off the response path);
-        `status` is `call_status(final, error)`."""
+        `status` is `call_status(final, error)`, `latency_ms` the call's duration."""
         reported = (final or {}).get("usage") or {}
         prompt = int(reported.get("prompt_tokens", 0))
         completion = int(reported.get("completion_tokens", 0))
@@ -366,7 +370,6 @@ class Governor:
         # The tenant pays for what was made, except when the platform failed.
         billable = charge and final is not None and status < 500
         tokens = prompt + completion if billable else 0
-        latency_ms = (time.monotonic() - adm.started) * 1000
         tenant, name = adm.principal.tenant_slug, adm.spec.name
         rec = self.recorder
         if adm.quotas:

@@ -413,24 +413,34 @@ def test_usage_is_counted_and_rolled_up_idempotently(live: Live, org: Org) -> No
 def test_the_reply_does_not_wait_for_settlement_and_audit(live: Live, org: Org) -> None:
     """A call's settlement, audit event and metrics (~0.15 ms of CPU) run at the event
     loop's next turn after its events end, so the adapter writes the reply first; they
-    do run then."""
+    do run then, and the call's recorded duration ends with its events, not when they
+    run (here 0.3 s later)."""
+    from governance import audit
     from streaming.gateway import Gateway
     from streaming.schemas import ChatCompletionRequest
     principal = principal_for(org.members[Role.DEVELOPER])
 
-    async def scenario() -> tuple[bool, bool, str]:
+    async def scenario() -> tuple[bool, bool, str, list[float]]:
         gateway = Gateway()
         try:
             sub = await gateway.chat(principal, ChatCompletionRequest.model_validate(
                 chat_body("hello")))
+            recorder = gateway.governor.recorder
+            held = recorder._pending  # where this call's audit event goes (or the next)
             events = [event async for event in sub.events()]
             at_end = sub.admission.done
+            time.sleep(0.3)  # the loop held up: the settlement runs 0.3 s after the end
             await asyncio.sleep(0)  # the loop's next turn
-            return at_end, sub.admission.done, events[-1]["t"]
+            latencies = [audit.from_wire(wire)["latency_ms"]
+                         for pending in {id(held): held, id(recorder._pending):
+                                         recorder._pending}.values()
+                         for wire in pending.audit]
+            return at_end, sub.admission.done, events[-1]["t"], latencies
         finally:
             await gateway.close()
 
-    at_end, after_a_turn, last = asyncio.run(scenario())
+    at_end, after_a_turn, last, latencies = asyncio.run(scenario())
     assert last == "done"
     assert not at_end, "settled before the adapter could write the reply"
     assert after_a_turn, "not settled at the loop's next turn"
+    assert len(latencies) == 1 and latencies[0] < 300, latencies
