@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -16,6 +17,7 @@ import redis
 
 from inference import queue as q
 from inference.client import InferenceClient, RequestHandle
+from inference.runtimes.echo import EchoRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker, heartbeats
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
@@ -585,3 +587,68 @@ def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_f
     assert stored("fresh") == ["mine"]
     assert stored("stalled") == stored("redelivered") == ["owner's"]
     assert any("stalled" in r.getMessage() for r in caplog.records)
+
+
+class _TimedEcho(EchoRuntime):
+    """The echo runtime, recording each step's thread and span, with a detokenization
+    that costs the worker's thread ~`decode_ms` (a sleep, so it needs no core)."""
+
+    def __init__(self, *, decode_ms: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.decode_s = decode_ms / 1000
+        self.steps: list[tuple[str, float, float]] = []
+
+    def step(self) -> dict[str, int]:
+        began = time.monotonic()
+        tokens = super().step()
+        self.steps.append((threading.current_thread().name, began, time.monotonic()))
+        return tokens
+
+    def decode(self, ids: Sequence[int]) -> str:
+        time.sleep(self.decode_s)
+        return super().decode(ids)
+
+
+@pytest.mark.parametrize("delay_ms", [40, 0])
+def test_long_steps_overlap_the_workers_own_work_and_change_no_answer(
+        thread_worker: StartWorker, redis_url: str, delay_ms: int) -> None:
+    """With steps of 40 ms and up to ~32 ms of the worker's own work per step (token
+    handling),
+    the next step runs on the model thread meanwhile: the batch keeps the model's pace,
+    not twice it. Without a delay, steps stay on the worker's thread. Either way each
+    request gets exactly its answer: lengths, stop strings, cancellation, and the
+    sequences that finished during a step leave the runtime."""
+    spec = echo(max_batch_size=8, max_wait_ms=100, echo_token_delay_ms=delay_ms)
+    runtime = _TimedEcho(decode_ms=4 if delay_ms else 0, token_delay_ms=delay_ms)
+    worker = thread_worker(spec, runtime=runtime)
+
+    async def go(client: InferenceClient) -> None:
+        plain = await client.submit(spec, tenant="t", body=chat("abcdefghijkl"))
+        short = await client.submit(spec, tenant="t", body=chat("abcdefghijkl", max_tokens=5))
+        stop = await client.submit(spec, tenant="t", body=chat("abcdefXYghijkl", stop=["XY"]))
+        cancel = await client.submit(spec, tenant="t", body=chat("z" * 200, max_tokens=500))
+        results = await asyncio.gather(collect(plain), collect(short), collect(stop))
+        await cancel.cancel()
+        cancelled = await collect(cancel)
+        assert [(r.text, r.final["finish"], r.final["usage"]["completion_tokens"])
+                for r in results] == [("abcdefghijkl", "stop", 12), ("abcde", "length", 5),
+                                      ("abcdef", "stop", 8)]
+        assert cancelled.final["finish"] == "cancelled"
+        assert len(cancelled.text) == cancelled.final["usage"]["completion_tokens"] < 200
+
+    run(go, redis_url)
+    deadline = time.monotonic() + 5
+    while runtime.active or worker.active:
+        assert time.monotonic() < deadline, "finished sequences stayed in the runtime"
+        time.sleep(0.02)
+    threads = [name for name, _, _ in runtime.steps]
+    if not delay_ms:
+        assert not any(name.startswith("sluice-model") for name in threads)
+        return
+    # The first step runs inline: it tells how long steps are.
+    assert threads[0] != "sluice-model_0" and set(threads[1:]) == {"sluice-model_0"}, threads
+    # The batch's pace: from the first step's start to the last one's end, against the
+    # steps' own time (the worker's work in series with them: ~1.7x).
+    spans = sorted((began, ended) for _, began, ended in runtime.steps)
+    busy = sum(ended - began for began, ended in spans)
+    assert spans[-1][1] - spans[0][0] < 1.35 * busy, (spans[-1][1] - spans[0][0], busy)
