@@ -278,8 +278,10 @@ class Worker:
         self._flush()
         if not self.active:
             # The batch has ended: free its sequences now, not after the next read
-            # (which may block for block_ms). Its finals are written already.
+            # (which may block for block_ms). Its finals are written already, and the
+            # last step's tokens are nobody's.
             self._collect()
+            self._stepped = None
 
     # -- pulling -------------------------------------------------------------------
     def _read(self, room: int, block_ms: int | None) -> list[Pending]:
