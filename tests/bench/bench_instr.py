@@ -17,7 +17,8 @@ slower, so timers fire ~50x more often per call than at full speed: the idle-cor
 figure is the one to compare, and only against another run of this script (the same
 slow-down on both sides). A call's own path is deterministic, but the batching of
 concurrent calls (coalesced Redis pipelines, worker steps, recorder flushes) follows
-timing: expect about +-1% between runs of the same code (measure it: run twice).
+timing: runs of the same code differed by up to +-5% (2026-12; +-1% with fewer
+connections), so a smaller change needs several runs a side (measure it: run twice).
 Needs valgrind (`apt-get install valgrind`). Linux only.
 
     .venv/bin/python tests/bench/bench_instr.py [--calls 400] [--connections 8]
