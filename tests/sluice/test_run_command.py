@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -327,6 +328,42 @@ def test_calls_are_audited_into_the_embedded_database_redacted_and_chained(
         assert row["chain"] == "demo" and row["action"] == "chat.completions"
         assert row["status"] == 200 and row["detail"]["finish"] == "stop"
         assert "jane.doe@example.com" not in row["request_excerpt"]
+
+
+def test_a_writer_that_meets_another_on_the_embedded_database_waits_for_it(
+        running: Running) -> None:
+    """SQLite: the audit writer's transaction (read, then write) starts while another
+    connection holds the write lock and commits. A deferred transaction fails then
+    ("database is locked", at once or after the busy timeout: the upgrade of its read
+    lock deadlocks with the other's commit); the settings' IMMEDIATE one waits its
+    turn and writes."""
+    path = Path(running.env["SLUICE_STATE_DIR"]) / "sluice.sqlite3"
+    write = ("import django, sys; django.setup(); from django.utils import timezone; "
+             "from governance import audit; from tenants.models import Tenant; "
+             "tenant = Tenant.objects.get(slug='demo').pk; print('ready', flush=True); "
+             "print(audit.write_events([{'chain': 'lock-test', 'at': timezone.now(), "
+             "'tenant_id': tenant, 'actor': 't', 'role': '', 'key_prefix': '', "
+             "'action': 'x', 'target': '', 'model': '', 'protocol': 'rest', 'status': 200, "
+             "'latency_ms': 0.0, 'prompt_tokens': 0, 'completion_tokens': 0, "
+             "'request_id': '', 'trace_id': '', 'request_excerpt': '', "
+             "'response_excerpt': '', 'detail': {}}]))")
+    holder = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        holder.execute("UPDATE governance_auditchain SET seq = seq")
+        writer = subprocess.Popen([sys.executable, "-c", write], cwd=REPO, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**running.env,
+                                       "DJANGO_SETTINGS_MODULE": "sluice.settings.base"})
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # the writer is in its transaction, waiting for the lock
+        holder.execute("COMMIT")
+    finally:
+        holder.close()
+    out, err = writer.communicate(timeout=60)
+    assert writer.returncode == 0, err[-3000:]
+    assert out.strip() == "1"
 
 
 def test_a_process_that_dies_is_restarted(running: Running) -> None:

@@ -75,6 +75,13 @@ DATABASES = {
         conn_health_checks=True,
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several processes write the one file (the gateways, the audit writer, the UI). A
+    # deferred transaction that reads and then writes cannot upgrade its lock while
+    # another writer commits, and SQLite fails it at once ("database is locked")
+    # instead of waiting; IMMEDIATE takes the write lock at BEGIN, so writers queue (up
+    # to `timeout` seconds) and none fails.
+    DATABASES["default"]["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
