@@ -170,6 +170,8 @@ def main() -> None:
                         help="alternating bare/Sluice rounds; Sluice's own figures are "
                              "each round's differences and their median")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     args.gateways = args.gateways or default_workers(args.server)
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, args.streams + 4096)  # each side (client, gateway) is one process
