@@ -248,8 +248,7 @@ class Recorder:
         for wire in pending.audit:
             pipe.xadd(audit.STREAM, {"e": wire}, maxlen=audit.STREAM_MAXLEN, approximate=True)
         names = []
-        for (number, name), (policy, calls) in sorted(pending.outcomes.items(),
-                                                      key=lambda item: item[0]):
+        for (number, name), (policy, calls) in sorted(pending.outcomes.items()):
             names.append(name)
             batch.script(OUTCOMES_LUA, *usage.once_per_flush(
                 breaker.keys(name), breaker.record_args("", calls, policy),

@@ -273,13 +273,14 @@ class Worker:
             self._cancellations()
             self._next_cancel_check = now + _CANCEL_CHECK_S
         self._admit()
-        if self.active or self._stepping is not None or self._stepped is not None:
+        if self.active:
             self._decode_step()
         self._flush()
         if not self.active:
-            # The batch has ended: free its sequences now, not after the next read
-            # (which may block for block_ms). Its finals are written already, and the
-            # last step's tokens are nobody's.
+            # The batch has ended (or was cancelled whole before its step was handled):
+            # free its sequences now, not after the next read (which may block for
+            # block_ms). Its finals are written already; the last step's tokens are
+            # nobody's.
             self._collect()
             self._stepped = None
 
