@@ -613,11 +613,11 @@ class _TimedEcho(EchoRuntime):
 def test_long_steps_overlap_the_workers_own_work_and_change_no_answer(
         thread_worker: StartWorker, redis_url: str, delay_ms: int) -> None:
     """With steps of 40 ms and up to ~32 ms of the worker's own work per step (token
-    handling),
-    the next step runs on the model thread meanwhile: the batch keeps the model's pace,
-    not twice it. Without a delay, steps stay on the worker's thread. Either way each
-    request gets exactly its answer: lengths, stop strings, cancellation, and the
-    sequences that finished during a step leave the runtime."""
+    handling), the next step runs on the model thread meanwhile: the batch keeps the
+    model's pace, not the model's plus the worker's. Without a delay, steps stay on the
+    worker's thread. Either way each request gets exactly its answer: lengths, stop
+    strings, cancellation, and the sequences that finished during a step leave the
+    runtime."""
     spec = echo(max_batch_size=8, max_wait_ms=100, echo_token_delay_ms=delay_ms)
     runtime = _TimedEcho(decode_ms=4 if delay_ms else 0, token_delay_ms=delay_ms)
     worker = thread_worker(spec, runtime=runtime)
@@ -648,7 +648,7 @@ def test_long_steps_overlap_the_workers_own_work_and_change_no_answer(
     # The first step runs inline: it tells how long steps are.
     assert threads[0] != "sluice-model_0" and set(threads[1:]) == {"sluice-model_0"}, threads
     # The batch's pace: from the first step's start to the last one's end, against the
-    # steps' own time (the worker's work in series with them: ~1.7x).
+    # steps' own time (measured 1.07x; with the worker's work in series, 1.55x).
     spans = sorted((began, ended) for _, began, ended in runtime.steps)
     busy = sum(ended - began for began, ended in spans)
     assert spans[-1][1] - spans[0][0] < 1.35 * busy, (spans[-1][1] - spans[0][0], busy)
