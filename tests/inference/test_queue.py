@@ -652,3 +652,45 @@ def test_long_steps_overlap_the_workers_own_work_and_change_no_answer(
     spans = sorted((began, ended) for _, began, ended in runtime.steps)
     busy = sum(ended - began for began, ended in spans)
     assert spans[-1][1] - spans[0][0] < 1.35 * busy, (spans[-1][1] - spans[0][0], busy)
+
+
+def test_a_newcomers_first_token_goes_out_behind_the_running_batchs(
+        thread_worker: StartWorker, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that joins a batch whose steps overlap gets its first token (its
+    prefill's) in the same gateway message as the batch's step, behind the batch's
+    tokens: from then on its place in every message is the same (newcomers last), so a
+    wave's fan-out does not move it from the front to the back between two tokens."""
+    spec = echo(max_batch_size=8, max_wait_ms=10, echo_token_delay_ms=30)
+    thread_worker(spec)
+    messages: list[list[str]] = []  # the request ids of each gateway message, in order
+    add = q.add_gateway_message
+
+    def spy(client: Any, gateway: str, items: list[str]) -> None:
+        messages.append([json.loads(item)[0] for item in items])
+        add(client, gateway, items)
+
+    monkeypatch.setattr(q, "add_gateway_message", spy)
+
+    async def go(client: InferenceClient) -> tuple[str, str, list[Result]]:
+        running = await client.submit(spec, tenant="t", body=chat("r" * 40))
+        events = running.events()
+        seen = [await anext(events) for _ in range(4)]  # steps overlap by now
+
+        async def rest() -> Result:
+            async for event in events:
+                seen.append(event)
+            return Result("".join(e.get("text", "") for e in seen if e["t"] == "delta"),
+                          seen)
+
+        newcomer = await client.submit(spec, tenant="t", body=chat("nnnnnn"))
+        results = await asyncio.gather(rest(), collect(newcomer))
+        return running.rid, newcomer.rid, list(results)
+
+    old, new, results = run(go, redis_url)
+    assert [(r.text, r.final["finish"]) for r in results] == [("r" * 40, "stop"),
+                                                             ("nnnnnn", "stop")]
+    shared = [m for m in messages if old in m and new in m]
+    assert shared, messages
+    # Its first token shares a message with the batch's step, and every message that
+    # holds both has the batch's event first.
+    assert all(m.index(old) < m.index(new) for m in shared), shared
