@@ -21,12 +21,14 @@ import redis.asyncio as aioredis
 
 from inference import queue as q
 from inference.spec import DeploymentSpec
+from sluice import gctuning
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
 from sluice.redis import Coalescer, DirectConnection, fast_pool_options, reconnecting
 
 logger = logging.getLogger("sluice.inference")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
 _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
+_FAN_OUT_EVENTS = 256  # events read at once that hold the collector off while they go out
 _TRIM_EVERY_S = 0.1  # how often the router trims the events it has read
 _EXPIRED: dict[str, Any] = {"t": "expired"}  # put in a request's queue at its deadline
 
@@ -146,6 +148,7 @@ class InferenceClient:
             raise reply
         # Redis's own reply: {key: [[id, [field, value, ...]], ...]} (RESP3, redis-py's
         # default), or [[key, entries]] (RESP2).
+        routed = 0
         for _key, entries in (reply.items() if isinstance(reply, dict) else reply or []):
             for msg_id, fields in entries:
                 self._last_id = msg_id.decode()
@@ -153,6 +156,9 @@ class InferenceClient:
                     waiting = self._waiting.get(rid)
                     if waiting is not None:
                         waiting.put_nowait(event)
+                        routed += 1
+        if routed >= _FAN_OUT_EVENTS:  # a step's wave: no collection in its middle
+            gctuning.hold_for_this_turn(asyncio.get_running_loop())
         if reply and time.monotonic() >= self._trim_due:
             # Our own stream: keep it short and let it vanish if this process dies. At
             # most every _TRIM_EVERY_S, not after every read (a read under load brings

@@ -4,10 +4,13 @@ less often. Checked in a fresh interpreter that imports the ASGI app as a server
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import subprocess
 import sys
 
+from sluice import gctuning
 from sluice.gctuning import YOUNG_THRESHOLD
 from tests.conftest import REPO, process_env
 
@@ -21,3 +24,31 @@ def test_the_asgi_app_freezes_start_up_and_raises_the_young_threshold() -> None:
     assert before == 0
     assert frozen > 50_000  # Django, the apps, the pipeline's modules
     assert threshold[0] == YOUNG_THRESHOLD
+
+
+def test_holding_the_collector_for_a_turn_covers_what_was_scheduled_and_no_more() -> None:
+    """What a loop had scheduled when the hold began runs with the collector off (a
+    wave of token sends); what comes after runs with it on again. A collector that
+    someone else turned off stays off."""
+
+    async def go() -> tuple[list[bool], list[bool]]:
+        loop = asyncio.get_running_loop()
+        seen: list[bool] = []
+        for _ in range(3):
+            loop.call_soon(lambda: seen.append(gc.isenabled()))
+        gctuning.hold_for_this_turn(loop)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        after = [gc.isenabled()]
+        gc.disable()
+        try:
+            gctuning.hold_for_this_turn(loop)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            after.append(gc.isenabled())
+        finally:
+            gc.enable()
+        return seen, after
+
+    assert gc.isenabled()
+    assert asyncio.run(go()) == ([False, False, False], [True, False])
