@@ -611,8 +611,8 @@ class Worker:
         tokens of the step that ended as they joined: the batch's events then keep one
         order from step to step, newcomers last. Ahead of the batch, a newcomer's first
         token went out first in its wave and its second last in the next one, and its
-        first gap carried a whole fan-out (at 10,000 streams, every one of the worst
-        1% of gaps)."""
+        first gap carried a whole fan-out (at 10,000 streams, in one run, every one of
+        the worst 1% of gaps)."""
         self._collect()
         tokens, self._stepped = self._stepped, None
         firsts, self._firsts = self._firsts, {}
@@ -620,14 +620,14 @@ class Worker:
                 and not any(a.tool is not None for a in self.active.values()):
             self._stepping = self._model.submit(self._timed_step)
         elif self.active and tokens is None:
-            # In step: the first tokens go before this step's, which are their second.
-            self._handle(firsts)
+            # Inline: the first tokens go before this step's, which are their second.
+            self._on_tokens(firsts)
             firsts = {}
             tokens = self._timed_step() if self.active else None
-        self._handle(tokens or {})
-        self._handle(firsts)
+        self._on_tokens(tokens or {})
+        self._on_tokens(firsts)
 
-    def _handle(self, tokens: dict[str, int]) -> None:
+    def _on_tokens(self, tokens: dict[str, int]) -> None:
         for rid, token in tokens.items():
             active = self.active.get(rid)
             if active is not None:

@@ -1,16 +1,16 @@
 """Many concurrent SSE streams on one box: errors, added inter-token delay, memory per
 stream.
 
-The gateway (--server, default the run command's: uvicorn; --gateways processes,
-default the run command's) and one echo worker that batches every stream at once and
-emits a token per stream every `--token-ms` (a model's pace; the streams are idle in
-between). `--streams` clients (asyncio, raw sockets, opened over `--ramp` seconds) each
-stream `--tokens` tokens. Reported: streams that failed, the delay between consecutive
-tokens beyond the model's own pace (p50/p99, and p99 after the ramp, once no stream is
-being opened), the gateway's resident memory (all its processes) per open stream, and
-the gateway's and the workers' CPU time per stream (its admission, its tokens, its end;
-the steadiest of the figures on a loaded two-core machine, where the delays swing run to
-run). The file limit is raised for this process and its children.
+The gateway (--server, default the run command's: uvicorn; --gateways processes, default
+the run command's) and one echo worker that batches every stream at once and emits a
+token per stream every `--token-ms` (a model's pace; the streams are idle in between).
+`--streams` clients (asyncio protocols on uvloop, raw sockets, opened over `--ramp`
+seconds) each stream `--tokens` tokens. Reported: streams that failed, the delay between
+consecutive tokens beyond the model's own pace (p50/p99, and p99 after the ramp, once no
+stream is being opened), the gateway's resident memory (all its processes) per open
+stream, and the gateway's and the workers' CPU time per stream (its admission, its
+tokens, its end; the steadiest of the figures on a loaded two-core machine, where the
+delays swing run to run). The file limit is raised for this process and its children.
 
     .venv/bin/python tests/bench/bench_sse.py [--streams 10000] [--tokens 10]
         [--token-ms 1000] [--ramp 10] [--server uvicorn|granian|daphne] [--workers 1]
