@@ -28,7 +28,6 @@ from sluice.redis import Coalescer, DirectConnection, fast_pool_options, reconne
 logger = logging.getLogger("sluice.inference")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
 _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
-_FAN_OUT_EVENTS = 256  # events read at once that hold the collector off while they go out
 _TRIM_EVERY_S = 0.1  # how often the router trims the events it has read
 _EXPIRED: dict[str, Any] = {"t": "expired"}  # put in a request's queue at its deadline
 
@@ -148,17 +147,17 @@ class InferenceClient:
             raise reply
         # Redis's own reply: {key: [[id, [field, value, ...]], ...]} (RESP3, redis-py's
         # default), or [[key, entries]] (RESP2).
-        routed = 0
-        for _key, entries in (reply.items() if isinstance(reply, dict) else reply or []):
-            for msg_id, fields in entries:
-                self._last_id = msg_id.decode()
-                for rid, event in orjson.loads(fields[fields.index(b"b") + 1]):
-                    waiting = self._waiting.get(rid)
-                    if waiting is not None:
-                        waiting.put_nowait(event)
-                        routed += 1
-        if routed >= _FAN_OUT_EVENTS:  # a step's wave: no collection in its middle
-            gctuning.hold_for_this_turn(asyncio.get_running_loop())
+        # No collection while a read's events are decoded and routed, nor while the
+        # streams they wake send them (at 10,000 streams, one step's wave): the
+        # collector runs at the loop's next turn instead (sluice/gctuning.py).
+        with gctuning.held(asyncio.get_running_loop()):
+            for _key, entries in (reply.items() if isinstance(reply, dict) else reply or []):
+                for msg_id, fields in entries:
+                    self._last_id = msg_id.decode()
+                    for rid, event in orjson.loads(fields[fields.index(b"b") + 1]):
+                        waiting = self._waiting.get(rid)
+                        if waiting is not None:
+                            waiting.put_nowait(event)
         if reply and time.monotonic() >= self._trim_due:
             # Our own stream: keep it short and let it vanish if this process dies. At
             # most every _TRIM_EVERY_S, not after every read (a read under load brings

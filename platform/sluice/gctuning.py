@@ -18,7 +18,9 @@ a model's weights. Under load that was 15-18% of a gateway process's CPU
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from collections.abc import Iterator
 
 YOUNG_THRESHOLD = 10_000
 
@@ -31,10 +33,18 @@ def tune() -> None:
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
 
 
-def hold_for_this_turn(loop: asyncio.AbstractEventLoop) -> None:
-    """No collection until the callbacks `loop` has scheduled so far have run (they run
-    first; `gc.enable` is queued behind them). Nothing is lost: the allocations made
-    meanwhile are counted, and the first one after that triggers the collection due."""
-    if gc.isenabled():
-        gc.disable()
+
+@contextlib.contextmanager
+def held(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """No collection inside the block, nor until the callbacks `loop` has scheduled by
+    its end have run (`gc.enable` is queued behind them). Nothing is lost: allocations
+    are counted meanwhile, and the first one after that triggers the collection due. A
+    collector that is off already stays off."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
         loop.call_soon(gc.enable)

@@ -26,23 +26,25 @@ def test_the_asgi_app_freezes_start_up_and_raises_the_young_threshold() -> None:
     assert threshold[0] == YOUNG_THRESHOLD
 
 
-def test_holding_the_collector_for_a_turn_covers_what_was_scheduled_and_no_more() -> None:
-    """What a loop had scheduled when the hold began runs with the collector off (a
-    wave of token sends); what comes after runs with it on again. A collector that
-    someone else turned off stays off."""
+def test_holding_the_collector_covers_the_block_and_what_it_scheduled_and_no_more() -> None:
+    """Inside the block the collector is off, and so it stays for what the loop had
+    scheduled by the block's end (a wave of token sends); what comes after runs with it
+    on again. A collector that someone else turned off stays off."""
 
     async def go() -> tuple[list[bool], list[bool]]:
         loop = asyncio.get_running_loop()
         seen: list[bool] = []
-        for _ in range(3):
-            loop.call_soon(lambda: seen.append(gc.isenabled()))
-        gctuning.hold_for_this_turn(loop)
+        with gctuning.held(loop):
+            seen.append(gc.isenabled())
+            for _ in range(3):
+                loop.call_soon(lambda: seen.append(gc.isenabled()))
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         after = [gc.isenabled()]
         gc.disable()
         try:
-            gctuning.hold_for_this_turn(loop)
+            with gctuning.held(loop):
+                pass
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             after.append(gc.isenabled())
@@ -51,4 +53,4 @@ def test_holding_the_collector_for_a_turn_covers_what_was_scheduled_and_no_more(
         return seen, after
 
     assert gc.isenabled()
-    assert asyncio.run(go()) == ([False, False, False], [True, False])
+    assert asyncio.run(go()) == ([False, False, False, False], [True, False])
