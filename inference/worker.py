@@ -616,16 +616,16 @@ class Worker:
         self._collect()
         tokens, self._stepped = self._stepped, None
         firsts, self._firsts = self._firsts, {}
-        if self.active and self._step_s >= _OVERLAP_MIN_STEP_S \
-                and not any(a.tool is not None for a in self.active.values()):
+        overlap = bool(self.active) and self._step_s >= _OVERLAP_MIN_STEP_S \
+            and not any(a.tool is not None for a in self.active.values())
+        if overlap:
             self._stepping = self._model.submit(self._timed_step)
-        elif self.active and tokens is None:
-            # Inline: the first tokens go before this step's, which are their second.
-            self._on_tokens(firsts)
-            firsts = {}
-            tokens = self._timed_step() if self.active else None
+        # One order: the step that ended, the newcomers' first tokens, and (in step)
+        # this step's, which are their second.
         self._on_tokens(tokens or {})
         self._on_tokens(firsts)
+        if not overlap and tokens is None and self.active:
+            self._on_tokens(self._timed_step())
 
     def _on_tokens(self, tokens: dict[str, int]) -> None:
         for rid, token in tokens.items():
