@@ -33,7 +33,6 @@ def tune() -> None:
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
 
 
-
 @contextlib.contextmanager
 def held(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
     """No collection inside the block, nor until the callbacks `loop` has scheduled by

@@ -673,17 +673,10 @@ def test_a_newcomers_first_token_goes_out_behind_the_running_batchs(
 
     async def go(client: InferenceClient) -> tuple[str, str, list[Result]]:
         running = await client.submit(spec, tenant="t", body=chat("r" * 40))
-        events = running.events()
-        seen = [await anext(events) for _ in range(4)]  # steps overlap by now
-
-        async def rest() -> Result:
-            async for event in events:
-                seen.append(event)
-            return Result("".join(e.get("text", "") for e in seen if e["t"] == "delta"),
-                          seen)
-
+        batch = asyncio.create_task(collect(running))  # 40 steps of 30 ms
+        await asyncio.sleep(0.15)  # a few steps in: they overlap by now
         newcomer = await client.submit(spec, tenant="t", body=chat("nnnnnn"))
-        results = await asyncio.gather(rest(), collect(newcomer))
+        results = await asyncio.gather(batch, collect(newcomer))
         return running.rid, newcomer.rid, list(results)
 
     old, new, results = run(go, redis_url)

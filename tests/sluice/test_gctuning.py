@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 from sluice import gctuning
-from sluice.gctuning import YOUNG_THRESHOLD
 from tests.conftest import REPO, process_env
 
 
@@ -23,7 +22,7 @@ def test_the_asgi_app_freezes_start_up_and_raises_the_young_threshold() -> None:
     before, frozen, threshold = json.loads(out.stdout.strip().splitlines()[-1])
     assert before == 0
     assert frozen > 50_000  # Django, the apps, the pipeline's modules
-    assert threshold[0] == YOUNG_THRESHOLD
+    assert threshold[0] == gctuning.YOUNG_THRESHOLD
 
 
 def test_holding_the_collector_covers_the_block_and_what_it_scheduled_and_no_more() -> None:
