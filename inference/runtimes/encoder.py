@@ -20,7 +20,7 @@ class EncoderRuntime(TorchModel, EmbeddingRuntime):
     def from_folder(cls, folder: Path, *, device: str, max_context: int) -> EncoderRuntime:
         from transformers import AutoModel, AutoTokenizer
 
-        model = AutoModel.from_pretrained(str(folder))
+        model = AutoModel.from_pretrained(str(folder), use_kernels=False)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         return cls(model, tokenizer, device=device, max_context=max_context)
 
