@@ -11,7 +11,7 @@ It prints tokens/s for both and the ratio (goal: queue >= 90% of direct). Both p
 Redis have a core of their own, as they would beside a real GPU worker.
 
     .venv/bin/python tests/bench/bench_queue.py [--models tiny,smollm2,echo]
-        [--batch-sizes 1,8,32] [--tokens 32] [--rounds 3]
+        [--batch-sizes 1,8,32] [--tokens 32] [--rounds 3] [--device auto|cpu|cuda]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import redis
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
@@ -33,7 +34,7 @@ from inference.client import InferenceClient  # noqa: E402
 from inference.runtimes import load_runtime  # noqa: E402
 from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams  # noqa: E402
 from inference.spec import DeploymentSpec, RuntimeName  # noqa: E402
-from inference.weights import SMOLLM2  # noqa: E402
+from inference.weights import SMOLLM2, pick_device  # noqa: E402
 from inference.worker import heartbeats  # noqa: E402
 from sluice.localinfra import ensure_redis  # noqa: E402
 
@@ -99,19 +100,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the model, direct and worker alike (the "
                              "other core runs the gateway client)")
+    parser.add_argument("--device", default="auto",
+                        help="the deployments' device: auto (CUDA when present), cpu, cuda")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL",
                                                               "redis://127.0.0.1:6379/13"))
     args = parser.parse_args()
     os.environ["SLUICE_TORCH_THREADS"] = str(args.threads)
     url, started = ensure_redis(args.redis_url)
     rds = redis.Redis.from_url(url)
+    device = pick_device(args.device)
+    print(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)}, torch "
+                                 f"{torch.__version__})" if device != "cpu" else ""))
     print(f"{'model':10} {'batch':>5} {'direct tok/s':>13} {'queue tok/s':>12} {'ratio':>7}")
     try:
         for model in args.models.split(","):
             for batch in [int(b) for b in args.batch_sizes.split(",")]:
                 spec = DeploymentSpec(f"bench-{model}-{batch}", max_batch_size=batch,
                                       max_wait_ms=50, max_queue_depth=100_000,
-                                      tenant_queue_share=1.0, **MODELS[model])
+                                      tenant_queue_share=1.0, device=device,
+                                      **MODELS[model])
                 rt = load_runtime(spec)
                 assert isinstance(rt, ChatRuntime)
                 direct_tps = direct(rt, batch, args.tokens, args.rounds)

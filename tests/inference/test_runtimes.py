@@ -1,21 +1,33 @@
 """Runtimes: continuous batching gives the same tokens as running alone; sampling is
-seeded; the echo runtime echoes; the real models answer sensibly."""
+seeded; the echo runtime echoes; the real models answer sensibly.
+
+The torch runtimes' tests run on the CPU and, where a CUDA device is present, again on it
+(skipped elsewhere: CI has no GPU). On a GPU machine they run alone, without the suite's
+conftest (Django, PostgreSQL): `tests/bench/gpu_check.sh` says how."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+import torch
 
 from inference.runtimes import load_runtime
-from inference.runtimes.base import ChatRuntime, EmbeddingRuntime, NewSequence, SamplingParams
+from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams
 from inference.runtimes.causal_lm import CausalLMRuntime
+from inference.runtimes.encoder import EncoderRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.weights import MINILM, SMOLLM2
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine"))]
 
-@pytest.fixture(scope="module")
-def tiny() -> CausalLMRuntime:
-    runtime = load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM))
+
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny(request: pytest.FixtureRequest) -> CausalLMRuntime:
+    runtime = load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM,
+                                          device=request.param))
     assert isinstance(runtime, CausalLMRuntime)
     return runtime
 
@@ -78,6 +90,26 @@ def test_seeded_sampling_is_reproducible(tiny: CausalLMRuntime) -> None:
     assert alone(tiny, p, 8, params) != alone(tiny, p, 8, other)
 
 
+def test_the_runtime_reads_its_devices_memory(tiny: CausalLMRuntime) -> None:
+    # The worker's memory guard reads this: the GPU's own memory on CUDA, RSS on the CPU.
+    used, total = tiny.memory()
+    if tiny.device.startswith("cuda"):
+        assert total == torch.cuda.get_device_properties(tiny.device).total_memory
+        assert used >= torch.cuda.memory_allocated(tiny.device) > 0
+    else:
+        assert total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        assert 0 < used < total
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_and_the_cpu_give_the_same_greedy_tokens() -> None:
+    # float32 on both sides (the toy runtime): the device changes kernels, not answers.
+    runtimes = [load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM, device=d))
+                for d in ("cpu", "cuda")]
+    cpu, cuda = [[alone(rt, p, 12) for p in prompts(rt)] for rt in runtimes]
+    assert cuda == cpu
+
+
 def test_echo_runtime_returns_the_prompt_then_eos() -> None:
     echo = load_runtime(DeploymentSpec("e", RuntimeName.ECHO))
     assert isinstance(echo, ChatRuntime)
@@ -88,9 +120,14 @@ def test_echo_runtime_returns_the_prompt_then_eos() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # the first load on a fresh machine dequantises the GGUF
-def test_real_chat_model_answers_sensibly() -> None:
-    rt = load_runtime(DeploymentSpec("smol", RuntimeName.CAUSAL_LM, weights=SMOLLM2))
-    assert isinstance(rt, ChatRuntime)
+@pytest.mark.parametrize("device", DEVICES)
+def test_real_chat_model_answers_sensibly(device: str) -> None:
+    # bfloat16 on CUDA (CausalLMRuntime.from_folder), float32 on the CPU.
+    rt = load_runtime(DeploymentSpec("smol", RuntimeName.CAUSAL_LM, weights=SMOLLM2,
+                                     device=device))
+    assert isinstance(rt, CausalLMRuntime)
+    # transformers 5 would swap layers for kernels fetched from the Hub (its default)
+    assert not rt.model.use_kernels
     prompt = rt.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     tokens = alone(rt, prompt, 24)
     cut = next((i for i, t in enumerate(tokens) if t in rt.eos_token_ids), len(tokens))
@@ -99,9 +136,12 @@ def test_real_chat_model_answers_sensibly() -> None:
 
 
 @pytest.mark.slow
-def test_real_embedder_ranks_similar_above_unrelated() -> None:
-    rt = load_runtime(DeploymentSpec("minilm", RuntimeName.ENCODER, weights=MINILM))
-    assert isinstance(rt, EmbeddingRuntime) and rt.dimensions == 384
+@pytest.mark.parametrize("device", DEVICES)
+def test_real_embedder_ranks_similar_above_unrelated(device: str) -> None:
+    rt = load_runtime(DeploymentSpec("minilm", RuntimeName.ENCODER, weights=MINILM,
+                                     device=device))
+    assert isinstance(rt, EncoderRuntime) and rt.dimensions == 384
+    assert not rt.model.use_kernels
     vectors, counts = rt.embed(["A cat sits on the mat.", "A kitten is resting on a rug.",
                                 "Quarterly corporate tax filing deadlines."])
     v = np.array(vectors)
