@@ -4,7 +4,7 @@
 # cannot reach a package index (the workplace's lent H200, reached through its `run`
 # tool, which carries at most 64 MiB of ignored files a call).
 #
-#   here:  bash tests/bench/gpu_check.sh pack     # fills .gpu/ (add /.gpu/ to .git/info/exclude)
+#   here:  bash tests/bench/gpu_check.sh pack     # fills .gpu/ (ignored)
 #   there: bash tests/bench/gpu_check.sh stash    # carry .gpu/site.tar.xz .gpu/bin .gpu/models .gpu/part1
 #          bash tests/bench/gpu_check.sh run      # carry .gpu/part2, on the same warm machine
 #
