@@ -42,6 +42,12 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=device)
         self._pos = torch.zeros((0,), dtype=torch.long, device=device)
         self._last = torch.zeros((0,), dtype=torch.long, device=device)
+        # Decoding is on every token's path (the worker's detokenizer): call the Rust
+        # tokenizer itself where transformers' decode would add nothing to it (no clean-up
+        # of spaces). Its wrapper was more than half of a token's detokenizing: 5.5 -> 2.4 us.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend_decode = (backend.decode if backend is not None and not getattr(
+            tokenizer, "clean_up_tokenization_spaces", True) else None)
 
     @classmethod
     def from_folder(cls, folder: Path, *, device: str, max_context: int) -> CausalLMRuntime:
@@ -66,6 +72,8 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            return str(self._backend_decode(list(ids), skip_special_tokens=True))
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     # -- batching ------------------------------------------------------------------

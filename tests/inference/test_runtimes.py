@@ -12,6 +12,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inference.runtimes import load_runtime
 from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams
@@ -88,6 +90,15 @@ def test_seeded_sampling_is_reproducible(tiny: CausalLMRuntime) -> None:
     assert alone(tiny, p, 8, params) == alone(tiny, p, 8, params)
     other = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=99)
     assert alone(tiny, p, 8, params) != alone(tiny, p, 8, other)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), max_size=12))
+def test_decode_is_the_tokenizers(tiny: CausalLMRuntime, ids: list[int]) -> None:
+    # The runtime calls the Rust tokenizer directly (no wrapper): the same text, special
+    # tokens (ids 0-16 in SmolLM2's vocabulary) skipped as the wrapper skips them.
+    assert tiny._backend_decode is not None
+    assert tiny.decode(ids) == tiny.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_the_runtime_reads_its_devices_memory(tiny: CausalLMRuntime) -> None:
