@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA checks: the torch runtimes' tests on the GPU, the runtime's decode step against
-# a bare forward (bench_step.py) and the queue against direct model calls (bench_queue.py). For a GPU machine that has its own Python with torch but
-# cannot reach a package index (the workplace's lent H200, reached through its `run`
-# tool, which carries at most 64 MiB of ignored files a call).
+# a bare forward (bench_step.py) and the queue against direct model calls (bench_queue.py).
+# For a GPU machine that has its own Python with torch but cannot reach a package index
+# (the workplace's lent H200, reached through its `run` tool, which carries at most 64 MiB
+# of ignored files a call). Used once (docs/BENCHMARKS.md, twelfth pass): `run` then held
+# the tests and bench_queue.py; bench_step.py ran there as a throwaway copy of itself.
 #
 #   here:  bash tests/bench/gpu_check.sh pack     # fills .gpu/ (ignored)
 #   there: bash tests/bench/gpu_check.sh stash    # carry .gpu/site.tar.xz .gpu/bin .gpu/models .gpu/part1
