@@ -99,7 +99,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          cache=cache, use_cache=True)
         params = [s.params for s in seqs]
-        gens = [generator_for(p, self.device) for p in params]
+        gens = [generator_for(p) for p in params]
         constraints = [s.constraint for s in seqs]
         first = sample(out.logits[:, -1, :], params, gens, constraints)
         self._splice(cache, mask, torch.tensor(lengths, device=self.device),

@@ -1,0 +1,75 @@
+"""The batch sampler: rows sample from the distribution their temperature and top-p
+give, a seeded row draws the same tokens whatever else is in the batch, and greedy and
+forced rows are left alone."""
+
+from __future__ import annotations
+
+import torch
+
+from inference.runtimes.base import SamplingParams
+from inference.runtimes.sampling import generator_for, sample
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+N = 4000
+
+
+def frequencies(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
+    """N rows of the same logits, each seeded differently, sampled as one batch."""
+    rows = [SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=i)
+            for i in range(N)]
+    tokens = sample(logits.repeat(N, 1), rows, [generator_for(p) for p in rows])
+    return torch.bincount(torch.tensor(tokens), minlength=len(PROBS)).float() / N
+
+
+def test_rows_sample_their_distribution() -> None:
+    freq = frequencies(SamplingParams(temperature=1.0), PROBS.log())
+    assert torch.allclose(freq, PROBS, atol=0.03), freq  # 4 standard deviations
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    for temperature in (0.5, 2.0):
+        expected = torch.softmax(PROBS.log() / temperature, dim=-1)
+        freq = frequencies(SamplingParams(temperature=temperature), PROBS.log())
+        assert torch.allclose(freq, expected, atol=0.03), (temperature, freq)
+
+
+def test_top_p_keeps_the_nucleus_only() -> None:
+    # 0.5 + 0.3 reach 0.7: the nucleus is the first two tokens, renormalised.
+    freq = frequencies(SamplingParams(temperature=1.0, top_p=0.7), PROBS.log())
+    assert freq[2] == 0 and freq[3] == 0
+    assert torch.allclose(freq[:2], torch.tensor([0.625, 0.375]), atol=0.03), freq
+    # A top_p below the top token's mass keeps the top token alone.
+    assert frequencies(SamplingParams(temperature=1.0, top_p=0.01), PROBS.log())[0] == 1
+
+
+def test_a_seeded_row_draws_the_same_whatever_the_batch() -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    logits = torch.randn(50, 1000, generator=torch.Generator().manual_seed(0))
+
+    def run(neighbours: int) -> list[int]:
+        rows = [SamplingParams(temperature=0.7, seed=i) for i in range(neighbours)]
+        rows.insert(neighbours // 2, seeded)
+        gens = [generator_for(p) for p in rows]
+        where = neighbours // 2
+        return [sample(step.repeat(len(rows), 1), rows, gens)[where] for step in logits]
+
+    alone = run(0)
+    assert run(7) == alone and run(31) == alone
+    assert len(set(alone)) > 10, "a sampled row, not a constant"
+
+
+def test_greedy_and_forced_rows_are_left_alone() -> None:
+    class Forced:
+        done = False
+
+        def choose(self, row: torch.Tensor) -> int:
+            return 3
+
+        def advance(self, token: int) -> None:
+            self.advanced = token
+
+    logits = PROBS.log().repeat(3, 1)
+    rows = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams()]
+    forced = Forced()
+    tokens = sample(logits, rows, [generator_for(p) for p in rows], [None, None, forced])
+    assert tokens[0] == 0 and tokens[2] == 3 and forced.advanced == 3
