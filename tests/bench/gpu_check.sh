@@ -90,8 +90,10 @@ PY
 tests=(-p no:django --noconftest -o addopts= -q -rs tests/inference/test_runtimes.py)
 if [ "$1" = run ]; then
     timeout 240 python3 -m pytest "${tests[@]}" -k "cuda and not embedder" 2>&1 | tee -a "$out/log"
-    timeout 150 python3 tests/bench/bench_step.py --device cuda --batch-sizes 1,32,128,512 \
-        2>&1 | tee -a "$out/log"
+    for temperature in 0 1; do  # greedy; the OpenAI default (every row samples)
+        timeout 150 python3 tests/bench/bench_step.py --device cuda --batch-sizes 1,32,128,512 \
+            --temperature $temperature 2>&1 | tee -a "$out/log"
+    done
     timeout 360 python3 tests/bench/bench_queue.py --device cuda --models tiny,smollm2 \
         --batch-sizes 1,32,128 --tokens 64 --rounds 2 2>&1 | tee -a "$out/log"
 fi
