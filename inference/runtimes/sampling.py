@@ -16,6 +16,8 @@ import torch
 
 from inference.runtimes.base import SamplingParams
 
+_TOP_K = 1024  # where a top-p cut looks first
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
@@ -51,21 +53,39 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams],
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
-    top_p = [p.top_p for p in params]
-    if min(top_p) < 1.0:
-        # Nucleus: keep the most likely tokens until their mass reaches top_p (the top
-        # one always: the mass before it is 0 < top_p), in each row; rows at top_p 1.0
-        # keep everything.
-        ordered, order = probs.sort(dim=-1, descending=True)
-        keep = ordered.cumsum(-1) - ordered < torch.tensor(top_p, device=device)[:, None]
-        ordered = torch.where(keep, ordered, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, ordered)
-    cdf = probs.cumsum(-1)
-    # One uniform number per row from the row's own generator (CPU), scaled to the row's
-    # kept mass: the token is the first whose cumulative probability exceeds it.
+    # One uniform number per row from the row's own generator (CPU).
     uniform = torch.cat([torch.rand(1, generator=gen) for gen in generators]).to(device)
-    tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
-    return tokens.squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    whole = [row for row, p in enumerate(params) if p.top_p >= 1.0]
+    if whole:
+        tokens[whole] = _inverse_cdf(probs[whole], uniform[whole])
+    cut = [row for row, p in enumerate(params) if p.top_p < 1.0]
+    if cut:
+        limit = torch.tensor([params[row].top_p for row in cut], device=device)[:, None]
+        kept, ids = _nucleus(probs[cut], limit)
+        tokens[cut] = ids.gather(-1, _inverse_cdf(kept, uniform[cut])[:, None]).squeeze(-1)
+    return tokens
+
+
+def _nucleus(probs: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's most likely tokens until their mass reaches the row's limit (the top
+    one always: the mass before it is 0), most likely first, the rest zeroed: (their
+    probabilities, their ids). From the top _TOP_K when those hold the limit's mass (then
+    the nucleus is inside them: a trained model's usual case), else from a sort of the
+    whole vocabulary (~4.7 ms a row of 49,152 on the CPU, ~40x the top-k)."""
+    k = min(probs.shape[-1], _TOP_K)
+    kept, ids = probs.topk(k, dim=-1)
+    if k < probs.shape[-1] and not bool((kept.sum(-1, keepdim=True) >= limit).all()):
+        kept, ids = probs.sort(dim=-1, descending=True)
+    return torch.where(kept.cumsum(-1) - kept < limit, kept, 0.0), ids
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative probability exceeds the row's uniform
+    number scaled to the row's mass (rows need not sum to 1)."""
+    cdf = probs.cumsum(-1)
+    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+    return picked.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def generator_for(params: SamplingParams) -> torch.Generator | None:

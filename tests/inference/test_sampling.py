@@ -18,7 +18,7 @@ def frequencies(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
     rows = [SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=i)
             for i in range(N)]
     tokens = sample(logits.repeat(N, 1), rows, [generator_for(p) for p in rows])
-    return torch.bincount(torch.tensor(tokens), minlength=len(PROBS)).float() / N
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float() / N
 
 
 def test_rows_sample_their_distribution() -> None:
@@ -73,3 +73,27 @@ def test_greedy_and_forced_rows_are_left_alone() -> None:
     forced = Forced()
     tokens = sample(logits, rows, [generator_for(p) for p in rows], [None, None, forced])
     assert tokens[0] == 0 and tokens[2] == 3 and forced.advanced == 3
+
+
+def test_the_nucleus_is_exact_whether_the_top_k_holds_it_or_not() -> None:
+    # 5,000 tokens: a peaked row (its nucleus fits the sampler's first top-k look) and a
+    # flat one (it does not: the whole vocabulary is sorted). Both sample their true
+    # nucleus, in proportion.
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.randn(5000, generator=gen)
+    peaked[:8] += 12  # eight tokens hold ~all the mass
+    flat = torch.randn(5000, generator=gen) * 0.1
+    for logits in (peaked, flat):
+        probs = torch.softmax(logits, dim=-1)
+        ordered, order = probs.sort(descending=True)
+        nucleus = order[(ordered.cumsum(0) - ordered) < 0.9]
+        assert 1 < len(nucleus) < 5000
+        freq = frequencies(SamplingParams(temperature=1.0, top_p=0.9), logits)
+        assert set(torch.nonzero(freq).flatten().tolist()) <= set(nucleus.tolist())
+        # In proportion: by ranks, in ten buckets (the flat row's nucleus is ~4,500
+        # tokens, too many to compare one by one; a cut taken from the top-k alone
+        # would leave the buckets past rank 1,024 empty).
+        expected = probs[nucleus] / probs[nucleus].sum()
+        buckets = torch.arange(len(nucleus)) * 10 // len(nucleus)
+        assert torch.allclose(torch.zeros(10).index_add_(0, buckets, freq[nucleus]),
+                              torch.zeros(10).index_add_(0, buckets, expected), atol=0.03)
