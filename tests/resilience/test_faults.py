@@ -44,6 +44,7 @@ from tests.conftest import REPO, eventually, gateway_process, make_org, process_
 pytestmark = pytest.mark.slow
 
 CALLS = 1_000
+AFTER_CALLS = 50  # once the chaos is over
 CONCURRENCY = 48
 WORKERS = 3
 DEADLINE_S = 20  # the gateway's SLUICE_REQUEST_TIMEOUT_S
@@ -202,10 +203,11 @@ def test_sigkilled_workers_and_a_redis_restart_lose_and_double_nothing(
             assert not late, ([(o.status, o.code, round(o.ended - back, 2)) for o in late],
                               _queue_state(rds, deployment.name))
             # Not vacuous: clients without retries fail fast while Redis is away, so the
-            # share refused depends on the machine's pace; but many calls must be answered,
-            # and the service must be back after the restart.
+            # share refused depends on the machine's pace; but many calls must be answered.
+            # (That the service is back after the restart is checked at the end, by calls
+            # of their own: how many of these 1,000 are left by then depends on the pace,
+            # 8 of them in one suite run.)
             assert len(answered) >= CALLS // 5, len(answered)
-            assert sum(1 for o in answered if o.ended > back + 1.0) >= 20, "no recovery"
             # None cut or doubled: each reply is exactly its prompt, token for token, and
             # each answered request has exactly one final event.
             for o in answered:
@@ -228,6 +230,11 @@ def test_sigkilled_workers_and_a_redis_restart_lose_and_double_nothing(
 
             eventually(lambda: charged()[2] == 0 and charged()[1] >= expected, 10)
             assert charged() == (len(answered), expected, 0), (charged(), len(answered), expected)
+            # Recovered: once the restart and the kills are over, every call is answered.
+            after = asyncio.run(_calls(f"{base}/v1", org.keys[Role.DEVELOPER],
+                                       deployment.name, count=AFTER_CALLS))
+            assert all(o.text == prompt(o.index) for o in after), \
+                Counter((o.status, o.code) for o in after if o.text is None)
         finally:
             rds.close()
             chaos.stop.set()
@@ -247,7 +254,7 @@ def _queue_state(rds: redis.Redis, name: str) -> dict[str, Any]:
             "dead_lettered": rds.xlen(q.dead_key(name))}
 
 
-async def _calls(base_url: str, key: str, model: str) -> list[Outcome]:
+async def _calls(base_url: str, key: str, model: str, count: int = CALLS) -> list[Outcome]:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0,
                                 timeout=DEADLINE_S + 10)
     gate = asyncio.Semaphore(CONCURRENCY)
@@ -272,7 +279,7 @@ async def _calls(base_url: str, key: str, model: str) -> list[Outcome]:
                            completion_tokens=reply.usage.completion_tokens)
 
     try:
-        return list(await asyncio.gather(*(one(i) for i in range(CALLS))))
+        return list(await asyncio.gather(*(one(i) for i in range(count))))
     finally:
         await client.close()
 
