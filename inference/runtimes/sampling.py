@@ -4,9 +4,10 @@ The rows that sample are done together: one softmax, one top-p cut and one inver
 draw for all of them, and a single copy of the tokens to the host. Each request keeps
 its own random stream: a seeded row draws its uniform number from its own generator
 (on the CPU, whatever the model's device), so what it samples does not depend on the
-other rows of the batch, nor on the device's random state. (A loop of per-row softmax,
-sort and `multinomial(...).item()` had cost ~6 kernel launches and a device sync per
-sampling row per step: about 8 ms a step at batch 128 on a GPU.)"""
+other rows of the batch, nor on the device's random state. (It was a loop of per-row
+softmax, sort and `multinomial(...).item()`: ~6 kernel launches and a device sync per
+sampling row per step on a GPU; on the CPU at batch 128, 151-188 ms a step against
+24-33 ms batched. docs/BENCHMARKS.md, twelfth pass.)"""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def _nucleus(probs: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, to
     one always: the mass before it is 0), most likely first, the rest zeroed: (their
     probabilities, their ids). From the top _TOP_K when those hold the limit's mass (then
     the nucleus is inside them: a trained model's usual case), else from a sort of the
-    whole vocabulary (~4.7 ms a row of 49,152 on the CPU, ~40x the top-k)."""
+    whole vocabulary (~4.7 ms a row of 49,152 tokens on the CPU)."""
     k = min(probs.shape[-1], _TOP_K)
     kept, ids = probs.topk(k, dim=-1)
     if k < probs.shape[-1] and not bool((kept.sum(-1, keepdim=True) >= limit).all()):
