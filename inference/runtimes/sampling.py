@@ -85,7 +85,10 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Per row, the first index whose cumulative probability exceeds the row's uniform
     number scaled to the row's mass (rows need not sum to 1)."""
     cdf = probs.cumsum(-1)
-    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+    mass = cdf[:, -1]
+    if not bool((mass > 0).all()):  # NaN or infinite logits (a NaN fails the comparison)
+        raise ValueError("the model produced logits that are not finite")
+    picked = torch.searchsorted(cdf, (uniform * mass)[:, None], right=True)
     return picked.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 

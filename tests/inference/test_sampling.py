@@ -4,6 +4,7 @@ forced rows are left alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inference.runtimes.base import SamplingParams
@@ -97,3 +98,15 @@ def test_the_nucleus_is_exact_whether_the_top_k_holds_it_or_not() -> None:
         buckets = torch.arange(len(nucleus)) * 10 // len(nucleus)
         assert torch.allclose(torch.zeros(10).index_add_(0, buckets, freq[nucleus]),
                               torch.zeros(10).index_add_(0, buckets, expected), atol=0.03)
+
+
+def test_logits_that_are_not_finite_raise_instead_of_sampling_a_token() -> None:
+    # The step fails, as it did with torch.multinomial before (the worker process stops;
+    # its requests are taken over and, failing every time, dead-lettered with an error),
+    # rather than sending a made-up token.
+    for bad in (float("nan"), float("inf")):
+        logits = PROBS.log().repeat(2, 1)
+        logits[1, 2] = bad
+        rows = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)]
+        with pytest.raises(ValueError, match="not finite"):
+            sample(logits, rows, [generator_for(p) for p in rows])
