@@ -53,8 +53,8 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
     def from_folder(cls, folder: Path, *, device: str, max_context: int) -> CausalLMRuntime:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, use_kernels=False)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=weights_dtype(device),
+                                                     use_kernels=False)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         return cls(model, tokenizer, device=device, max_context=max_context)
 
@@ -188,6 +188,11 @@ def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
         return mask
     pad = torch.zeros((mask.shape[0], missing), dtype=mask.dtype, device=mask.device)
     return torch.cat([pad, mask], dim=1)
+
+
+def weights_dtype(device: str) -> torch.dtype:
+    """What a chat model's weights are loaded as: bfloat16 on a GPU, float32 on the CPU."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def tiny_causal_lm(*, device: str, max_context: int, seed: int = 0) -> CausalLMRuntime:

