@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -52,6 +51,7 @@ from inference.runtimes.base import (
 from inference.scheduler import pick
 from inference.spec import DeploymentSpec
 from sluice import gctuning, telemetry
+from sluice.processes import set_on_signals
 from sluice.redis import ScriptBatch, chunks, reconnecting
 
 if TYPE_CHECKING:
@@ -948,12 +948,7 @@ def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
                                   **reconnecting())
     worker = Worker(spec, client, **kwargs)
     gctuning.tune()  # the model and the modules live as long as the process
-
-    def stop(*_: object) -> None:
-        worker.stopping.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    set_on_signals(worker.stopping)
     try:
         worker.run()
     finally:

@@ -43,6 +43,22 @@ def _die_with(parent: int) -> Callable[[], None] | None:
     return arm
 
 
+def set_on_signals(event: threading.Event,
+                   signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """Set `event` when one of `signals` arrives: how a long-running process is asked to
+    stop. A handler runs in the main thread between two bytecodes, which may be inside
+    that thread's own `event.wait()` with the event's lock held; `event.set()` there
+    waits for that lock forever (an autoscaler that never stopped, in a CI run). So the
+    handler hands the set to a thread of its own, which takes the lock once the main
+    thread lets go of it."""
+
+    def handler(*_: object) -> None:
+        threading.Thread(target=event.set, name="sluice-signal", daemon=True).start()
+
+    for sig in signals:
+        signal.signal(sig, handler)
+
+
 @dataclass
 class Child:
     name: str
@@ -115,12 +131,8 @@ class ProcessGroup:
             self._stopping.wait(poll_s)
         return None
 
-    def request_stop(self, *_: object) -> None:
-        self._stopping.set()
-
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, self.request_stop)
+        set_on_signals(self._stopping, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
 
     def stop(self, timeout_s: float = 10.0, *, first: Sequence[str] = ()) -> None:
         """Stop every child: those named in `first` before the rest, and each stage

@@ -108,3 +108,37 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+# Waits on the event in a tight loop, so that a signal often lands while the main thread
+# holds the event's lock inside wait(); prints "ready", and exits 0 once the event is set.
+WAITER = """
+import threading
+from sluice.processes import set_on_signals
+stop = threading.Event()
+set_on_signals(stop)
+print("ready", flush=True)
+while not stop.is_set():
+    stop.wait(0)
+"""
+
+
+def test_a_signal_that_lands_inside_the_wait_on_the_stop_event_still_stops() -> None:
+    # A handler that set the event itself deadlocked when the signal came while the main
+    # thread held the event's lock in wait() (an autoscaler that ignored SIGTERM in CI).
+    # With this loop that race is common: a handler calling event.set() itself left 13
+    # of 20 processes hung when tried; each must stop here.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE,
+                              env=env) for _ in range(20)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        time.sleep(0.2)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        assert [proc.wait(timeout=10) for proc in procs] == [0] * 20
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -3,7 +3,6 @@ until SIGTERM/SIGINT (the run command starts one; more may run)."""
 
 from __future__ import annotations
 
-import signal
 import threading
 from typing import Any
 
@@ -11,6 +10,7 @@ from django.core.management.base import BaseCommand
 
 from governance.audit import Consumer
 from sluice import gctuning
+from sluice.processes import set_on_signals
 
 
 class Command(BaseCommand):
@@ -18,8 +18,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        set_on_signals(stop)
         consumer = Consumer()
         gctuning.tune()  # what start-up made lives as long as the process
         consumer.serve(stop)

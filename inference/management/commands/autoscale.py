@@ -3,7 +3,6 @@ inference/autoscaler.py). Stops its workers (drained) on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
-import signal
 from typing import Any
 
 import redis
@@ -13,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from inference.autoscaler import Autoscaler
 from inference.supervisor import preload
 from sluice import telemetry
+from sluice.processes import set_on_signals
 from sluice.redis import reconnecting
 
 
@@ -35,10 +35,5 @@ class Command(BaseCommand):
                                       socket_connect_timeout=5, **reconnecting())
         scaler = Autoscaler(client, settings.REDIS_URL, driver=options["driver"],
                             only=options["deployment"], tick_s=options["tick"])
-
-        def stop(*_: object) -> None:
-            scaler.stopping.set()
-
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        set_on_signals(scaler.stopping)
         scaler.run()
