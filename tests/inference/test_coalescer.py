@@ -25,6 +25,17 @@ SLOW_LUA = """local t = redis.call('TIME')
 repeat local n = redis.call('TIME')
 until (n[1] - t[1]) * 1000000 + (n[2] - t[2]) >= tonumber(ARGV[1])
 return ARGV[1]"""
+# How long a slow batch holds Redis: long enough that a busy machine's event loop
+# (the relay shares it) does not see one finish before the test looks.
+HOLD_US = 500_000
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait for what the relay has seen (a command sent), not for a guessed time."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.002)
 
 
 def through_relay(redis_url: str, scenario: Callable[[Coalescer, ReplyCutter],
@@ -81,24 +92,24 @@ def test_a_batch_in_flight_does_not_hold_back_the_next_up_to_the_bound(
 
     async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
         # Both connections open first (a connection's handshake waits for a busy Redis).
-        warm = coalescer.script(SLOW_LUA, ["k"], [50_000])
-        await asyncio.sleep(0.01)
+        warm = coalescer.script(SLOW_LUA, ["k"], [HOLD_US])
+        await until(lambda: cutter.commands(b"EVALSHA") == 1)
         assert await coalescer.script(ECHO_LUA, ["k"], ["warm"]) == [b"k", b"warm"]
-        assert await warm == b"50000" and cutter.connections == 2
+        assert await warm == str(HOLD_US).encode() and cutter.connections == 2
         sent = cutter.commands(b"EVALSHA")
-        first = coalescer.script(SLOW_LUA, ["a"], [300_000])
-        await asyncio.sleep(0.05)
-        second = coalescer.script(SLOW_LUA, ["b"], [300_000])
-        await asyncio.sleep(0.05)
+        first = coalescer.script(SLOW_LUA, ["a"], [HOLD_US])
+        await until(lambda: cutter.commands(b"EVALSHA") == sent + 1)
+        second = coalescer.script(SLOW_LUA, ["b"], [HOLD_US])
+        await until(lambda: cutter.commands(b"EVALSHA") == sent + 2)
         third = coalescer.script(ECHO_LUA, ["c"], ["last"])
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)  # time for the third to leave, were it to
         assert not first.done()
         assert cutter.commands(b"EVALSHA") == sent + 2, \
             "the second batch is out while the first is in flight; the third waits"
         assert cutter.connections == 2
         assert await third == [b"c", b"last"]
-        assert first.done() and await first == b"300000"
-        assert await second == b"300000"
+        assert first.done() and await first == str(HOLD_US).encode()
+        assert await second == str(HOLD_US).encode()
         assert cutter.connections == 2 and cutter.commands(b"EVALSHA") == sent + 3
 
     through_relay(redis_url, scenario, in_flight=2)
@@ -170,13 +181,14 @@ def test_closing_lets_batches_in_flight_finish_then_cancels_what_is_late(
 
     async def scenario(coalescer: Coalescer, cutter: ReplyCutter) -> None:
         assert await coalescer.script(SLOW_LUA, ["k"], [1]) == b"1"  # connected
-        quick = coalescer.script(SLOW_LUA, ["a"], [100_000])
-        await asyncio.sleep(0.01)
-        slow = coalescer.script(SLOW_LUA, ["b"], [900_000])  # the second connection
-        await asyncio.sleep(0.01)
+        sent = cutter.commands(b"EVALSHA")
+        quick = coalescer.script(SLOW_LUA, ["a"], [HOLD_US])
+        await until(lambda: cutter.commands(b"EVALSHA") == sent + 1)
+        slow = coalescer.script(SLOW_LUA, ["b"], [3 * HOLD_US])  # the second connection
+        await until(lambda: cutter.commands(b"EVALSHA") == sent + 2)
         queued = coalescer.script(SLOW_LUA, ["c"], [1])  # no connection free
-        await coalescer.aclose(grace_s=0.4)
-        assert await quick == b"100000"
+        await coalescer.aclose(grace_s=2 * HOLD_US / 1e6)
+        assert await quick == str(HOLD_US).encode()
         assert slow.cancelled()
         with pytest.raises(redis.ConnectionError):
             await queued
