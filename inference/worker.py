@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -42,6 +43,7 @@ from inference.detokenize import Detokenizer
 from inference.memory import MemoryGuard
 from inference.runtimes import load_runtime
 from inference.runtimes.base import (
+    FAILED,
     ChatRuntime,
     EmbeddingRuntime,
     NewSequence,
@@ -118,9 +120,22 @@ class BatchSpan:
 
 
 class RequestError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    """A request's error event. `retry=False`: the same request would fail the same way
+    again (the gateway tells clients not to retry it: `x-should-retry: false`)."""
+
+    def __init__(self, status: int, code: str, message: str, *, retry: bool = True) -> None:
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.retry = status, code, message, retry
+
+
+def _not_finite(rid: str, output: str) -> RequestError:
+    """A model's numerical fault on one request's input (its `output`, logits or
+    embeddings, held NaN or infinity). Deterministic for that input: the request would
+    fail again anywhere, so it is answered now with a 500, neither retried nor allowed
+    to stop the worker and the rest of its batch."""
+    logger.error("request %s: the model's %s were not finite", rid, output)
+    return RequestError(500, "model_error", f"The model's output for this request was "
+                        f"not a number (NaN or infinite {output}).", retry=False)
 
 
 class Worker:
@@ -411,7 +426,8 @@ class Worker:
                      pending.deliveries)
         self._error(pending, RequestError(
             500, "dead_lettered",
-            "The request failed repeatedly on the model workers and was set aside."))
+            "The request failed repeatedly on the model workers and was set aside.",
+            retry=False))
 
     # -- admission -----------------------------------------------------------------
     def _cancellations(self) -> None:
@@ -668,6 +684,9 @@ class Worker:
         runtime.drop([rid])
 
     def _on_token(self, active: Active, token: int) -> None:
+        if token == FAILED:
+            self._finish(active, "model_error")
+            return
         if token in self._eos and not active.ignore_eos:
             self._finish(active, "stop")
             return
@@ -733,6 +752,10 @@ class Worker:
                 504, "deadline_exceeded", "The request's deadline passed during generation."),
                 seq=active.seq, usage=(active.prompt_tokens, len(active.ids)))
             return
+        if reason == "model_error":
+            self._error(active.pending, _not_finite(active.req.rid, "logits"),
+                        seq=active.seq, usage=(active.prompt_tokens, len(active.ids)))
+            return
         self._final(active.pending, active.seq, reason, prompt_tokens=active.prompt_tokens,
                     completion_tokens=len(active.ids))
 
@@ -756,6 +779,10 @@ class Worker:
             vectors += v
             counts += c
         for pending, lo, hi in spans:
+            # A vector is finite iff its sum is (floats; the check is C-speed).
+            if not all(math.isfinite(sum(v)) for v in vectors[lo:hi]):
+                self._error(pending, _not_finite(pending.req.rid, "embeddings"))
+                continue
             self._event(pending.req, {"t": "embedding", "seq": 0, "data": vectors[lo:hi]})
             self._final(pending, 1, "stop", prompt_tokens=sum(counts[lo:hi]), completion_tokens=0)
 
@@ -777,11 +804,14 @@ class Worker:
 
     def _error(self, pending: Pending, exc: RequestError, *, seq: int = 0,
                usage: tuple[int, int] = (0, 0)) -> None:
-        self._event(pending.req, {
+        event = {
             "t": "error", "seq": seq, "status": exc.status, "code": exc.code,
             "message": exc.message,
             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1]},
-        })
+        }
+        if not exc.retry:
+            event["retry"] = False
+        self._event(pending.req, event)
         self._acks.append(pending)
         self._served(pending.req.rid)
 

@@ -230,15 +230,19 @@ def _tool_body(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def error_from_event(event: dict[str, Any]) -> ApiError:
-    """A worker's error event as the typed error every adapter knows how to send."""
+    """A worker's error event as the typed error every adapter knows how to send. One
+    the worker marks as certain to fail again (`"retry": false`: a model fault on this
+    input, a dead-lettered request) tells the OpenAI SDKs not to retry it, as they
+    would any 5xx (`x-should-retry: false`, a header they honour)."""
     status, code, message = int(event.get("status", 500)), event.get("code"), event["message"]
+    headers = {"x-should-retry": "false"} if event.get("retry") is False else None
     if status == 504:
-        return DeadlineExceeded(message, code=code)
+        return DeadlineExceeded(message, code=code, headers=headers)
     if status == 503:
-        return Unavailable(message, code=code)
+        return Unavailable(message, code=code, headers=headers)
     if 400 <= status < 500:
-        return BadRequest(message, code=code)
-    return ServerError(message, code=code)
+        return BadRequest(message, code=code, headers=headers)
+    return ServerError(message, code=code, headers=headers)
 
 
 class Gateway:

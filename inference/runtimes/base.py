@@ -4,7 +4,11 @@ Contract for chat runtimes (continuous batching, vLLM-style but small):
 - `add(seqs)` prefills new sequences and returns each one's first sampled token;
 - `step()` decodes one token for every active sequence and returns them by request id;
 - `drop(rids)` removes finished or cancelled sequences (freeing their KV cache rows);
-- sequences join and leave only between steps; a step never blocks on I/O.
+- sequences join and leave only between steps; a step never blocks on I/O;
+- a sequence whose model output cannot be sampled (its logits are NaN or infinite:
+  a numerical fault of the model on that input) gets `FAILED` instead of a token, from
+  `add` or `step`; the runtime stays consistent (the other sequences go on) and the
+  caller drops it. One bad sequence never fails its batch.
 Tokenizer methods are pure and thread-safe. Embedding runtimes batch per call.
 """
 
@@ -17,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+FAILED = -1  # in place of a token: the sequence's logits were not finite
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams, TorchModel
+from inference.runtimes.base import FAILED, ChatRuntime, NewSequence, SamplingParams, TorchModel
 from inference.runtimes.sampling import generator_for, sample
 
 
@@ -103,7 +103,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         constraints = [s.constraint for s in seqs]
         first = sample(out.logits[:, -1, :], params, gens, constraints)
         self._splice(cache, mask, torch.tensor(lengths, device=self.device),
-                     torch.tensor(first, device=self.device))
+                     self._next_input(first))
         self._rids += [s.rid for s in seqs]
         self._params += params
         self._gens += gens
@@ -146,8 +146,14 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
             raise
         self._mask = mask
         self._pos = self._pos + 1
-        self._last = torch.tensor(tokens, device=self.device)
+        self._last = self._next_input(tokens)
         return dict(zip(self._rids, tokens, strict=True))
+
+    def _next_input(self, tokens: list[int]) -> torch.Tensor:
+        """The tokens the next step feeds back; a FAILED sequence (dropped by the
+        caller, but still in the batch for a step that overlaps) is fed padding."""
+        return torch.tensor([self.pad_id if t == FAILED else t for t in tokens],
+                            device=self.device)
 
     def drop(self, rids: Iterable[str]) -> None:
         gone = set(rids)

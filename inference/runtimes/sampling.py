@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from inference.runtimes.base import SamplingParams
+from inference.runtimes.base import FAILED, SamplingParams
 
 _TOP_K = 1024  # where a top-p cut looks first
 
@@ -23,27 +23,35 @@ _TOP_K = 1024  # where a top-p cut looks first
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
            constraints: list[Any] | None = None) -> list[int]:
-    """One token per row of `logits` [B, V]. A row with a constraint
-    (inference.constrained.JsonConstraint) gets its forced token, or samples only
-    among the tokens it allows."""
+    """One token per row of `logits` [B, V]; `FAILED` for a row whose logits are NaN
+    or +infinity, or all -infinity (a model's numerical fault on that sequence: no
+    token can be drawn from them, and argmax would pick a made-up one). The other rows
+    are sampled as if it were not there. A row with a constraint
+    (inference.constrained.JsonConstraint) gets its forced token, or samples only among
+    the tokens it allows."""
+    # max propagates NaN, so one reduction finds the greedy tokens and the faulty rows.
+    top, chosen = logits.max(dim=-1)
+    finite = torch.isfinite(top)
     forced: list[int | None] = [None] * len(params)
     if constraints is not None and any(c is not None for c in constraints):
         from inference.constrained import apply
 
         logits = logits.clone()
         forced = apply(logits, constraints)
+        chosen = logits.argmax(dim=-1)  # among what the constraints allow
     rows = [row for row, p in enumerate(params)
             if forced[row] is None and p.temperature > 0]
-    chosen = logits.argmax(dim=-1)
     if rows:
+        # A faulty row draws a meaningless token here (nothing checks, nothing syncs);
+        # `finite` replaces it below.
         chosen[rows] = _draw(logits[rows], [params[row] for row in rows],
                              [generators[row] for row in rows])
-    out = chosen.tolist()
+    out = torch.where(finite, chosen, FAILED).tolist()
     for row, token in enumerate(forced):
-        if token is not None:
+        if token is not None and out[row] != FAILED:
             out[row] = token
     for row, constraint in enumerate(constraints or []):
-        if constraint is not None and not constraint.done:
+        if constraint is not None and not constraint.done and out[row] != FAILED:
             constraint.advance(out[row])
     return [int(token) for token in out]
 
@@ -83,11 +91,10 @@ def _nucleus(probs: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Per row, the first index whose cumulative probability exceeds the row's uniform
-    number scaled to the row's mass (rows need not sum to 1)."""
+    number scaled to the row's mass (rows need not sum to 1). In range whatever the
+    row holds (a NaN row gets some index; `sample` marks it FAILED)."""
     cdf = probs.cumsum(-1)
     mass = cdf[:, -1]
-    if not bool((mass > 0).all()):  # NaN or infinite logits (a NaN fails the comparison)
-        raise ValueError("the model produced logits that are not finite")
     picked = torch.searchsorted(cdf, (uniform * mass)[:, None], right=True)
     return picked.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inference.runtimes import load_runtime
-from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams
+from inference.runtimes.base import FAILED, ChatRuntime, NewSequence, SamplingParams
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.runtimes.encoder import EncoderRuntime
 from inference.spec import DeploymentSpec, RuntimeName
@@ -119,6 +119,44 @@ def test_cuda_and_the_cpu_give_the_same_greedy_tokens() -> None:
                 for d in ("cpu", "cuda")]
     cpu, cuda = [[alone(rt, p, 12) for p in prompts(rt)] for rt in runtimes]
     assert cuda == cpu
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sequence_whose_logits_turn_nan_fails_alone_and_the_batch_goes_on(
+        device: str) -> None:
+    """A model's numerical fault on one sequence (here the embedding of a token it
+    generates turns NaN, as a half-precision overflow would leave it): from the step that
+    feeds that token on, it gets FAILED, steps that still carry it (the worker's
+    overlapped step) do not fail, and its neighbours get exactly the tokens they get
+    alone, before and after it is dropped. A prompt holding such a token fails at once
+    (`add`), beside a neighbour that does not."""
+    rt = load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM, device=device))
+    assert isinstance(rt, CausalLMRuntime)
+    ps = prompts(rt)[:3]
+    n = 10
+    expected = [alone(rt, p, n) for p in ps]
+    # A token the victim generates (3rd to 7th), that nothing else reads or generates.
+    seen = {t for i in (0, 1) for t in (*ps[i], *expected[i])}
+    step, poison = next((k, t) for k, t in enumerate(expected[2]) if 2 <= k <= n - 3
+                        and t not in seen and t not in (*ps[2], *expected[2][:k]))
+    # (A hook, not the weights: the toy model's output layer shares them.)
+    rt.model.get_input_embeddings().register_forward_hook(
+        lambda _module, args, out: out.masked_fill((args[0] == poison)[..., None], torch.nan))
+    got: dict[str, list[int]] = {str(i): [t] for i, t in rt.add(
+        [NewSequence(str(i), p, SamplingParams(max_tokens=n)) for i, p in enumerate(ps)]
+    ).items()}
+    while len(got["0"]) < n:
+        for rid, token in rt.step().items():
+            got[rid].append(token)
+        if len(got["2"]) == step + 3:  # failed two steps ago; dropped now
+            rt.drop(["2"])
+    assert got["2"] == [*expected[2][:step + 1], FAILED, FAILED]
+    assert got["0"] == expected[0] and got["1"] == expected[1]
+    rt.drop(["0", "1"])
+    # In the prompt: that sequence fails on prefill, its neighbour does not notice.
+    first = rt.add([NewSequence("bad", [*ps[1], poison]), NewSequence("good", ps[0])])
+    assert first == {"bad": FAILED, "good": expected[0][0]}
+    assert rt.step()["good"] == expected[0][1]
 
 
 def test_echo_runtime_returns_the_prompt_then_eos() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.runtimes.base import SamplingParams
+from inference.runtimes.base import FAILED, SamplingParams
 from inference.runtimes.sampling import generator_for, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -100,13 +100,29 @@ def test_the_nucleus_is_exact_whether_the_top_k_holds_it_or_not() -> None:
                               torch.zeros(10).index_add_(0, buckets, expected), atol=0.03)
 
 
-def test_logits_that_are_not_finite_raise_instead_of_sampling_a_token() -> None:
-    # The step fails, as it did with torch.multinomial before (the worker process stops;
-    # its requests are taken over and, failing every time, dead-lettered with an error),
-    # rather than sending a made-up token.
-    for bad in (float("nan"), float("inf")):
-        logits = PROBS.log().repeat(2, 1)
-        logits[1, 2] = bad
-        rows = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)]
-        with pytest.raises(ValueError, match="not finite"):
-            sample(logits, rows, [generator_for(p) for p in rows])
+@pytest.mark.parametrize("bad", ["nan", "inf", "all -inf"])
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.7)])
+def test_a_row_whose_logits_are_not_finite_fails_alone(
+        bad: str, temperature: float, top_p: float) -> None:
+    """That row gets FAILED (argmax or a draw would make a token up); every other row
+    samples exactly what it samples without it, seeded, greedy, cut or masked (-inf
+    logits beside finite ones are a mask, not a fault)."""
+    masked = PROBS.log().clone()
+    masked[3] = float("-inf")
+    good = [PROBS.log(), masked, PROBS.log()]
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2),
+              SamplingParams(temperature=0.0)]
+    faulty = PROBS.log().clone()
+    if bad == "all -inf":
+        faulty[:] = float("-inf")
+    else:
+        faulty[2] = float(bad)
+    alone = sample(torch.stack(good), params, [generator_for(p) for p in params])
+    rows = [*params[:1], SamplingParams(temperature=temperature, top_p=top_p, seed=3),
+            *params[1:]]
+    tokens = sample(torch.stack([good[0], faulty, *good[1:]]), rows,
+                    [generator_for(p) for p in rows])
+    assert tokens[1] == FAILED
+    assert [tokens[0], *tokens[2:]] == alone and FAILED not in alone
+
+
