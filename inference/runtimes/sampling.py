@@ -71,22 +71,42 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams],
     cut = [row for row, p in enumerate(params) if p.top_p < 1.0]
     if cut:
         limit = torch.tensor([params[row].top_p for row in cut], device=device)[:, None]
-        kept, ids = _nucleus(probs[cut], limit)
-        tokens[cut] = ids.gather(-1, _inverse_cdf(kept, uniform[cut])[:, None]).squeeze(-1)
+        tokens[cut] = _nucleus_draw(probs[cut], limit, uniform[cut])
     return tokens
 
 
-def _nucleus(probs: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's most likely tokens until their mass reaches the row's limit (the top
-    one always: the mass before it is 0), most likely first, the rest zeroed: (their
-    probabilities, their ids). From the top _TOP_K when those hold the limit's mass (then
-    the nucleus is inside them: a trained model's usual case), else from a sort of the
-    whole vocabulary (~4.7 ms a row of 49,152 tokens on the CPU)."""
-    k = min(probs.shape[-1], _TOP_K)
+def _nucleus_draw(probs: torch.Tensor, limit: torch.Tensor,
+                  uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, a draw from the row's nucleus: its most likely tokens until their mass
+    reaches the row's limit (the top one always). Looked for in the top _TOP_K, which
+    hold it in a trained model's usual case; a row whose top _TOP_K hold less than its
+    limit (a flat distribution, a high temperature) sorts its whole vocabulary (~4.7 ms
+    a row of 49,152 tokens on the CPU), that row alone: one such request no longer makes
+    every top-p row of its batch sort."""
+    vocab = probs.shape[-1]
+    k = min(vocab, _TOP_K)
     kept, ids = probs.topk(k, dim=-1)
-    if k < probs.shape[-1] and not bool((kept.sum(-1, keepdim=True) >= limit).all()):
-        kept, ids = probs.sort(dim=-1, descending=True)
-    return torch.where(kept.cumsum(-1) - kept < limit, kept, 0.0), ids
+    short = (kept.sum(-1, keepdim=True) < limit).squeeze(-1).nonzero().flatten().tolist() \
+        if k < vocab else []
+    if not short:
+        return _cut_draw(kept, ids, limit, uniform)
+    tokens = torch.empty(len(probs), dtype=torch.long, device=probs.device)
+    skip = set(short)
+    held = [row for row in range(len(probs)) if row not in skip]
+    if held:
+        tokens[held] = _cut_draw(kept[held], ids[held], limit[held], uniform[held])
+    ordered, order = probs[short].sort(dim=-1, descending=True)
+    tokens[short] = _cut_draw(ordered, order, limit[short], uniform[short])
+    return tokens
+
+
+def _cut_draw(kept: torch.Tensor, ids: torch.Tensor, limit: torch.Tensor,
+              uniform: torch.Tensor) -> torch.Tensor:
+    """A draw from each row's nucleus, given the row's probabilities most likely first
+    (`kept`, token ids `ids`): those past the limit's mass are zeroed (the mass before
+    the top one is 0: it stays)."""
+    kept = torch.where(kept.cumsum(-1) - kept < limit, kept, 0.0)
+    return ids.gather(-1, _inverse_cdf(kept, uniform)[:, None]).squeeze(-1)
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

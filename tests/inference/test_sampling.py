@@ -76,15 +76,34 @@ def test_greedy_and_forced_rows_are_left_alone() -> None:
     assert tokens[0] == 0 and tokens[2] == 3 and forced.advanced == 3
 
 
+def peaked_and_flat() -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits over 5,000 tokens: a peaked row (its 0.9 nucleus fits the sampler's first
+    top-k look) and a flat one (it does not: its whole vocabulary is sorted)."""
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.randn(5000, generator=gen)
+    peaked[:8] += 12  # eight tokens hold ~all the mass
+    return peaked, torch.randn(5000, generator=gen) * 0.1
+
+
+def test_rows_the_top_k_holds_and_rows_it_does_not_draw_as_alone_in_one_batch() -> None:
+    """Only the rows whose top-k misses their nucleus are sorted; each row of a mixed
+    batch draws what it draws alone (fails if the two groups' results are misplaced)."""
+    logits = torch.stack(peaked_and_flat() * 8)
+    rows = [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(len(logits))]
+    together = [generator_for(p) for p in rows]
+    apart = [generator_for(p) for p in rows]
+    for _ in range(20):
+        mixed = sample(logits, rows, together)
+        assert mixed == [sample(row[None], [p], [gen])[0]
+                         for row, p, gen in zip(logits, rows, apart, strict=True)]
+    assert len(set(mixed[1::2])) > 1, "the flat rows sample"
+
+
 def test_the_nucleus_is_exact_whether_the_top_k_holds_it_or_not() -> None:
     # 5,000 tokens: a peaked row (its nucleus fits the sampler's first top-k look) and a
     # flat one (it does not: the whole vocabulary is sorted). Both sample their true
     # nucleus, in proportion.
-    gen = torch.Generator().manual_seed(0)
-    peaked = torch.randn(5000, generator=gen)
-    peaked[:8] += 12  # eight tokens hold ~all the mass
-    flat = torch.randn(5000, generator=gen) * 0.1
-    for logits in (peaked, flat):
+    for logits in peaked_and_flat():
         probs = torch.softmax(logits, dim=-1)
         ordered, order = probs.sort(descending=True)
         nucleus = order[(ordered.cumsum(0) - ordered) < 0.9]
