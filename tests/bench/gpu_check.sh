@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks: the torch runtimes' tests on the GPU, the runtime's decode step against
-# a bare forward (bench_step.py) and the queue against direct model calls (bench_queue.py).
+# a bare forward (bench_step.py), the sampler against `generate`'s (bench_sampler.py) and the
+# queue against direct model calls (bench_queue.py).
 # For a GPU machine that has its own Python with torch but cannot reach a package index
 # (the workplace's lent H200, reached through its `run` tool, which carries at most 64 MiB
 # of ignored files a call). Used once (docs/BENCHMARKS.md, twelfth pass): `run` then held
@@ -94,6 +95,7 @@ if [ "$1" = run ]; then
         timeout 150 python3 tests/bench/bench_step.py --device cuda --batch-sizes 1,32,128,512 \
             --temperature $temperature 2>&1 | tee -a "$out/log"
     done
+    timeout 60 python3 tests/bench/bench_sampler.py --device cuda 2>&1 | tee -a "$out/log"
     timeout 360 python3 tests/bench/bench_queue.py --device cuda --models tiny,smollm2 \
         --batch-sizes 1,32,128 --tokens 64 --rounds 2 2>&1 | tee -a "$out/log"
 fi
