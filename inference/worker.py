@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from secrets import token_hex
 from typing import TYPE_CHECKING, Any
 
@@ -525,6 +525,8 @@ class Worker:
                 seed=body.get("seed"),
                 stop=tuple(body.get("stop") or ()),
                 ignore_eos=bool(body.get("ignore_eos", False)),
+                presence_penalty=float(body.get("presence_penalty") or 0.0),
+                frequency_penalty=float(body.get("frequency_penalty") or 0.0),
             )
             prompt = self._prompt(runtime, body["messages"], body.get("history") or [],
                                   params.max_tokens)
@@ -547,9 +549,7 @@ class Worker:
         if left <= 0:
             self._finish(active, "length")
             return None
-        params = SamplingParams(max_tokens=left, temperature=params.temperature,
-                                top_p=params.top_p, seed=params.seed, stop=params.stop,
-                                ignore_eos=params.ignore_eos)
+        params = replace(params, max_tokens=left)
         active.detok = Detokenizer(runtime.decode, active.ids)
         # A resumed request continues from what was already streamed, as context.
         return active, NewSequence(pending.req.rid, prompt + active.ids, params,

@@ -64,7 +64,8 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
                 "name": c.function.name, "arguments": c.function.arguments}}
                 for c in m.tool_calls]
         data["messages"].append(item)
-    for name in ("max_tokens", "temperature", "top_p", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty",
+                 "frequency_penalty"):
         if msg.HasField(name):
             data[name] = getattr(msg, name)
     if msg.stop:

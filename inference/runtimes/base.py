@@ -33,6 +33,14 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
+    # OpenAI's: subtracted from the logit of every token the sequence has generated,
+    # once (presence) and once per time it was generated (frequency); -2.0 to 2.0.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass(frozen=True)

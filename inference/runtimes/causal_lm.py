@@ -38,6 +38,8 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._params: list[SamplingParams] = []
         self._gens: list[torch.Generator | None] = []
         self._constraints: list[Any] = []
+        # Per row, the tokens it has generated and how often (rows with penalties only).
+        self._counts: list[dict[int, int] | None] = []
         self._cache: Any = None
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=device)
         self._pos = torch.zeros((0,), dtype=torch.long, device=device)
@@ -101,13 +103,20 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         params = [s.params for s in seqs]
         gens = [generator_for(p) for p in params]
         constraints = [s.constraint for s in seqs]
-        first = sample(out.logits[:, -1, :], params, gens, constraints)
+        # A resumed sequence's penalties count what its earlier delivery generated.
+        counts = [_tally({}, s.prompt_ids[len(s.prompt_ids) - s.generated:])
+                  if s.params.penalized else None for s in seqs]
+        first = sample(out.logits[:, -1, :], params, gens, constraints, counts)
         self._splice(cache, mask, torch.tensor(lengths, device=self.device),
                      self._next_input(first))
+        for seen, token in zip(counts, first, strict=True):
+            if seen is not None:
+                _tally(seen, [token])
         self._rids += [s.rid for s in seqs]
         self._params += params
         self._gens += gens
         self._constraints += constraints
+        self._counts += counts
         return {s.rid: tok for s, tok in zip(seqs, first, strict=True)}
 
     def _splice(self, cache: Any, mask: torch.Tensor, pos: torch.Tensor,
@@ -137,7 +146,8 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
                          position_ids=self._pos[:, None], cache=self._cache,
                          use_cache=True)
         try:
-            tokens = sample(out.logits[:, -1, :], self._params, self._gens, self._constraints)
+            tokens = sample(out.logits[:, -1, :], self._params, self._gens, self._constraints,
+                            self._counts)
         except Exception:
             # The forward pass already grew the cache by a column: take it back, so the
             # batch stays consistent for the caller that handles the error.
@@ -147,6 +157,9 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._mask = mask
         self._pos = self._pos + 1
         self._last = self._next_input(tokens)
+        for seen, token in zip(self._counts, tokens, strict=True):
+            if seen is not None:
+                _tally(seen, [token])
         return dict(zip(self._rids, tokens, strict=True))
 
     def _next_input(self, tokens: list[int]) -> torch.Tensor:
@@ -160,15 +173,13 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         keep = [i for i, rid in enumerate(self._rids) if rid not in gone]
         if len(keep) == len(self._rids):
             return
+        self._rids, self._params, self._gens, self._constraints, self._counts = (
+            [column[i] for i in keep] for column in
+            (self._rids, self._params, self._gens, self._constraints, self._counts))
         if not keep:
-            self._rids, self._params, self._gens, self._cache = [], [], [], None
-            self._constraints = []
+            self._cache = None
             return
         index = torch.tensor(keep, device=self.device)
-        self._rids = [self._rids[i] for i in keep]
-        self._params = [self._params[i] for i in keep]
-        self._gens = [self._gens[i] for i in keep]
-        self._constraints = [self._constraints[i] for i in keep]
         self._mask, self._pos, self._last = self._mask[index], self._pos[index], self._last[index]
         # Columns that are padding in every remaining row can go: the cache shrinks back
         # when a long sequence leaves.
@@ -178,6 +189,14 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         for layer in self._cache.layers:
             layer.keys = layer.keys[index][:, :, start:, :]
             layer.values = layer.values[index][:, :, start:, :]
+
+
+def _tally(counts: dict[int, int], tokens: Iterable[int]) -> dict[int, int]:
+    """Count generated tokens into `counts` (a FAILED one is no token)."""
+    for token in tokens:
+        if token != FAILED:
+            counts[token] = counts.get(token, 0) + 1
+    return counts
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Sampling a batch of logits: greedy, temperature and nucleus (top-p), one token per row.
+"""Sampling a batch of logits: greedy, temperature and nucleus (top-p), one token per row,
+after OpenAI's presence and frequency penalties for the rows that have them.
 
 The rows that sample are done together: one softmax, one top-p cut and one inverse-CDF
 draw for all of them, and a single copy of the tokens to the host. Each request keeps
@@ -11,6 +12,7 @@ sampling row per step on a GPU; on the CPU at batch 128, 151-188 ms a step again
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,21 +24,28 @@ _TOP_K = 1024  # where a top-p cut looks first
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
-           constraints: list[Any] | None = None) -> list[int]:
+           constraints: list[Any] | None = None,
+           counts: Sequence[dict[int, int] | None] | None = None) -> list[int]:
     """One token per row of `logits` [B, V]; `FAILED` for a row whose logits are NaN
     or +infinity, or all -infinity (a model's numerical fault on that sequence: no
     token can be drawn from them, and argmax would pick a made-up one). The other rows
     are sampled as if it were not there. A row with a constraint
     (inference.constrained.JsonConstraint) gets its forced token, or samples only among
-    the tokens it allows."""
+    the tokens it allows. `counts`: per row, how often it has generated each token, for
+    its presence and frequency penalties (None: the row has none)."""
     # max propagates NaN, so one reduction finds the greedy tokens and the faulty rows.
     top, chosen = logits.max(dim=-1)
     finite = torch.isfinite(top)
+    penalized = _penalize(logits, params, counts) if counts is not None else None
+    if penalized is not None:
+        logits = penalized
+        chosen = logits.argmax(dim=-1)
     forced: list[int | None] = [None] * len(params)
     if constraints is not None and any(c is not None for c in constraints):
         from inference.constrained import apply
 
-        logits = logits.clone()
+        if penalized is None:
+            logits = logits.clone()
         forced = apply(logits, constraints)
         chosen = logits.argmax(dim=-1)  # among what the constraints allow
     rows = [row for row, p in enumerate(params)
@@ -54,6 +63,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if constraint is not None and not constraint.done and out[row] != FAILED:
             constraint.advance(out[row])
     return [int(token) for token in out]
+
+
+def _penalize(logits: torch.Tensor, params: list[SamplingParams],
+              counts: Sequence[dict[int, int] | None]) -> torch.Tensor | None:
+    """OpenAI's presence and frequency penalties: a copy of `logits` where each row's
+    every token generated c > 0 times so far is lowered by c * frequency_penalty +
+    presence_penalty (a negative penalty raises it). None when no row has any."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    amounts: list[float] = []
+    for row, (p, seen) in enumerate(zip(params, counts, strict=True)):
+        if seen and p.penalized:
+            rows += [row] * len(seen)
+            tokens += seen.keys()
+            amounts += [c * p.frequency_penalty + p.presence_penalty for c in seen.values()]
+    if not rows:
+        return None
+    device = logits.device
+    logits = logits.clone()
+    # One (row, token) pair each: a plain indexed subtraction.
+    logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] -= \
+        torch.tensor(amounts, device=device, dtype=logits.dtype)
+    return logits
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams],

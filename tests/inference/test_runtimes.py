@@ -159,6 +159,41 @@ def test_a_sequence_whose_logits_turn_nan_fails_alone_and_the_batch_goes_on(
     assert rt.step()["good"] == expected[0][1]
 
 
+def test_penalties_follow_openais_formula_in_the_running_batch(tiny: CausalLMRuntime) -> None:
+    """Greedy with presence and frequency penalties, beside a neighbour without: the
+    tokens a plain forward pass over the whole sequence gives with the penalties applied
+    by hand, step by step; a resumed delivery counts what the earlier one generated."""
+    prompt = tiny.encode_chat([{"role": "user", "content": "x " * 30}])
+    neighbour = prompts(tiny)[1]
+    n = 12
+    # Negative: they raise what was generated. The toy model never repeats a token in
+    # a dozen, so positive penalties would change nothing here (test_sampling.py checks
+    # them); these make it repeat.
+    params = SamplingParams(max_tokens=n, presence_penalty=-1.5, frequency_penalty=-2.0)
+    ids, expected, counts = list(prompt), [], {}
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = tiny.model(input_ids=torch.tensor([ids], device=tiny.device)).logits[0, -1]
+            for token, count in counts.items():
+                logits[token] -= count * -2.0 + -1.5
+            token = int(logits.argmax())
+            expected.append(token)
+            counts[token] = counts.get(token, 0) + 1
+            ids.append(token)
+    assert expected != alone(tiny, prompt, n), "the penalties must change this output"
+    got = tiny.add([NewSequence("p", prompt, params), NewSequence("q", neighbour)])
+    tokens = [got["p"]]
+    while len(tokens) < n:
+        tokens.append(tiny.step()["p"])
+    tiny.drop(["p", "q"])
+    assert tokens == expected
+    resumed = [tiny.add([NewSequence("r", prompt + expected[:5], params, generated=5)])["r"]]
+    while len(resumed) < n - 5:
+        resumed.append(tiny.step()["r"])
+    tiny.drop(["r"])
+    assert resumed == expected[5:]
+
+
 def test_echo_runtime_returns_the_prompt_then_eos() -> None:
     echo = load_runtime(DeploymentSpec("e", RuntimeName.ECHO))
     assert isinstance(echo, ChatRuntime)

@@ -4,6 +4,8 @@ forced rows are left alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,11 +16,12 @@ PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 N = 4000
 
 
-def frequencies(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
+def frequencies(params: SamplingParams, logits: torch.Tensor,
+                counts: dict[int, int] | None = None) -> torch.Tensor:
     """N rows of the same logits, each seeded differently, sampled as one batch."""
-    rows = [SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=i)
-            for i in range(N)]
-    tokens = sample(logits.repeat(N, 1), rows, [generator_for(p) for p in rows])
+    rows = [replace(params, seed=i) for i in range(N)]
+    tokens = sample(logits.repeat(N, 1), rows, [generator_for(p) for p in rows],
+                    counts=[counts] * N)
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float() / N
 
 
@@ -74,6 +77,33 @@ def test_greedy_and_forced_rows_are_left_alone() -> None:
     forced = Forced()
     tokens = sample(logits, rows, [generator_for(p) for p in rows], [None, None, forced])
     assert tokens[0] == 0 and tokens[2] == 3 and forced.advanced == 3
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.4), (0.3, 0.2),
+                                                 (-0.5, -0.2)])
+def test_penalties_lower_what_was_generated_as_openai_describes(
+        presence: float, frequency: float) -> None:
+    """logit[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty, over
+    the tokens the row has generated; negative penalties raise them."""
+    counts = {0: 3, 2: 1}
+    params = SamplingParams(temperature=1.0, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    expected = PROBS.log().clone()
+    expected[0] -= 3 * frequency + presence
+    expected[2] -= frequency + presence
+    freq = frequencies(params, PROBS.log(), counts)
+    assert torch.allclose(freq, torch.softmax(expected, dim=-1), atol=0.03), freq
+
+
+def test_penalties_move_greedy_rows_and_only_their_own() -> None:
+    logits = PROBS.log().repeat(3, 1)  # token 0 ahead of token 1 by log(5/3) = 0.51
+    rows = [SamplingParams(frequency_penalty=0.2), SamplingParams(presence_penalty=0.4),
+            SamplingParams()]
+    counts: list[dict[int, int] | None] = [{0: 3}, {0: 3}, {0: 3}]
+    # 3 * 0.2 = 0.6 > 0.51: token 1 wins; presence counts once: 0.4 < 0.51, no penalty
+    # for the third row (it has none).
+    assert sample(logits, rows, [None] * 3, counts=counts) == [1, 0, 0]
+    assert sample(logits, rows, [None] * 3, counts=[{0: 1}, None, None]) == [0, 0, 0]
 
 
 def peaked_and_flat() -> tuple[torch.Tensor, torch.Tensor]:
