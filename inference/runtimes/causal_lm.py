@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
 
 from inference.runtimes.base import FAILED, ChatRuntime, NewSequence, SamplingParams, TorchModel
 from inference.runtimes.sampling import generator_for, sample
+
+T = TypeVar("T")
 
 
 class CausalLMRuntime(TorchModel, ChatRuntime):
@@ -173,9 +175,9 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         keep = [i for i, rid in enumerate(self._rids) if rid not in gone]
         if len(keep) == len(self._rids):
             return
-        self._rids, self._params, self._gens, self._constraints, self._counts = (
-            [column[i] for i in keep] for column in
-            (self._rids, self._params, self._gens, self._constraints, self._counts))
+        self._rids, self._params = _rows(self._rids, keep), _rows(self._params, keep)
+        self._gens, self._constraints = _rows(self._gens, keep), _rows(self._constraints, keep)
+        self._counts = _rows(self._counts, keep)
         if not keep:
             self._cache = None
             return
@@ -189,6 +191,10 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         for layer in self._cache.layers:
             layer.keys = layer.keys[index][:, :, start:, :]
             layer.values = layer.values[index][:, :, start:, :]
+
+
+def _rows(column: list[T], keep: list[int]) -> list[T]:
+    return [column[i] for i in keep]
 
 
 def _tally(counts: dict[int, int], tokens: Iterable[int]) -> dict[int, int]:
