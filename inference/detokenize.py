@@ -37,3 +37,15 @@ class Detokenizer:
         else:
             self._prefix = full
         return full[len(prefix):]
+
+    def flush(self) -> str:
+        """At the end of generation: the text not released yet, less a partial
+        character at the very end (the generation stopped inside it)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        full = self.decode(self.ids[self.prefix_offset:])
+        self.read_offset = len(self.ids)
+        text = full[len(self._prefix):].rstrip("\ufffd") if len(full) > len(self._prefix) \
+            else ""
+        self._prefix = full
+        return text

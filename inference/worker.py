@@ -202,14 +202,35 @@ class Worker:
     # -- life cycle ----------------------------------------------------------------
     def run(self, *, drain_s: float = 10.0) -> None:
         logger.info("worker %s serving %s", self.id, self.spec.name)
-        while not self.stopping.is_set():
-            try:
-                self.iterate()
-            except redis.RedisError:
-                logger.exception("Redis failed; dropping local work, it will be resumed")
-                self._abandon()
-                self.stopping.wait(1.0)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self.iterate()
+                except redis.RedisError:
+                    logger.exception("Redis failed; dropping local work, it will be resumed")
+                    self._abandon()
+                    self.stopping.wait(1.0)
+        except Exception:
+            # Crash-only (a model or CUDA error may leave this process unusable), but
+            # the requests need not wait reclaim_after_ms for a reaper to notice.
+            logger.exception("worker %s failed; handing its requests back", self.id)
+            self._hand_back()
+            raise
         self._drain(drain_s)
+
+    def _hand_back(self) -> None:
+        """After a failure: write what was already made (a takeover resumes after it),
+        then release every request held, as a drain does, for the next reap of any
+        live worker (within a third of its reclaim_after_ms) instead of after
+        reclaim_after_ms of silence."""
+        with contextlib.suppress(Exception):
+            self._flush(wait=True)
+        held = [*self.backlog, *(a.pending for a in self.active.values())]
+        with contextlib.suppress(redis.RedisError):
+            self._release(held)
+        self._end_batches("failed")
+        self._writer.shutdown(wait=False)
+        self._model.shutdown(wait=False)
 
     def _abandon(self) -> None:
         """Forget everything held locally. The entries stay pending in Redis, so after
@@ -697,20 +718,26 @@ class Worker:
         if active.tool is not None and active.tool.call_complete:
             self._finish(active, "tool_calls")
             return
-        if active.stop:
-            # Only the new tail can complete a stop string.
-            start = max(0, len(active.sent_text) - max(map(len, active.stop)))
-            hits = [i for i in (active.text.find(s, start) for s in active.stop) if i >= 0]
-            if hits:
-                active.text = active.text[:min(hits)]
-                self._emit_text(active, final=True)
-                self._finish(active, "stop")
-                return
+        if self._cut_at_stop(active):
+            self._finish(active, "stop", flush=False)
+            return
         self._emit_text(active, final=False)
         if len(active.ids) >= active.max_new:
             self._finish(active, "length")
         elif active.req.deadline_ms <= q.now_ms():
             self._finish(active, "deadline")
+
+    @staticmethod
+    def _cut_at_stop(active: Active) -> bool:
+        """Cut the text before the first stop string in it, if any (only its new tail
+        can complete one)."""
+        if not active.stop:
+            return False
+        start = max(0, len(active.sent_text) - max(map(len, active.stop)))
+        hits = [i for i in (active.text.find(s, start) for s in active.stop) if i >= 0]
+        if hits:
+            active.text = active.text[:min(hits)]
+        return bool(hits)
 
     def _emit_text(self, active: Active, *, final: bool) -> None:
         tool = active.tool
@@ -736,7 +763,13 @@ class Worker:
         active.sent_text = text
         active.unsent_ids = []
 
-    def _finish(self, active: Active, reason: str) -> None:
+    def _finish(self, active: Active, reason: str, *, flush: bool = True) -> None:
+        if flush and active.detok is not None:
+            # Text the detokenizer still held (a character split across tokens) goes
+            # out, less a character the generation stopped inside.
+            active.text += active.detok.flush()
+            if self._cut_at_stop(active) and reason == "length":
+                reason = "stop"
         self._emit_text(active, final=True)  # whatever was held back, if anything
         self._drop(active.req.rid)
         self.active.pop(active.req.rid, None)

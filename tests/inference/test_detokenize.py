@@ -66,3 +66,24 @@ def test_about_one_decode_per_token(tokenizer: Any) -> None:
     for token in ids:
         detok.push(token)
     assert len(ids) > 100 and decode.calls <= 1.25 * len(ids)
+
+
+def test_the_end_flushes_held_text_but_not_a_character_cut_in_half(tokenizer: Any) -> None:
+    """Generation that stops inside a character (max_tokens, end of sequence): the
+    whole characters held with it still go out; the half character does not."""
+    ids = tokenizer.encode("I 🦩", add_special_tokens=False)  # " " + the bird's 3 bytes
+    cut = Detokenizer(Counting(tokenizer))
+    held = [cut.push(token) for token in ids[:-1]]
+    assert held == ["I", "", ""] and cut.flush() == " " and cut.flush() == ""
+    whole = Detokenizer(Counting(tokenizer))
+    assert "".join(whole.push(token) for token in ids) == "I 🦩" and whole.flush() == ""
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=TEXT, cut=st.integers(1, 40))
+def test_pushes_then_the_flush_are_the_whole_decode_less_a_cut_character(
+        tokenizer: Any, text: str, cut: int) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)[:cut]
+    detok = Detokenizer(Counting(tokenizer))
+    out = "".join(detok.push(token) for token in ids) + detok.flush()
+    assert out == tokenizer.decode(ids).rstrip("\ufffd")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -14,8 +15,12 @@ import redis
 
 from inference import queue as q
 from inference.client import InferenceClient
+from inference.runtimes.base import SamplingParams
+from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.spec import DeploymentSpec, RuntimeName
-from tests.inference.conftest import ProcessWorkers, chat, collect, run, unique
+from inference.worker import Worker
+from tests.inference.conftest import ProcessWorkers, Result, chat, collect, run, unique
+from tests.reference import tiny_reply
 
 pytestmark = pytest.mark.slow
 
@@ -121,3 +126,61 @@ def test_sigterm_drains_running_work_and_hands_back_the_rest(
         assert [r.text for r in results] == [prompt(i) for i in range(6)]
 
     run(go, redis_url)
+
+
+def test_a_worker_whose_model_raises_hands_its_requests_back_at_once(
+        rds: redis.Redis, redis_url: str) -> None:
+    """The model raises mid-batch (a transient device error, injected: the toy model's
+    forward raises once). The worker exits with the error (crash-only: a CUDA error can
+    leave a process unusable) but first writes what it made and releases what it held,
+    so a live worker takes it over at its next reap instead of after reclaim_after_ms of
+    silence (20 s here); every request ends once, with exactly the text it has without
+    the fault."""
+    reclaim_ms, tokens = 20_000, 16
+    spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=8)
+    texts = [f"request {i}: tell me about the sea" for i in range(6)]
+    expected = [tiny_reply(t, SamplingParams(max_tokens=tokens)) for t in texts]
+    victim = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=reclaim_ms,
+                    block_ms=50)
+    assert isinstance(victim.runtime, CausalLMRuntime)
+    forwards = 0
+
+    def fault(_module: object, _args: object) -> None:
+        nonlocal forwards
+        forwards += 1
+        if forwards == 6:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    victim.runtime.model.register_forward_pre_hook(fault)
+    crashed: list[float] = []
+
+    def run_victim() -> None:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            victim.run(drain_s=1)
+        crashed.append(time.monotonic())
+
+    threading.Thread(target=run_victim, daemon=True).start()
+    survivor = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=reclaim_ms,
+                      block_ms=50)
+
+    async def go(client: InferenceClient) -> tuple[list[Result], float]:
+        handles = [await client.submit(spec, tenant="t", body=chat(t, max_tokens=tokens),
+                                       timeout_s=60) for t in texts]
+        while not crashed:
+            await asyncio.sleep(0.01)
+        threading.Thread(target=survivor.run, kwargs={"drain_s": 1}, daemon=True).start()
+        results = await asyncio.gather(*[collect(h) for h in handles])
+        return results, time.monotonic() - crashed[0]
+
+    try:
+        results, after_crash_s = run(go, redis_url)
+    finally:
+        survivor.stopping.set()
+    assert [r.text for r in results] == expected
+    for result in results:
+        assert result.final["t"] == "done", result.final
+        seqs = [e["seq"] for e in result.events]
+        assert seqs == sorted(set(seqs)), "every event delivered once, in order"
+    assert after_crash_s < 8, f"taken over {after_crash_s:.1f} s after the crash"
+    streamed = sum(1 for batch in victim.admitted for _ in batch)
+    assert streamed > 0 and survivor.admitted, "both workers served"

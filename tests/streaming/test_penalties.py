@@ -7,12 +7,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from inference.runtimes import load_runtime
-from inference.runtimes.base import NewSequence, SamplingParams
-from inference.spec import DeploymentSpec, RuntimeName
+from inference.runtimes.base import SamplingParams
 from streaming.protos import inference_pb2 as pb
 from tenants.roles import Role
 from tests.conftest import make_org
+from tests.reference import tiny_reply
 from tests.streaming.conftest import Live
 from tests.streaming.test_grpc import call, chat
 
@@ -22,24 +21,14 @@ TEXT = "x " * 30
 TOKENS = 12
 
 
-def reference(params: SamplingParams) -> str:
-    """The same toy model (fixed seed) run here, directly, as the worker runs it."""
-    rt = load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM))
-    prompt = rt.encode_chat([{"role": "user", "content": TEXT}])
-    tokens = [rt.add([NewSequence("r", prompt, params)])["r"]]
-    while len(tokens) < params.max_tokens and tokens[-1] not in rt.eos_token_ids:
-        tokens.append(rt.step()["r"])
-    return rt.decode([t for t in tokens if t not in rt.eos_token_ids])
-
-
 def test_penalties_reach_the_model_over_rest_and_grpc(live: Live, tiny: str,
                                                       grpc_target: str) -> None:
     key = make_org("penalised", [Role.DEVELOPER]).keys[Role.DEVELOPER]
     # Negative (they raise what was generated): the toy model never repeats a token in
     # a dozen, so positive ones would change nothing it says.
     penalties = {"presence_penalty": -1.5, "frequency_penalty": -2.0}
-    expected = reference(SamplingParams(max_tokens=TOKENS, **penalties))
-    assert expected != reference(SamplingParams(max_tokens=TOKENS))
+    expected = tiny_reply(TEXT, SamplingParams(max_tokens=TOKENS, **penalties))
+    assert expected != tiny_reply(TEXT, SamplingParams(max_tokens=TOKENS))
     client = openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=30)
     reply = client.chat.completions.create(
         model=tiny, messages=[{"role": "user", "content": TEXT}], max_tokens=TOKENS,
