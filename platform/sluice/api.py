@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
-from django.db import DataError
+from django.db import DataError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.multipartparser import MultiPartParserError
 from ninja import NinjaAPI
@@ -25,6 +25,7 @@ from sluice.errors import (
     ServerError,
     Unauthenticated,
     Unprocessable,
+    database_unavailable,
     error_response_doc,
 )
 from sluice.responses import error_response
@@ -136,6 +137,14 @@ def _unstorable(request: HttpRequest, exc: DataError) -> HttpResponse:
     return error_response(BadRequest("A value in the request is out of range or cannot be "
                                      "stored (numbers must fit in 64 bits; text must not "
                                      "contain NUL characters).", code="invalid_value"))
+
+
+@api.exception_handler(OperationalError)
+@api.exception_handler(InterfaceError)
+def _database_outage(request: HttpRequest, exc: Exception) -> HttpResponse:
+    logger.warning("database unavailable on %s %s: %s", request.method, request.path,
+                   type(exc).__name__)
+    return error_response(database_unavailable())
 
 
 @api.exception_handler(MultiPartParserError)

@@ -143,6 +143,13 @@ class Unavailable(ApiError):
     default_code = "overloaded"
 
 
+def database_unavailable() -> Unavailable:
+    """What a caller gets when the database fails under its call (a restart, a
+    failover, a connection cut): retriable, like a queue outage, never a 500."""
+    return Unavailable("The database is unavailable; try again shortly.",
+                       code="database_unavailable", headers={"Retry-After": "1"})
+
+
 class DeadlineExceeded(ApiError):
     status = 504
     type = "timeout_error"
