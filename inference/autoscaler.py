@@ -43,6 +43,9 @@ EVENTS_MAXLEN = 10_000
 COLD_START_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 _LEASE_MS = 5000
 _RELOAD_S = 1.0
+# A ready worker silent this long is wedged: twice the default reclaim_after_ms, above
+# any decode step (its requests are taken over after reclaim_after_ms anyway).
+HUNG_AFTER_S = 60.0
 _RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -66,6 +69,7 @@ class Target:
     spec: DeploymentSpec
     scaler: Scaler
     ready: set[int] = field(default_factory=set)  # pids whose first heartbeat was seen
+    beat: dict[int, float] = field(default_factory=dict)  # pid -> last seen live (monotonic)
 
 
 def policy_of(deployment: Any) -> ScalePolicy:
@@ -79,13 +83,15 @@ def policy_of(deployment: Any) -> ScalePolicy:
 
 class Autoscaler:
     def __init__(self, client: redis.Redis, redis_url: str, *, driver: str = "local",
-                 only: list[str] | None = None, tick_s: float = 0.2) -> None:
+                 only: list[str] | None = None, tick_s: float = 0.2,
+                 hung_after_s: float = HUNG_AFTER_S) -> None:
         if driver not in ("local", "none"):
             raise ValueError("driver must be 'local' or 'none'")
         self.redis = client
         self.driver = driver
         self.only = set(only or [])
         self.tick_s = tick_s
+        self.hung_after_s = hung_after_s
         self.id = f"{socket.gethostname()}-{os.getpid()}-{token_hex(3)}"
         self.supervisor = Supervisor(redis_url)
         self.targets: dict[str, Target] = {}
@@ -191,6 +197,7 @@ class Autoscaler:
         if self.driver != "local":
             return
         loads = {int(b.get("pid", 0)): int(b.get("load", 0)) for b in live.values()}
+        self._kill_hung(target, loads)
         self.supervisor.scale(target.spec, target.scaler.replicas, idle_first=loads)
         # Cold start: from fork to the first heartbeat (the model is loaded by then).
         for proc in self.supervisor.running(target.spec.name):
@@ -200,6 +207,22 @@ class Autoscaler:
                 self._cold_start(target.spec.name, proc.pid, seconds)
         alive = {p.pid for p in self.supervisor.running(target.spec.name)}
         target.ready &= alive
+        target.beat = {pid: at for pid, at in target.beat.items() if pid in alive}
+
+    def _kill_hung(self, target: Target, loads: dict[int, int]) -> None:
+        """A worker that was ready and then sent no heartbeat for hung_after_s is wedged
+        (a device hang, a deadlock): alive, holding a replica's place, serving nothing.
+        It is killed (SIGKILL: its own handlers may never run) and replaced; the
+        requests it held were taken over by then (after reclaim_after_ms, 30 s)."""
+        now = time.monotonic()
+        for pid in loads:
+            target.beat[pid] = now
+        for proc in self.supervisor.running(target.spec.name):
+            silent = now - target.beat.get(proc.pid, now)
+            if proc.pid in target.ready and silent > self.hung_after_s:
+                self.supervisor.kill(proc)
+                self._event(target.spec.name, "restart", reason=f"worker pid {proc.pid} "
+                            f"sent no heartbeat for {silent:.0f}s (hung); killed, replacing it")
 
     def _cold_start(self, name: str, pid: int, seconds: float) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -143,10 +143,14 @@ class Supervisor:
         return proc
 
     @staticmethod
-    def _stop(proc: Proc) -> None:
+    def _stop(proc: Proc, sig: int = signal.SIGTERM) -> None:
         proc.stopping = True
         if proc.process.is_alive():
-            os.kill(proc.pid, signal.SIGTERM)
+            os.kill(proc.pid, sig)
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL a process that will not stop by itself (wedged); not a crash."""
+        self._stop(proc, signal.SIGKILL)
 
     def reap(self) -> list[Exit]:
         """Forget processes that ended; returns those that died unasked (to replace)."""

@@ -3,6 +3,7 @@ real child processes, the live gateway in front, the test Redis and database beh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,10 +47,11 @@ def scale_events(name: str = "scaled", kind: str | None = None) -> list[dict[str
 def start_autoscaler(live: Live) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(**policy: Any) -> subprocess.Popen[bytes]:
+    def start(hung_after: float | None = None, **policy: Any) -> subprocess.Popen[bytes]:
         Deployment.objects.create(name="scaled", **{**SCALED, **policy})
+        extra = ["--hung-after", str(hung_after)] if hung_after is not None else []
         proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "autoscale",
-                                 "--deployment", "scaled", "--tick", "0.1"], cwd=REPO,
+                                 "--deployment", "scaled", "--tick", "0.1", *extra], cwd=REPO,
                                 env=process_env(SLUICE_LOG_LEVEL="WARNING"))
         procs.append(proc)
         return proc
@@ -179,3 +182,33 @@ def test_steady_load_near_the_threshold_does_not_flap(
     changes = scale_events(kind="scale")[settled:]
     during = [e for e in changes if "idle" not in e["reason"]]
     assert len(during) <= 1, during
+
+
+def test_a_hung_worker_is_killed_and_replaced(start_autoscaler: Callable[..., Any],
+                                              caller: OpenAI) -> None:
+    """A worker that stops (SIGSTOP: alive, holding its place, serving nothing, as a
+    wedged device would leave it) is killed once it has been silent for --hung-after
+    and replaced; calls are served again."""
+    start_autoscaler(min_replicas=1, hung_after=2)
+    first = eventually(live_pids, 15, what="the minimum worker")
+    victim = next(iter(first))
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        replacement = eventually(lambda: live_pids() - {victim}, 20, what="a replacement")
+        assert victim not in replacement
+        restart = scale_events(kind="restart")
+        assert restart and f"worker pid {victim} sent no heartbeat" in restart[-1]["reason"]
+        eventually(lambda: not _alive(victim), 5, what="the hung worker to be gone")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+    assert chat(caller).strip()
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped; a zombie (dead, not yet reaped by its parent) is not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(") ", 1)[-1][0] != "Z"

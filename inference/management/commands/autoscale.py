@@ -9,7 +9,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from inference.autoscaler import Autoscaler
+from inference.autoscaler import HUNG_AFTER_S, Autoscaler
 from inference.supervisor import preload
 from sluice import telemetry
 from sluice.processes import set_on_signals
@@ -26,6 +26,9 @@ class Command(BaseCommand):
         parser.add_argument("--deployment", action="append", default=[],
                             help="Only these deployments (repeatable); default: all enabled.")
         parser.add_argument("--tick", type=float, default=0.2, help="Seconds between looks.")
+        parser.add_argument("--hung-after", type=float, default=HUNG_AFTER_S,
+                            help="Kill and replace a ready worker silent this many seconds "
+                                 "(no heartbeat: wedged).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         telemetry.setup("sluice-autoscaler")
@@ -34,6 +37,7 @@ class Command(BaseCommand):
         client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10,
                                       socket_connect_timeout=5, **reconnecting())
         scaler = Autoscaler(client, settings.REDIS_URL, driver=options["driver"],
-                            only=options["deployment"], tick_s=options["tick"])
+                            only=options["deployment"], tick_s=options["tick"],
+                            hung_after_s=options["hung_after"])
         set_on_signals(scaler.stopping)
         scaler.run()
