@@ -198,6 +198,7 @@ class ClusterCollector(Collector):
             opens.add_metric([name], float(dep.breaker.times_opened))
         yield from (depth, age, workers, rotation, memory, batches, state, opens)
         yield from _autoscaler_families(redis, [d.name for d in states])
+        yield from _audit_families(redis)
 
         used = GaugeMetricFamily("sluice_quota_used", "Use of each quota in its current "
                                  "period (reservations included).",
@@ -223,6 +224,30 @@ class ClusterCollector(Collector):
 
 
 _registry: CollectorRegistry | None = None
+
+
+def _audit_families(redis: Any) -> Iterator[Any]:
+    """The audit events waiting in Redis for the audit writer: how many, and how old
+    the oldest is. A backlog that grows means the writer is down or slow; past
+    `audit.STREAM_MAXLEN` the stream is trimmed and the oldest events are lost."""
+    from governance import audit
+
+    pipe = redis.pipeline(transaction=False)
+    pipe.xlen(audit.STREAM)
+    pipe.xrange(audit.STREAM, count=1)
+    length, first = pipe.execute()
+    oldest = 0.0
+    if first:
+        entry = first[0][0]
+        entry = entry.decode() if isinstance(entry, bytes) else entry
+        oldest = max(0.0, time.time() - int(entry.split("-")[0]) / 1000)
+    backlog = GaugeMetricFamily("sluice_audit_backlog", "Audit events in Redis not yet "
+                                "written to the database.")
+    backlog.add_metric([], float(length))
+    age = GaugeMetricFamily("sluice_audit_backlog_oldest_age_seconds", "Age of the oldest "
+                            "audit event not yet written to the database.")
+    age.add_metric([], oldest)
+    yield from (backlog, age)
 
 
 def _autoscaler_families(redis: Any, names: list[str]) -> Iterator[Any]:

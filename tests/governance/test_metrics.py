@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI, RateLimitError
 from prometheus_client.parser import text_string_to_metric_families
 
-from governance import metrics
+from governance import audit, metrics
 from governance.models import Quota, RateLimitPolicy, RateLimitScope
 from tenants.roles import Role
 from tests.conftest import eventually, make_org
@@ -136,3 +136,25 @@ def test_metrics_are_for_loopback_or_the_scrape_token(live: Live,
     assert refused.status_code == 403
     assert refused.json()["error"]["code"] == "forbidden"
     assert scrape(live, authorization="Bearer scrape-secret")
+
+
+def test_the_audit_backlog_shows_until_the_writer_stores_it(live: Live) -> None:
+    """The live fixture runs no audit writer: a call's audit event waits in Redis, and
+    the backlog's size and age say so until it is written."""
+    audit.drain()
+    org = make_org("backlogged", [Role.DEVELOPER])
+    client = OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER], max_retries=0)
+    for _ in range(3):
+        client.chat.completions.create(model="echo", messages=[{"role": "user",
+                                                                "content": "audited"}])
+
+    def backlogged() -> Samples | None:
+        samples = scrape(live)
+        return samples if value(samples, "sluice_audit_backlog") >= 3 else None
+
+    samples = eventually(backlogged, 5, what="the backlog to show three events")
+    assert 0 < value(samples, "sluice_audit_backlog_oldest_age_seconds") < 60
+    audit.drain()
+    eventually(lambda: value(scrape(live), "sluice_audit_backlog") == 0, 5,
+               what="the backlog to empty once written")
+    assert value(scrape(live), "sluice_audit_backlog_oldest_age_seconds") == 0
