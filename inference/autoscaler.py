@@ -46,6 +46,7 @@ _RELOAD_S = 1.0
 # A ready worker silent this long is wedged: twice the default reclaim_after_ms, above
 # any decode step (its requests are taken over after reclaim_after_ms anyway).
 HUNG_AFTER_S = 60.0
+_WATCH_GAP_S = 5.0  # ticks further apart than this restart the silence clocks
 _RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -70,6 +71,7 @@ class Target:
     scaler: Scaler
     ready: set[int] = field(default_factory=set)  # pids whose first heartbeat was seen
     beat: dict[int, float] = field(default_factory=dict)  # pid -> last seen live (monotonic)
+    watched: float = 0.0  # when the heartbeats were last looked at (monotonic)
 
 
 def policy_of(deployment: Any) -> ScalePolicy:
@@ -215,9 +217,15 @@ class Autoscaler:
         It is killed (SIGKILL: its own handlers may never run) and replaced; the
         requests it held were taken over by then (after reclaim_after_ms, 30 s)."""
         now = time.monotonic()
+        running = self.supervisor.running(target.spec.name)
+        if now - target.watched > max(_WATCH_GAP_S, 5 * self.tick_s):
+            # Nobody was looking (Redis was down: the workers could not beat either;
+            # another autoscaler led): silence counts from now.
+            target.beat = {proc.pid: now for proc in running}
+        target.watched = now
         for pid in loads:
             target.beat[pid] = now
-        for proc in self.supervisor.running(target.spec.name):
+        for proc in running:
             silent = now - target.beat.get(proc.pid, now)
             if proc.pid in target.ready and silent > self.hung_after_s:
                 self.supervisor.kill(proc)

@@ -4,6 +4,7 @@ real child processes, the live gateway in front, the test Redis and database beh
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,7 +19,10 @@ import pytest
 from openai import OpenAI
 
 from inference import autoscaler
+from inference.autoscale import ScalePolicy, Scaler
 from inference.models import Deployment
+from inference.spec import DeploymentSpec, RuntimeName
+from inference.supervisor import Pool, Proc
 from inference.worker import heartbeats
 from sluice.redis import sync_redis
 from tenants.roles import Role
@@ -212,3 +216,34 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(") ", 1)[-1][0] != "Z"
+
+
+def test_silence_counts_only_while_the_autoscaler_watches(rds: Any) -> None:
+    """After a gap in watching (Redis down: the workers could not beat either; another
+    autoscaler leading), a worker is not killed for the gap: its silence counts from
+    the autoscaler's return. Silent for hung_after_s while watched, it is killed."""
+    spec = DeploymentSpec(f"watched-{os.getpid()}", RuntimeName.ECHO)
+    scaler = autoscaler.Autoscaler(sync_redis(), "redis://unused", hung_after_s=0.3,
+                                   tick_s=0.1)
+    target = autoscaler.Target(spec, Scaler(ScalePolicy()))
+    process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    process.start()
+    proc = Proc(process, time.monotonic())
+    scaler.supervisor.pools[spec.name] = Pool(spec, procs=[proc])
+    try:
+        target.ready.add(proc.pid)
+        scaler._kill_hung(target, {proc.pid: 0})  # seen beating
+        # Then nobody looked for a minute (no tick: the clocks as a minute later).
+        target.watched -= 60
+        target.beat[proc.pid] -= 60
+        scaler._kill_hung(target, {})  # silent: but for how long was it watched?
+        assert not proc.stopping and process.is_alive()
+        time.sleep(0.4)
+        scaler._kill_hung(target, {})  # silent for 0.4 s of watching
+        assert proc.stopping
+        process.join(5)
+        assert process.exitcode == -signal.SIGKILL
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join()
