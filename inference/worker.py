@@ -196,6 +196,7 @@ class Worker:
         self._batch_of: dict[str, BatchSpan] = {}
         self.guard = MemoryGuard()
         self._others_in_rotation = False
+        self._alone: str | None = None  # a request on its last chance, running alone
         # The request ids of the most recent admissions, for tests and debugging.
         self.admitted: deque[list[str]] = deque(maxlen=256)
 
@@ -225,9 +226,9 @@ class Worker:
         reclaim_after_ms of silence."""
         with contextlib.suppress(Exception):
             self._flush(wait=True)
-        held = [*self.backlog, *(a.pending for a in self.active.values())]
         with contextlib.suppress(redis.RedisError):
-            self._release(held)
+            self._release(self.backlog)  # waiting: not part of what failed
+            self._release([a.pending for a in self.active.values()], failed=True)
         self._end_batches("failed")
         self._writer.shutdown(wait=False)
         self._model.shutdown(wait=False)
@@ -271,12 +272,20 @@ class Worker:
         self._model.shutdown(wait=True)
         self.redis.hdel(q.workers_key(self.spec.name), self.id)
 
-    def _release(self, pendings: list[Pending]) -> None:
-        # XCLAIM with a huge IDLE makes the entries look abandoned: the next reaper of any
-        # live worker takes them over at once (and resumes their output).
-        for suffix, ids in _by_stream(pendings).items():
+    def _release(self, pendings: list[Pending], *, failed: bool = False) -> None:
+        """Hand entries back. XCLAIM with a huge IDLE makes them look abandoned: the
+        next reaper of any live worker takes them over at once (and resumes their
+        output). Unless `failed` (they were in a batch that failed), their delivery
+        count is set back by the delivery that did not run to its end, so a request
+        only nears `max_deliveries` (the dead letters) by failing, not by waiting in
+        the backlog of a worker that failed or stopped."""
+        groups: dict[tuple[str, int], list[str]] = {}
+        for pending in pendings:
+            count = pending.deliveries if failed else max(0, pending.deliveries - 1)
+            groups.setdefault((pending.stream, count), []).append(pending.msg_id)
+        for (suffix, count), ids in groups.items():
             self.redis.xclaim(self._key(suffix), q.GROUP, "released", 0, ids,
-                              idle=_RELEASE_IDLE_MS, justid=True)
+                              idle=_RELEASE_IDLE_MS, justid=True, retrycount=count)
 
     def _key(self, suffix: str) -> str:
         return q.stream_key(self.spec.name, suffix)
@@ -471,10 +480,21 @@ class Worker:
             self.backlog.remove(pending)
             self._error(pending, RequestError(504, "deadline_exceeded",
                                               "The request's deadline passed while it was queued."))
+        if self._alone is not None:
+            if self._alone in self.active:
+                return  # a request on its last chance runs alone: nothing joins it
+            self._alone = None
         capacity = self.spec.max_batch_size - len(self.active)
         if capacity <= 0 or not self.backlog:
             return
-        chosen = pick(self.backlog, capacity, after_tenant=self._last_tenant)
+        last = [p for p in self.backlog if self._last_chance(p)]
+        if last:
+            if self.active:
+                return  # it runs alone: the running batch ends first
+            chosen = last[:1]
+            self._alone = chosen[0].req.rid
+        else:
+            chosen = pick(self.backlog, capacity, after_tenant=self._last_tenant)
         for pending in chosen:
             self.backlog.remove(pending)
         self._last_tenant = chosen[-1].tenant
@@ -485,6 +505,13 @@ class Worker:
             self._embed(chosen)
         else:
             self._start(chosen)
+
+    def _last_chance(self, pending: Pending) -> bool:
+        """A request taken over again and again (its batches kept failing) may be what
+        fails them, a poison pill, or the unlucky neighbour of one. On its last allowed
+        delivery it runs alone: a neighbour then finishes, and a poison pill fails by
+        itself and is dead-lettered without taking the others with it."""
+        return pending.deliveries > 1 and pending.deliveries >= self.spec.max_deliveries
 
     # -- tracing -------------------------------------------------------------------
     def _open_batch(self, chosen: list[Pending]) -> None:

@@ -1,6 +1,7 @@
 """Worker processes dying: kill -9 mid-batch answers every request exactly once with the
-full, duplicate-free output; a request that keeps killing workers is dead-lettered;
-SIGTERM drains and hands the rest back."""
+full, duplicate-free output; a request that keeps killing workers is dead-lettered, and
+a poison request is dead-lettered without its neighbours; a worker whose model raises
+hands its requests back at once; SIGTERM drains and hands the rest back uncounted."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -120,6 +122,13 @@ def test_sigterm_drains_running_work_and_hands_back_the_rest(
         await asyncio.sleep(0.3)
         first.terminate()
         assert first.wait(15) == 0
+        # Handed back uncounted: a stop is not a failure (the next taker's delivery
+        # brings them to 1 again, far from max_deliveries).
+        held = [e for suffix in rds.hkeys(q.streams_key(spec.name))
+                for e in rds.xpending_range(q.stream_key(spec.name, suffix.decode()),
+                                            q.GROUP, "-", "+", 100)]
+        assert held and all(e["consumer"] == b"released" and e["times_delivered"] == 0
+                            for e in held), held
         # A fresh worker takes the handed-back entries at once, not after 60 s.
         process_workers.start(spec, reclaim_after_ms=60_000)
         results = await asyncio.wait_for(asyncio.gather(*[collect(h) for h in handles]), 30)
@@ -184,3 +193,61 @@ def test_a_worker_whose_model_raises_hands_its_requests_back_at_once(
     assert after_crash_s < 8, f"taken over {after_crash_s:.1f} s after the crash"
     streamed = sum(1 for batch in victim.admitted for _ in batch)
     assert streamed > 0 and survivor.admitted, "both workers served"
+
+
+def test_a_poison_request_is_dead_lettered_without_its_neighbours(
+        rds: redis.Redis, redis_url: str) -> None:
+    """A request whose input makes the model raise every time (injected: the toy
+    model's forward raises whenever one token is in its input) kills every worker that
+    runs it, and its neighbours' batches with it. On a request's last allowed delivery
+    it runs alone: the neighbours finish with exactly their fault-free text, and only
+    the poison is dead-lettered (before, the whole batch went to the dead letters)."""
+    tokens = 8
+    spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=8,
+                          max_deliveries=3)
+    neighbours = [f"neighbour {i}: tell me about the sea" for i in range(4)]
+    expected = [tiny_reply(t, SamplingParams(max_tokens=tokens)) for t in neighbours]
+    crashes: list[str] = []
+    workers: list[Worker] = []
+    done = threading.Event()
+
+    def serve() -> None:  # what the autoscaler does: a worker that dies is replaced
+        while not done.is_set() and len(crashes) < 6:
+            worker = Worker(spec, redis.Redis.from_url(redis_url), block_ms=50)
+            assert isinstance(worker.runtime, CausalLMRuntime)
+            poison = worker.runtime.encode(" zebra")[0]
+
+            def fault(_module: object, _args: object, kwargs: dict[str, Any]) -> None:
+                if bool((kwargs["input_ids"] == poison).any()):  # noqa: B023
+                    raise RuntimeError("the model cannot take this input")
+
+            worker.runtime.model.register_forward_pre_hook(fault, with_kwargs=True)
+            workers.append(worker)
+            try:
+                worker.run(drain_s=1)
+                return
+            except RuntimeError:
+                crashes.append(worker.id)
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
+
+    async def go(client: InferenceClient) -> list[Result]:
+        handles = [await client.submit(spec, tenant="t", body=chat(t, max_tokens=tokens),
+                                       timeout_s=60)
+                   for t in [*neighbours[:2], "a zebra", *neighbours[2:]]]
+        return list(await asyncio.gather(*[collect(h) for h in handles]))
+
+    try:
+        results = run(go, redis_url)
+    finally:
+        done.set()
+        if workers:
+            workers[-1].stopping.set()
+        serving.join(10)
+    poisoned = results.pop(2)
+    assert poisoned.final["t"] == "error" and poisoned.final["code"] == "dead_lettered"
+    assert [r.final["t"] for r in results] == ["done"] * 4
+    assert [r.text for r in results] == expected
+    assert len(crashes) == spec.max_deliveries, crashes
+    assert rds.xlen(q.dead_key(spec.name)) == 1
