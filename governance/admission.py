@@ -34,6 +34,7 @@ from governance.recorder import Recorder
 from inference.client import InferenceClient
 from inference.spec import DeploymentSpec
 from sluice import telemetry
+from sluice.aio import finish_or_cancel
 from sluice.errors import ApiError, DeadlineExceeded, QuotaExceeded, RateLimited, Unavailable
 from sluice.ttlcache import AsyncTTLCache
 from tenants.principal import Principal
@@ -395,8 +396,5 @@ class Governor:
     async def close(self, *, grace_s: float = 2.0) -> None:
         """Shutdown: give calls that are ending `grace_s` to settle, then write what is
         pending. Calls still running keep their reservations until those expire."""
-        if self._background:
-            _, late = await asyncio.wait(list(self._background), timeout=grace_s)
-            for task in late:
-                task.cancel()
+        await finish_or_cancel(self._background, grace_s)
         await self.recorder.close()

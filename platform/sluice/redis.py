@@ -15,6 +15,8 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from redis.exceptions import NoScriptError
 
+from sluice.aio import finish_or_cancel
+
 _hiredis_pack: Any
 try:
     from hiredis import pack_command as _hiredis_pack
@@ -327,11 +329,7 @@ class Coalescer:
         ConnectionError, retriable), and close the connections (its client's pool is
         the caller's)."""
         self._closed = True
-        if self._batches:
-            _, late = await asyncio.wait(list(self._batches), timeout=grace_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        await finish_or_cancel(self._batches, grace_s)
         self._fail_queued()
         for connection in self.connections:
             await connection.aclose()
