@@ -487,7 +487,12 @@ class Worker:
         capacity = self.spec.max_batch_size - len(self.active)
         if capacity <= 0 or not self.backlog:
             return
-        last = [p for p in self.backlog if self._last_chance(p)]
+        # A request taken over again and again (its batches kept failing) may be what
+        # fails them, a poison pill, or the unlucky neighbour of one. On its last
+        # allowed delivery it runs alone: a neighbour then finishes, and a poison pill
+        # fails by itself and is dead-lettered without taking the others with it.
+        limit = max(2, self.spec.max_deliveries)
+        last = [p for p in self.backlog if p.deliveries >= limit]
         if last:
             if self.active:
                 return  # it runs alone: the running batch ends first
@@ -505,13 +510,6 @@ class Worker:
             self._embed(chosen)
         else:
             self._start(chosen)
-
-    def _last_chance(self, pending: Pending) -> bool:
-        """A request taken over again and again (its batches kept failing) may be what
-        fails them, a poison pill, or the unlucky neighbour of one. On its last allowed
-        delivery it runs alone: a neighbour then finishes, and a poison pill fails by
-        itself and is dead-lettered without taking the others with it."""
-        return pending.deliveries > 1 and pending.deliveries >= self.spec.max_deliveries
 
     # -- tracing -------------------------------------------------------------------
     def _open_batch(self, chosen: list[Pending]) -> None:
