@@ -12,6 +12,7 @@ sampling row per step on a GPU; on the CPU at batch 128, 151-188 ms a step again
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,20 +33,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     are sampled as if it were not there. A row with a constraint
     (inference.constrained.JsonConstraint) gets its forced token, or samples only among
     the tokens it allows. `counts`: per row, how often it has generated each token, for
-    its presence and frequency penalties (None: the row has none)."""
+    its presence and frequency penalties (None: the row has none); the penalties are
+    applied to `logits` in place (the caller's logits are scratch: a copy of a batch's
+    was ~6 ms on the CPU at batch 128)."""
     # max propagates NaN, so one reduction finds the greedy tokens and the faulty rows.
     top, chosen = logits.max(dim=-1)
     finite = torch.isfinite(top)
-    penalized = _penalize(logits, params, counts) if counts is not None else None
-    if penalized is not None:
-        logits = penalized
+    if counts is not None and _penalize(logits, params, counts):
         chosen = logits.argmax(dim=-1)
     forced: list[int | None] = [None] * len(params)
     if constraints is not None and any(c is not None for c in constraints):
         from inference.constrained import apply
 
-        if penalized is None:
-            logits = logits.clone()
+        logits = logits.clone()
         forced = apply(logits, constraints)
         chosen = logits.argmax(dim=-1)  # among what the constraints allow
     rows = [row for row, p in enumerate(params)
@@ -66,26 +66,34 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _penalize(logits: torch.Tensor, params: list[SamplingParams],
-              counts: Sequence[dict[int, int] | None]) -> torch.Tensor | None:
-    """OpenAI's presence and frequency penalties: a copy of `logits` where each row's
-    every token generated c > 0 times so far is lowered by c * frequency_penalty +
-    presence_penalty (a negative penalty raises it). None when no row has any."""
-    rows: list[int] = []
-    tokens: list[int] = []
-    amounts: list[float] = []
-    for row, (p, seen) in enumerate(zip(params, counts, strict=True)):
-        if seen and p.penalized:
-            rows += [row] * len(seen)
-            tokens += seen.keys()
-            amounts += [c * p.frequency_penalty + p.presence_penalty for c in seen.values()]
+              counts: Sequence[dict[int, int] | None]) -> bool:
+    """OpenAI's presence and frequency penalties, in place: in each row, every token
+    generated c > 0 times so far is lowered by c * frequency_penalty + presence_penalty
+    (a negative penalty raises it). False when no row has any. The (row, token) pairs
+    go to torch through typed arrays: `torch.tensor` of Python lists was 11 of a 15 ms
+    step at batch 128 with 256 distinct tokens a row."""
+    rows = [row for row, (p, seen) in enumerate(zip(params, counts, strict=True))
+            if seen and p.penalized]
     if not rows:
-        return None
+        return False
+    tokens, times, lengths = array("q"), array("f"), []
+    for row in rows:
+        seen = counts[row]
+        assert seen is not None  # noqa: S101
+        tokens.extend(seen.keys())
+        times.extend(seen.values())
+        lengths.append(len(seen))
+    per_row = torch.tensor(lengths)
+    frequency = torch.tensor([params[r].frequency_penalty for r in rows]).repeat_interleave(
+        per_row)
+    presence = torch.tensor([params[r].presence_penalty for r in rows]).repeat_interleave(
+        per_row)
+    amounts = torch.frombuffer(times, dtype=torch.float32) * frequency + presence
     device = logits.device
-    logits = logits.clone()
-    # One (row, token) pair each: a plain indexed subtraction.
-    logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] -= \
-        torch.tensor(amounts, device=device, dtype=logits.dtype)
-    return logits
+    index = (torch.tensor(rows).repeat_interleave(per_row).to(device),
+             torch.frombuffer(tokens, dtype=torch.int64).to(device))
+    logits.index_put_(index, -amounts.to(device, logits.dtype), accumulate=True)
+    return True
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams],

@@ -96,14 +96,28 @@ def test_penalties_lower_what_was_generated_as_openai_describes(
 
 
 def test_penalties_move_greedy_rows_and_only_their_own() -> None:
-    logits = PROBS.log().repeat(3, 1)  # token 0 ahead of token 1 by log(5/3) = 0.51
+    def logits() -> torch.Tensor:  # sample() penalizes its logits in place
+        return PROBS.log().repeat(3, 1)  # token 0 ahead of token 1 by log(5/3) = 0.51
+
     rows = [SamplingParams(frequency_penalty=0.2), SamplingParams(presence_penalty=0.4),
             SamplingParams()]
     counts: list[dict[int, int] | None] = [{0: 3}, {0: 3}, {0: 3}]
     # 3 * 0.2 = 0.6 > 0.51: token 1 wins; presence counts once: 0.4 < 0.51, no penalty
     # for the third row (it has none).
-    assert sample(logits, rows, [None] * 3, counts=counts) == [1, 0, 0]
-    assert sample(logits, rows, [None] * 3, counts=[{0: 1}, None, None]) == [0, 0, 0]
+    assert sample(logits(), rows, [None] * 3, counts=counts) == [1, 0, 0]
+    assert sample(logits(), rows, [None] * 3, counts=[{0: 1}, None, None]) == [0, 0, 0]
+    # Several rows, several tokens each, in place: exactly the formula.
+    many = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(presence_penalty=0.3 * i, frequency_penalty=-0.2 * i)
+              for i in range(4)]
+    seen: list[dict[int, int] | None] = [{1: 2, 7: 1}, None, {3: 5}, {0: 1, 49: 4}]
+    expected = many.clone()
+    for row, tokens in enumerate(seen):
+        for token, times in (tokens or {}).items():
+            expected[row, token] -= times * params[row].frequency_penalty \
+                + params[row].presence_penalty
+    sample(many, params, [None] * 4, counts=seen)
+    assert torch.allclose(many, expected)
 
 
 def peaked_and_flat() -> tuple[torch.Tensor, torch.Tensor]:
