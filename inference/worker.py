@@ -665,9 +665,12 @@ class Worker:
         then the model's, not the model's plus ours (at 10,000 streams ours was 0.1 to
         0.4 s a step). The runtime is only touched between steps: a sequence that
         finishes during a step is dropped after it (it computed one token too many,
-        never seen), newcomers join at the next barrier (`_collect`). Batches with a
-        tool-call constraint stay in step: the sampler advances the constraint that the
-        handling of the previous token reads.
+        never seen), newcomers join at the next barrier (`_collect`). Tool-call
+        constraints are advanced by the sampler on the model thread, so this thread may
+        see a constraint one token ahead of the token it handles; that is harmless: a
+        call complete at the next token ends the sequence one token early with the
+        whole call (the constraint holds it; usage counts the constraint's tokens), and
+        free text decided at the next token goes out one token sooner, the same text.
 
         Newcomers' first tokens (their prefill's, from `_start`) are handled after the
         tokens of the step that ended as they joined: the batch's events then keep one
@@ -678,8 +681,7 @@ class Worker:
         self._collect()
         tokens, self._stepped = self._stepped, None
         firsts, self._firsts = self._firsts, {}
-        overlap = bool(self.active) and self._step_s >= _OVERLAP_MIN_STEP_S \
-            and not any(a.tool is not None for a in self.active.values())
+        overlap = bool(self.active) and self._step_s >= _OVERLAP_MIN_STEP_S
         if overlap:
             self._stepping = self._model.submit(self._timed_step)
         # One order: the step that ended, the newcomers' first tokens, and (in step)
@@ -800,8 +802,10 @@ class Worker:
         self.active.pop(active.req.rid, None)
         if reason == "tool_calls" and active.tool is not None:
             name, arguments = active.tool.call()
+            # Seen one token ahead (an overlapped step), the call's last token is in
+            # the constraint but not yet in ids.
             self._final(active.pending, active.seq, reason, prompt_tokens=active.prompt_tokens,
-                        completion_tokens=len(active.ids),
+                        completion_tokens=max(len(active.ids), len(active.tool.emitted)),
                         tool_calls=[{"id": f"call_{active.req.rid[:20]}", "name": name,
                                      "arguments": arguments}])
             return
