@@ -149,6 +149,7 @@ class Worker:
         block_ms: int = 1000,
         heartbeat_s: float = 1.0,
         reclaim_after_ms: int | None = None,
+        overlap_min_step_s: float = _OVERLAP_MIN_STEP_S,
     ) -> None:
         self.spec = spec
         self.redis = client
@@ -156,6 +157,8 @@ class Worker:
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{token_hex(3)}"
         self.block_ms = block_ms
         self.heartbeat_s = heartbeat_s
+        self.overlap_min_step_s = overlap_min_step_s  # steps shorter than this run inline
+        self.overlapped = 0  # steps started on the model thread (tests, debugging)
         # Entries idle longer than this belong to a dead worker and may be taken over.
         # It must sit above the p99 batch time: live workers refresh their own entries
         # every third of it.
@@ -681,9 +684,10 @@ class Worker:
         self._collect()
         tokens, self._stepped = self._stepped, None
         firsts, self._firsts = self._firsts, {}
-        overlap = bool(self.active) and self._step_s >= _OVERLAP_MIN_STEP_S
+        overlap = bool(self.active) and self._step_s >= self.overlap_min_step_s
         if overlap:
             self._stepping = self._model.submit(self._timed_step)
+            self.overlapped += 1
         # One order: the step that ended, the newcomers' first tokens, and (in step)
         # this step's, which are their second.
         self._on_tokens(tokens or {})

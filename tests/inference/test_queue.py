@@ -687,3 +687,36 @@ def test_a_newcomers_first_token_goes_out_behind_the_running_batchs(
     # Its first token shares a message with the batch's step, and every message that
     # holds both has the batch's event first.
     assert all(m.index(old) < m.index(new) for m in shared), shared
+
+
+def test_tool_call_batches_overlap_and_answer_as_inline_steps_do(
+        thread_worker: Callable[..., Worker], redis_url: str) -> None:
+    """The sampler advances a call's constraint on the model thread, so an overlapping
+    worker may read it one token ahead: the replies (calls, free text, usage) must be
+    those of a worker that runs every step inline."""
+    tools = [{"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    bodies = [chat(f"weather {i}?", tools=tools, tool_choice="required", max_tokens=60)
+              for i in range(4)]
+    bodies.append(chat("hello there", tools=tools, tool_choice="auto", max_tokens=12))
+
+    def answers(overlap_min_step_s: float) -> tuple[list[dict[str, Any]], Worker]:
+        spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=8)
+        worker = thread_worker(spec, block_ms=50, overlap_min_step_s=overlap_min_step_s)
+
+        async def go(client: InferenceClient) -> list[Result]:
+            handles = [await client.submit(spec, tenant="t", body=body, timeout_s=60)
+                       for body in bodies]
+            return list(await asyncio.gather(*[collect(h) for h in handles]))
+
+        results = run(go, redis_url)
+        return [{"text": r.text, **{k: r.final.get(k) for k in ("finish", "usage")},
+                 "calls": [(c["name"], c["arguments"]) for c in r.final.get("tool_calls", [])]}
+                for r in results], worker
+
+    overlapped, worker = answers(0.0)
+    inline, other = answers(1e9)
+    assert worker.overlapped > 0 and other.overlapped == 0
+    assert overlapped == inline
+    assert [a["finish"] for a in inline[:4]] == ["tool_calls"] * 4
+    assert all(json.loads(a["calls"][0][1])["city"] for a in inline[:4])
