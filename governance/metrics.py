@@ -231,22 +231,18 @@ def _audit_families(redis: Any) -> Iterator[Any]:
     the oldest is. A backlog that grows means the writer is down or slow; past
     `audit.STREAM_MAXLEN` the stream is trimmed and the oldest events are lost."""
     from governance import audit
+    from inference.queue import oldest_age_ms
 
     pipe = redis.pipeline(transaction=False)
     pipe.xlen(audit.STREAM)
     pipe.xrange(audit.STREAM, count=1)
     length, first = pipe.execute()
-    oldest = 0.0
-    if first:
-        entry = first[0][0]
-        entry = entry.decode() if isinstance(entry, bytes) else entry
-        oldest = max(0.0, time.time() - int(entry.split("-")[0]) / 1000)
     backlog = GaugeMetricFamily("sluice_audit_backlog", "Audit events in Redis not yet "
                                 "written to the database.")
     backlog.add_metric([], float(length))
     age = GaugeMetricFamily("sluice_audit_backlog_oldest_age_seconds", "Age of the oldest "
                             "audit event not yet written to the database.")
-    age.add_metric([], oldest)
+    age.add_metric([], oldest_age_ms([first]) / 1000)
     yield from (backlog, age)
 
 

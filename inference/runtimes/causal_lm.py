@@ -111,9 +111,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         first = sample(out.logits[:, -1, :], params, gens, constraints, counts)
         self._splice(cache, mask, torch.tensor(lengths, device=self.device),
                      self._next_input(first))
-        for seen, token in zip(counts, first, strict=True):
-            if seen is not None:
-                _tally(seen, [token])
+        _tally_rows(counts, first)
         self._rids += [s.rid for s in seqs]
         self._params += params
         self._gens += gens
@@ -159,9 +157,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._mask = mask
         self._pos = self._pos + 1
         self._last = self._next_input(tokens)
-        for seen, token in zip(self._counts, tokens, strict=True):
-            if seen is not None:
-                _tally(seen, [token])
+        _tally_rows(self._counts, tokens)
         return dict(zip(self._rids, tokens, strict=True))
 
     def _next_input(self, tokens: list[int]) -> torch.Tensor:
@@ -203,6 +199,13 @@ def _tally(counts: dict[int, int], tokens: Iterable[int]) -> dict[int, int]:
         if token != FAILED:
             counts[token] = counts.get(token, 0) + 1
     return counts
+
+
+def _tally_rows(counts: list[dict[int, int] | None], tokens: list[int]) -> None:
+    """Count each row's new token, for the rows that keep counts (penalties)."""
+    for seen, token in zip(counts, tokens, strict=True):
+        if seen is not None:
+            _tally(seen, (token,))
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

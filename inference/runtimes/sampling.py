@@ -72,14 +72,14 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams],
     (a negative penalty raises it). False when no row has any. The (row, token) pairs
     go to torch through typed arrays: `torch.tensor` of Python lists was 11 of a 15 ms
     step at batch 128 with 256 distinct tokens a row."""
-    rows = [row for row, (p, seen) in enumerate(zip(params, counts, strict=True))
-            if seen and p.penalized]
-    if not rows:
+    penalized = [(row, seen) for row, (p, seen) in enumerate(zip(params, counts, strict=True))
+                 if seen and p.penalized]
+    if not penalized:
         return False
+    rows: list[int] = []
     tokens, times, lengths = array("q"), array("f"), []
-    for row in rows:
-        seen = counts[row]
-        assert seen is not None  # noqa: S101
+    for row, seen in penalized:
+        rows.append(row)
         tokens.extend(seen.keys())
         times.extend(seen.values())
         lengths.append(len(seen))

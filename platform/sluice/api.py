@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
-from django.db import DataError, InterfaceError, OperationalError
+from django.db import DataError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.multipartparser import MultiPartParserError
 from ninja import NinjaAPI
@@ -16,6 +16,7 @@ from ninja.security import HttpBearer
 from governance.api import router as governance_router
 from inference.api import models_router
 from inference.api import router as inference_router
+from sluice.db import OUTAGE
 from sluice.errors import (
     ERROR_SCHEMA,
     ApiError,
@@ -139,12 +140,14 @@ def _unstorable(request: HttpRequest, exc: DataError) -> HttpResponse:
                                      "contain NUL characters).", code="invalid_value"))
 
 
-@api.exception_handler(OperationalError)
-@api.exception_handler(InterfaceError)
-def _database_outage(request: HttpRequest, exc: Exception) -> HttpResponse:
+def _database_outage(request: HttpRequest, exc: Any) -> HttpResponse:
     logger.warning("database unavailable on %s %s: %s", request.method, request.path,
                    type(exc).__name__)
     return error_response(database_unavailable())
+
+
+for _outage in OUTAGE:  # the async path's definition of an outage (sluice.db)
+    api.add_exception_handler(_outage, _database_outage)
 
 
 @api.exception_handler(MultiPartParserError)
