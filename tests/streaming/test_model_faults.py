@@ -20,11 +20,11 @@ from django.conf import settings
 
 from inference import queue as q
 from inference.models import Deployment
-from inference.runtimes.base import NewSequence, SamplingParams
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.worker import Worker
 from tenants.roles import Role
 from tests.conftest import make_org
+from tests.inference.test_runtimes import alone
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
@@ -56,10 +56,7 @@ def faulty(live: Live) -> Iterator[Faulty]:
 
     def greedy(content: str) -> tuple[list[int], list[int]]:
         prompt = rt.encode_chat([{"role": "user", "content": content}])
-        tokens = [rt.add([NewSequence("probe", prompt, SamplingParams())])["probe"]]
-        tokens += [rt.step()["probe"] for _ in range(TOKENS - 1)]
-        rt.drop(["probe"])
-        return prompt, tokens
+        return prompt, alone(rt, prompt, TOKENS)
 
     seen: set[int] = set()
     for content in NEIGHBOURS:
