@@ -4,7 +4,9 @@ breakers and audit are the pipeline's, exactly as for REST.
 
 Errors become gRPC statuses (the message is the redacted OpenAI message; trailing
 metadata carries `error-type`, `error-code`, and on RESOURCE_EXHAUSTED/UNAVAILABLE
-`retry-after` and gRPC's own `grpc-retry-pushback-ms`). A client deadline becomes the
+`retry-after` and gRPC's own `grpc-retry-pushback-ms`; an error certain to fail again,
+a model fault on this input or a dead-lettered request, carries a pushback of -1, which
+tells a client's retry policy not to retry it, gRFC A6). A client deadline becomes the
 request's queue deadline; a cancelled call cancels its generation on the worker.
 """
 
@@ -295,6 +297,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: ApiError) -> None:
     elif status_of(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED:
         seconds = getattr(exc, "retry_after_s", 1.0)
         trailing += [("grpc-retry-pushback-ms", str(math.ceil(seconds * 1000)))]
+    elif exc.headers.get("x-should-retry") == "false":
+        trailing += [("grpc-retry-pushback-ms", "-1")]
     context.set_trailing_metadata(tuple(trailing))
     scope = telemetry.current_scope()
     if scope is not None:

@@ -8,10 +8,12 @@ with it.)"""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
 import openai
 import pytest
 import redis
@@ -22,6 +24,8 @@ from inference import queue as q
 from inference.models import Deployment
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.worker import Worker
+from streaming.protos import inference_pb2 as pb
+from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
 from tests.conftest import make_org
 from tests.inference.test_runtimes import alone
@@ -141,3 +145,37 @@ def test_a_request_the_model_fails_on_is_answered_alone_and_not_retried(
         .completions.create(model="faulty", messages=[{"role": "user", "content": "again"}],
                             max_tokens=3, temperature=0)
     assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+
+def test_over_grpc_the_fault_tells_a_retry_policy_not_to_retry(
+        live: Live, faulty: Faulty, grpc_target: str) -> None:
+    """A client whose retry policy retries INTERNAL (model_error's status) sends the
+    call once: the trailing `grpc-retry-pushback-ms: -1` says not to (gRFC A6), as
+    `x-should-retry: false` tells the OpenAI SDKs over REST."""
+    key = make_org("bob", [Role.DEVELOPER]).keys[Role.DEVELOPER]
+    rt = faulty.worker.runtime
+    assert isinstance(rt, CausalLMRuntime)
+    config = json.dumps({"methodConfig": [{
+        "name": [{"service": "sluice.v1.Inference"}],
+        "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.1s",
+                        "backoffMultiplier": 1, "retryableStatusCodes": ["INTERNAL"]}}]})
+
+    async def go() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(grpc_target, options=[
+                ("grpc.enable_retries", 1), ("grpc.service_config", config)]) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            request = pb.ChatRequest(model="faulty", max_tokens=TOKENS, temperature=0,
+                                     messages=[pb.ChatMessage(
+                                         role="user", content=prefill_prompt(rt, faulty.poison))])
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Chat(request, metadata=(("authorization", f"Bearer {key}"),),
+                                timeout=30)
+            return caught.value
+
+    error = asyncio.run(go())
+    assert error.code() == grpc.StatusCode.INTERNAL, error
+    trailing = dict(error.trailing_metadata() or ())
+    assert trailing["error-code"] == "model_error"
+    assert trailing["grpc-retry-pushback-ms"] == "-1"
+    admitted = [rid for batch in faulty.worker.admitted for rid in batch]
+    assert len(admitted) == 1, f"the call reached the worker {len(admitted)} times"
