@@ -74,6 +74,11 @@ def test_a_database_outage_is_a_retriable_503_and_cached_callers_keep_working(
                                headers={"Authorization": f"Bearer {cold}"})
         assert management.status_code == 503, management.text
         assert management.json()["error"]["code"] == "database_unavailable"
+        # Still ready (degraded): its load balancer keeps the gateway that serves.
+        ready = httpx.get(f"{root}/readyz", timeout=30)
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["status"] == "degraded"
+        assert ready.json()["checks"]["database"].startswith("error")
     assert chat(cold).status_code == 200
     # The call served during the outage is audited once the database is back (its
     # event waited in Redis).

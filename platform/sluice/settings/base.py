@@ -82,6 +82,12 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # instead of waiting; IMMEDIATE takes the write lock at BEGIN, so writers queue (up
     # to `timeout` seconds) and none fails.
     DATABASES["default"]["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # A database that stops answering (a failover to a new address, a dropped route)
+    # would hold each new connection for the kernel's TCP timeout, about two minutes:
+    # bound it, so a caller gets the retriable 503 instead of a hang.
+    DATABASES["default"].setdefault("OPTIONS", {})["connect_timeout"] = env_int(
+        "SLUICE_DB_CONNECT_TIMEOUT_S", 5, minimum=1)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
