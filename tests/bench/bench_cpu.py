@@ -11,6 +11,11 @@ process). Then Redis's own count of each command per request and its time in it
 (`INFO commandstats`, reset before the drive: a script's inner commands are counted
 too; the server's other clients are counted with it). Linux only.
 
+First, the same for the bare ASGI app (tests/bench/bare_asgi.py, same server, processes
+and connections), and wrk's own CPU per request in both runs: the budget line at the
+end says how much CPU per request the machine's cores leave at 15% of the bare app's
+req/s (the performance issue's goal), against what the pipeline's processes take.
+
     .venv/bin/python tests/bench/bench_cpu.py [--connections 64] [--seconds 10]
         [--workers N] (gateway processes; default the run command's: one per core,
         up to 4) [--server uvicorn|granian|daphne]
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -32,6 +38,7 @@ import bench_http as bench
 import redis
 
 from sluice.localinfra import free_port
+from sluice.processes import ProcessGroup
 from sluice.servers import http_command
 from tests.procstat import cpu_seconds, idle_seconds, process_tree, waited_seconds
 
@@ -44,6 +51,34 @@ def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
         own[stack.rsplit(";", 1)[-1]] += int(count)
     total = sum(own.values()) or 1
     return [(count / total, frame) for frame, count in own.most_common(n)]
+
+
+def load_cpu() -> float:
+    """CPU seconds of this process's waited-for children: wrk's, around a bench.wrk()."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def bare_cost(env: dict[str, str], args: argparse.Namespace) -> tuple[float, float, float]:
+    """The bare ASGI app under the same server, processes and load: (req/s, its
+    processes' CPU µs per request, wrk's CPU µs per request)."""
+    group = ProcessGroup(env)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        group.start("bare", http_command(args.server, "bare_asgi:app", host="127.0.0.1",
+                                         port=port, workers=args.workers,
+                                         app_dir=str(Path(__file__).parent)))
+        bench.wait_http(url)
+        bench.wrk(url, 8, 2)  # warm-up
+        pids = process_tree(group.children["bare"].proc.pid)
+        before, load = sum(map(cpu_seconds, pids)), load_cpu()
+        result = bench.wrk(url, args.connections, args.seconds)
+        used, load = sum(map(cpu_seconds, pids)) - before, load_cpu() - load
+    finally:
+        group.stop()
+    served = result["rps"] * args.seconds
+    return result["rps"], used / served * 1e6, load / served * 1e6
 
 
 def print_commandstats(info: dict[str, dict[str, float]], served: float) -> None:
@@ -67,6 +102,10 @@ def main() -> None:
     if profile and not Path(sys.executable).with_name("py-spy").exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
     with bench.platform() as (env, state, group, private):
+        bare_rps, bare_us, bare_load_us = bare_cost(env, args)
+        print(f"bare ASGI, {workers} {args.server} process(es), {args.connections} "
+              f"connections: {bare_rps:.0f} req/s, {bare_us:.0f} µs/request of its "
+              f"processes, wrk {bare_load_us:.0f} µs/request")
         key = bench.seed_demo(env)
         bench.govern_demo(env)
         port = free_port()
@@ -92,10 +131,10 @@ def main() -> None:
         stats.config_resetstat()
         before = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
         waited = {name: sum(map(waited_seconds, ps)) for name, ps in pids.items()}
-        idle = idle_seconds()
+        idle, load = idle_seconds(), load_cpu()
         began = time.monotonic()
         result = bench.wrk(url, args.connections, args.seconds, str(script))
-        wall = time.monotonic() - began
+        wall, load = time.monotonic() - began, load_cpu() - load
         after = {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
         waited = {name: sum(map(waited_seconds, ps)) - waited[name]
                   for name, ps in pids.items()}
@@ -113,7 +152,14 @@ def main() -> None:
             print(f"{name:12} {used:7.2f} {used / served * 1e6:11.0f} {used / wall:10.0%} "
                   f"{waited[name] / wall:10.0%}")
         print(f"{'all':12} {total:7.2f} {total / served * 1e6:11.0f} {total / wall:10.0%}")
+        print(f"{'wrk':12} {load:7.2f} {load / served * 1e6:11.0f} {load / wall:10.0%}")
         print(f"cores idle meanwhile: {idle / wall:.0%} of a core, of {os.cpu_count()}")
+        cores, goal = os.cpu_count() or 1, 0.15 * bare_rps
+        outside = sum(after[n] - before[n] for n in pids if n != "sluice") / served * 1e6
+        print(f"budget: at 15% of bare ({goal:,.0f} req/s) {cores} cores leave "
+              f"{cores * 1e6 / goal:.0f} µs of CPU per request for every process and wrk; "
+              f"the pipeline took {(total + load) / served * 1e6:.0f} with wrk, of which "
+              f"{outside:.0f} outside the gateway (worker, audit writer, Redis)")
         print_commandstats(stats.info("commandstats"), served)
         io = stats.info("stats")
         print(f"redis socket reads per request {io['total_reads_processed'] / served:.2f}, "
