@@ -1,7 +1,7 @@
 """The governance steps of the gateway pipeline: admit before enqueue, settle after.
 
-    rate limits (token buckets) -> quota reservation -> load shedding, memory guard
-    -> circuit breaker  ==> Admission
+    audit keeping up -> rate limits (token buckets) -> quota reservation
+    -> load shedding, memory guard -> circuit breaker  ==> Admission
     ... the call runs ...
     Admission.finish(final event): settle the quota with the real usage, correct the
     token buckets, feed the breaker and the latency window, count usage for billing;
@@ -9,7 +9,9 @@
 
 Redis unreachable: rate limits follow each policy's `fail_open`; quotas fail closed
 (503) unless every applicable quota is a shadow; the breaker and shedding fail open (the
-queue itself then refuses). A step that refuses undoes the steps before it.
+queue itself then refuses). A step that refuses undoes the steps before it. An audit
+writer far behind (SLUICE_AUDIT_REFUSE_AT events waiting) refuses calls rather than
+serve them with events the stream might drop.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from inference.client import InferenceClient
 from inference.spec import DeploymentSpec
 from sluice import telemetry
 from sluice.aio import finish_or_cancel
-from sluice.errors import ApiError, DeadlineExceeded, QuotaExceeded, RateLimited, Unavailable
+from sluice.errors import (
+    ApiError,
+    DeadlineExceeded,
+    QuotaExceeded,
+    RateLimited,
+    Unavailable,
+    audit_unavailable,
+)
 from sluice.ttlcache import AsyncTTLCache
 from tenants.principal import Principal
 
@@ -43,6 +52,7 @@ logger = logging.getLogger("sluice.governance")
 _LOAD_TTL_S = 0.25  # how stale the queue/worker picture used for shedding may be
 _LATENCY_TTL_S = 1.0
 _CLOSED_TTL_S = 0.2  # a breaker's state seen is not asked again for this long
+_AUDIT_BACKLOG_TTL_S = 1.0  # how stale the audit backlog used for refusing calls may be
 _SETTLE_WAIT_GRACE_S = 5.0
 
 
@@ -142,6 +152,7 @@ class Governor:
         # many calls arrive when it expires (a read per concurrent call had been a
         # quarter of all script calls at 64 connections).
         self._closed: AsyncTTLCache[str, bool] = AsyncTTLCache(max_entries=10_000)
+        self._audit_backlog: AsyncTTLCache[str, int] = AsyncTTLCache(max_entries=1)
         self._background: set[asyncio.Task[None]] = set()
         self.recorder = Recorder(redis, self._opened)
 
@@ -152,6 +163,7 @@ class Governor:
     # -- admission -------------------------------------------------------------------
     async def admit(self, principal: Principal, spec: DeploymentSpec, *,
                     tokens: int) -> Admission:
+        await self._audit_keeps_up()
         policies = await cache.tenant_policies(principal.tenant_id)
         adm = Admission(self, principal, spec, tokens, patterns=policies.redaction)
         limits = policies.limits_for(key_id=principal.key_id, model=spec.name)
@@ -173,6 +185,22 @@ class Governor:
             await adm.release()
             raise
         return adm
+
+    async def _audit_keeps_up(self) -> None:
+        """Refuse the call while the audit stream holds SLUICE_AUDIT_REFUSE_AT events
+        the audit writer has not stored: serving it would mean an event the stream may
+        have to drop (it is trimmed at audit.STREAM_MAXLEN). One XLEN a second per
+        process; Redis away is the enqueue's to report."""
+        limit = settings.SLUICE_AUDIT_REFUSE_AT
+        if not limit:
+            return
+        try:
+            backlog = await self._audit_backlog.get(
+                "", lambda: self.redis.xlen(audit.STREAM), _AUDIT_BACKLOG_TTL_S)
+        except RedisError:
+            return
+        if backlog >= limit:
+            raise audit_unavailable()
 
     async def latency(self, deployment: str, window_s: int) -> signals.LatencyStats:
         return await self._latency.get(

@@ -228,8 +228,10 @@ _registry: CollectorRegistry | None = None
 
 def _audit_families(redis: Any) -> Iterator[Any]:
     """The audit events waiting in Redis for the audit writer: how many, and how old
-    the oldest is. A backlog that grows means the writer is down or slow; past
-    `audit.STREAM_MAXLEN` the stream is trimmed and the oldest events are lost."""
+    the oldest is. A backlog that grows means the writer is down or slow; at
+    SLUICE_AUDIT_REFUSE_AT the gateways refuse new calls (503 `audit_unavailable`)
+    rather than serve them unaudited (past `audit.STREAM_MAXLEN` the stream would be
+    trimmed and the oldest events lost)."""
     from governance import audit
     from inference.queue import oldest_age_ms
 

@@ -311,9 +311,12 @@ class Gateway:
                 protocol: str, began: float) -> None:
         """Audit a call refused before admission (bad input, permissions, limits, quotas,
         shedding); an admitted call is audited by its settlement. Unauthenticated calls
-        are not audited: there is no tenant to file them under."""
+        are not audited: there is no tenant to file them under, nor those refused because
+        the audit log is not keeping up (each would add to what it cannot take)."""
         scope = telemetry.current_scope()
         metrics.observe_refusal(scope.model if scope is not None else "", exc.code)
+        if exc.code == "audit_unavailable":
+            return
         self.governor.recorder.audit(audit.call_event(
             principal=principal, action=action or "unknown", model=model[:100],
             protocol=protocol, status=exc.status,

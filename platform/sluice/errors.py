@@ -150,6 +150,13 @@ def database_unavailable() -> Unavailable:
                        code="database_unavailable", headers={"Retry-After": "1"})
 
 
+def audit_unavailable() -> Unavailable:
+    """What a caller gets while the audit log cannot take its call's event (the audit
+    writer has fallen too far behind): retriable; the call is not served unaudited."""
+    return Unavailable("The audit log is not keeping up; try again shortly.",
+                       code="audit_unavailable", headers={"Retry-After": "5"})
+
+
 class DeadlineExceeded(ApiError):
     status = 504
     type = "timeout_error"

@@ -444,3 +444,49 @@ def test_the_reply_does_not_wait_for_settlement_and_audit(live: Live, org: Org) 
     assert not at_end, "settled before the adapter could write the reply"
     assert after_a_turn, "not settled at the loop's next turn"
     assert len(latencies) == 1 and latencies[0] < 300, latencies
+
+
+# -- audit ---------------------------------------------------------------------------
+def test_calls_are_refused_not_served_unaudited_while_the_audit_log_cannot_keep_up(
+        live: Live, org: Org, settings: Any) -> None:
+    """No audit writer runs here: once SLUICE_AUDIT_REFUSE_AT events wait in the stream,
+    calls get a retriable 503 `audit_unavailable` (the stream's bound would otherwise
+    trim the oldest events away), the refusals add nothing to the backlog, and once the
+    events are written calls are served again, every served call in the audit log."""
+    from governance import audit
+    from governance.models import AuditEvent
+    audit.drain()
+    settings.SLUICE_AUDIT_REFUSE_AT = 20
+    rds = redis.Redis.from_url(settings.REDIS_URL)
+    client = sdk(live, org.keys[Role.DEVELOPER])
+
+    def call() -> openai.APIStatusError | None:
+        try:
+            client.chat.completions.create(**chat_body("keep a record"))
+        except openai.APIStatusError as exc:
+            return exc
+        return None
+
+    served, refused = 0, None
+    deadline = time.monotonic() + 20
+    while refused is None and time.monotonic() < deadline:
+        refused = call()
+        served += refused is None
+    assert refused is not None, "never refused"
+    assert refused.status_code == 503 and refused.code == "audit_unavailable", refused
+    assert refused.response.headers["retry-after"] == "5"
+    assert served >= 20
+    time.sleep(0.5)  # the last served calls' events reach the stream (0.1 s flushes)
+    backlog = rds.xlen(audit.STREAM)
+    assert backlog >= 20
+    for _ in range(5):
+        again = call()
+        assert again is not None and again.code == "audit_unavailable"
+    time.sleep(0.5)
+    assert rds.xlen(audit.STREAM) == backlog, "a refusal added to what cannot be written"
+    audit.drain()
+    assert wait_for(lambda: call() is None, timeout=5), "still refused once written"
+    audit.drain()
+    assert AuditEvent.objects.filter(tenant=org.tenant, action="chat.completions",
+                                     status=200).count() == served + 1
+    assert not AuditEvent.objects.filter(tenant=org.tenant, status=503).exists()

@@ -12,6 +12,11 @@ SLUICE_POLICY_CACHE_TTL_S = env_int("SLUICE_POLICY_CACHE_TTL_S", 5, minimum=0)
 SLUICE_USAGE_ROLLUP_S = env_int("SLUICE_USAGE_ROLLUP_S", 60, minimum=5)
 # Audit events older than this are purged daily (the chains stay verifiable).
 SLUICE_AUDIT_RETENTION_DAYS = env_int("SLUICE_AUDIT_RETENTION_DAYS", 365, minimum=1)
+# Audit events waiting in Redis for the audit writer past which new calls are refused
+# (503 `audit_unavailable`) rather than served unaudited: below the stream's hard bound
+# (governance.audit.STREAM_MAXLEN, where the oldest events would be trimmed and lost).
+# 0: never refuse (past the bound the oldest events are lost).
+SLUICE_AUDIT_REFUSE_AT = env_int("SLUICE_AUDIT_REFUSE_AT", 900_000, minimum=0)
 # National phone formats recognised by the redaction engine (E.164 always is).
 SLUICE_PHONE_REGIONS = env_list("SLUICE_PHONE_REGIONS", ["US", "GB"])
 # Store conversation messages redacted (the model then sees placeholders in history).
