@@ -7,14 +7,23 @@ time, and writes OpenAI's output and error files. Results are appended to partia
 as they finish, so a rerun (Celery redelivers a job whose worker died) skips the lines
 already done instead of running and billing them twice. Cancelling is noticed between
 lines; what finished stays in the output.
+
+A line refused for a passing reason (a rate limit, shedding, an open breaker, a queue
+or database outage: a 429 or 503 that says when to come back) waits and is sent again,
+as a client would, until the batch expires: a batch larger than the tenant's limits
+runs at their pace instead of failing most of its lines. A used-up quota, bad input, a
+model fault, or a refusal that says to come back more than RETRY_MAX_WAIT_S later fails
+its line at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import random
 from datetime import timedelta
 from pathlib import Path
 from secrets import token_hex
@@ -27,7 +36,7 @@ from django.utils import timezone
 from pydantic import ValidationError
 
 from sluice.db import async_db
-from sluice.errors import ApiError, BadRequest, Conflict, NotFound, PayloadTooLarge
+from sluice.errors import ApiError, BadRequest, Conflict, NotFound, PayloadTooLarge, QuotaExceeded
 from streaming import bodies
 from streaming.gateway import Gateway
 from streaming.models import Batch, BatchStatus, StoredFile
@@ -42,6 +51,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
 PURPOSES = ("batch",)
 MAX_LINES = 50_000
 CONCURRENCY = 8
+RETRY_MAX_WAIT_S = 60.0  # a refusal that says to come back later than this fails its line
 _TERMINAL = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.CANCELLED,
              BatchStatus.EXPIRED)
 
@@ -259,7 +269,10 @@ async def _process(batch: Batch, principal: Principal, todo: list[dict[str, Any]
         async with gate:
             if cancelled.is_set():
                 return
-            status, body, rid = await _call(gateway, principal, batch.endpoint, item["body"])
+            answer = await _answer(gateway, principal, batch, item["body"], cancelled)
+            if answer is None:
+                return  # cancelled while waiting to send it again: not done
+            status, body, rid = answer
             line = json.dumps({"id": f"batch_req_{token_hex(12)}",
                                "custom_id": item["custom_id"],
                                "response": {"status_code": status, "request_id": rid,
@@ -283,24 +296,55 @@ async def _process(batch: Batch, principal: Principal, todo: list[dict[str, Any]
         await gateway.close()
 
 
+async def _answer(gateway: Gateway, principal: Principal, batch: Batch,
+                  body: dict[str, Any], cancelled: asyncio.Event
+                  ) -> tuple[int, dict[str, Any], str] | None:
+    """One line's answer: (status, OpenAI body or error body, request id); a passing
+    refusal is waited out and the line sent again until the batch expires. None: the
+    batch was cancelled while the line waited."""
+    while True:
+        try:
+            return await _call(gateway, principal, batch.endpoint, body)
+        except ApiError as exc:
+            wait_s = retry_in(exc)
+            if wait_s is None or timezone.now() + timedelta(seconds=wait_s) >= batch.expires_at:
+                return exc.status, exc.body(), ""
+        # A little jitter, so that the lines refused together do not come back together.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(cancelled.wait(),
+                                   wait_s * random.uniform(1.0, 1.25))  # noqa: S311 - jitter
+        if cancelled.is_set():
+            return None
+
+
+def retry_in(exc: ApiError) -> float | None:
+    """Seconds to wait before sending a refused line again, or None when the refusal
+    is final: not a 429 or 503, a used-up quota (a budget, not a pace), an error marked
+    certain to fail again, or one that says to come back after RETRY_MAX_WAIT_S."""
+    if exc.status not in (429, 503) or isinstance(exc, QuotaExceeded) \
+            or exc.headers.get("x-should-retry") == "false":
+        return None
+    retry = exc.headers.get("Retry-After", "")
+    seconds = float(retry) if retry.isdigit() else 1.0
+    return seconds if seconds <= RETRY_MAX_WAIT_S else None
+
+
 async def _call(gateway: Gateway, principal: Principal, endpoint: str,
                 body: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
-    """One line through the pipeline: (status, OpenAI body or error body, request id)."""
+    """One line through the pipeline: (200, OpenAI body, request id); a refusal or an
+    error raises its ApiError."""
     try:
-        try:
-            if endpoint == "/v1/embeddings":
-                emb = EmbeddingRequest.model_validate(body)
-                sub = await gateway.embed(principal, emb, protocol="batch")
-                return 200, await bodies.embeddings(sub, emb), sub.handle.rid
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
-        if req.stream:
-            raise BadRequest("stream is not supported in a batch.", param="stream")
-        sub = await gateway.chat(principal, req, protocol="batch")
-        return 200, await bodies.chat_completion(sub, req), sub.handle.rid
-    except ApiError as exc:
-        return exc.status, exc.body(), ""
+        if endpoint == "/v1/embeddings":
+            emb = EmbeddingRequest.model_validate(body)
+            sub = await gateway.embed(principal, emb, protocol="batch")
+            return 200, await bodies.embeddings(sub, emb), sub.handle.rid
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    if req.stream:
+        raise BadRequest("stream is not supported in a batch.", param="stream")
+    sub = await gateway.chat(principal, req, protocol="batch")
+    return 200, await bodies.chat_completion(sub, req), sub.handle.rid
 
 
 def _finish(batch: Batch, principal: Principal, out_part: Path, err_part: Path) -> str:

@@ -12,7 +12,19 @@ import openai
 import pytest
 
 from governance import cache as policy_cache
-from governance.models import Quota
+from governance.models import Quota, RateLimitPolicy
+from sluice.errors import (
+    ApiError,
+    BadRequest,
+    DeadlineExceeded,
+    QuotaExceeded,
+    RateLimited,
+    ServerError,
+    Unavailable,
+    audit_unavailable,
+    database_unavailable,
+)
+from streaming.batches import retry_in
 from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
@@ -96,6 +108,48 @@ def test_quotas_apply_to_batch_lines(client: openai.OpenAI, celery_worker: None)
     refused = list(results(client, done.error_file_id).values())
     assert {r["response"]["status_code"] for r in refused} == {429}
     assert refused[0]["response"]["body"]["error"]["type"] == "insufficient_quota"
+
+
+def test_a_batch_larger_than_the_rate_limit_runs_at_its_pace(client: openai.OpenAI,
+                                                              celery_worker: None) -> None:
+    """Two requests a second for the tenant, twelve lines sent eight at a time: lines
+    refused with a 429 wait out its Retry-After and are sent again; none fails."""
+    RateLimitPolicy.objects.create(scope="tenant", tenant_id=make_org_tenant(),
+                                   requests_per_minute=120, burst_requests=2)
+    policy_cache.clear()
+    lines = [chat_line(f"r-{i}", f"paced {i}") for i in range(12)]
+    uploaded = client.files.create(file=jsonl(lines), purpose="batch")
+    started = time.monotonic()
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = wait(client, batch.id, ("completed", "failed"), timeout=120)
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (12, 0), \
+        results(client, done.error_file_id)
+    out = results(client, done.output_file_id)
+    assert {row["response"]["body"]["choices"][0]["message"]["content"]
+            for row in out.values()} == {f"paced {i}" for i in range(12)}
+    assert time.monotonic() - started >= 4, "twelve lines at two a second take 5 s"
+
+
+@pytest.mark.parametrize(("error", "wait_s"), [
+    (RateLimited("slow down", retry_after_s=2), 2.0),
+    (Unavailable("breaker open", code="circuit_open", headers={"Retry-After": "5"}), 5.0),
+    (Unavailable("overloaded"), 1.0),  # no Retry-After: a second
+    (database_unavailable(), 1.0),
+    (audit_unavailable(), 5.0),
+    (QuotaExceeded("used up", retry_after_s=30), None),  # a budget, not a pace
+    (RateLimited("come back tomorrow", retry_after_s=3600), None),
+    (ServerError("model fault", code="model_error", headers={"x-should-retry": "false"}),
+     None),
+    (Unavailable("dead", headers={"x-should-retry": "false"}), None),
+    (BadRequest("bad"), None),
+    (DeadlineExceeded("late"), None),
+])
+def test_which_refusals_a_batch_line_waits_out(error: ApiError, wait_s: float | None
+                                               ) -> None:
+    assert retry_in(error) == wait_s
 
 
 def make_org_tenant() -> int:
