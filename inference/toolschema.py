@@ -7,6 +7,9 @@ from typing import Any
 TOOL_MARKER = "<tool_call>"  # how the model starts a tool call (see inference/tools.py)
 
 
+MAX_LENGTH = 100_000  # the largest maxLength a string may declare
+
+
 class SchemaError(ValueError):
     pass
 
@@ -26,12 +29,19 @@ def validate(schema: Any, path: str = "parameters") -> None:
                         "minLength", "format", "minimum", "maximum"):
         if unsupported in schema:
             raise SchemaError(f"{path} uses '{unsupported}', which is not supported")
+    if "maxLength" in schema:
+        # A count (gRPC's Struct carries every number as a float: 20.0 is 20).
+        limit = schema["maxLength"]
+        if isinstance(limit, bool) or not isinstance(limit, int | float) \
+                or limit != int(limit) or not 1 <= limit <= MAX_LENGTH:
+            raise SchemaError(f"{path}.maxLength must be a whole number from 1 to {MAX_LENGTH}")
     if kind == "object":
         props = schema.get("properties", {})
         if not isinstance(props, dict):
             raise SchemaError(f"{path}.properties must be an object")
         required = schema.get("required", [])
-        if not isinstance(required, list) or any(r not in props for r in required):
+        if not isinstance(required, list) or any(
+                not isinstance(r, str) or r not in props for r in required):
             raise SchemaError(f"{path}.required names a property that is not defined")
         for name, sub in props.items():
             validate(sub, f"{path}.properties.{name}")

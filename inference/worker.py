@@ -57,6 +57,7 @@ from sluice.processes import set_on_signals
 from sluice.redis import ScriptBatch, chunks, reconnecting
 
 if TYPE_CHECKING:
+    from inference.constrained import JsonConstraint, VocabIndex
     from inference.tools import ToolCallConstraint
 
 logger = logging.getLogger("sluice.worker")
@@ -95,6 +96,9 @@ class Active:
     stop: tuple[str, ...]
     ignore_eos: bool = False
     tool: ToolCallConstraint | None = None
+    # Structured outputs: the reply is generated under its JSON schema's constraint and
+    # ends with the value.
+    reply_format: JsonConstraint | None = None
     # False: nobody reads the reply token by token, so it goes out in one piece at the
     # end (a non-streaming call's per-token events would cost Redis writes and gateway
     # work for nothing). A failover then regenerates it from the start.
@@ -589,11 +593,18 @@ class Worker:
         active = Active(pending, prompt_tokens=len(prompt),
                         max_new=min(params.max_tokens, room), stop=params.stop,
                         ignore_eos=params.ignore_eos, tool=self._tool_constraint(body),
+                        reply_format=self._format_constraint(body),
                         streamed=bool(body.get("stream", True)))
         if pending.deliveries > 1 and not self._resume_state(active):
             self._acks.append(pending)  # an earlier delivery finished it
             self._served(pending.req.rid)
             return None
+        if active.reply_format is not None:
+            for token in active.ids:  # resumed: what was streamed was written under it
+                active.reply_format.advance(token)
+            if active.reply_format.done:
+                self._finish(active, "stop")
+                return None
         left = active.max_new - len(active.ids)
         if left <= 0:
             self._finish(active, "length")
@@ -602,27 +613,48 @@ class Worker:
         active.detok = Detokenizer(runtime.decode, active.ids)
         # A resumed request continues from what was already streamed, as context.
         return active, NewSequence(pending.req.rid, prompt + active.ids, params,
-                                   generated=len(active.ids), constraint=active.tool)
+                                   generated=len(active.ids),
+                                   constraint=active.tool or active.reply_format)
+
+    def _vocab_index(self, code: str, cannot: str) -> VocabIndex:
+        """The runtime's vocabulary masks for constrained decoding, built on first use;
+        a runtime without a tokenizer's vocabulary (echo) refuses with `code`."""
+        # torch-only code, imported when a constraint is asked for (echo workers skip it).
+        from inference.constrained import VocabIndex
+
+        if not isinstance(self.runtime, TorchModel):
+            raise RequestError(400, code, f"The model '{self.spec.name}' cannot {cannot}.")
+        if self._vocab is None:
+            self._vocab = VocabIndex(self.runtime.tokenizer,
+                                     int(self.runtime.model.config.vocab_size))
+        return self._vocab
 
     def _tool_constraint(self, body: dict[str, Any]) -> ToolCallConstraint | None:
         if not body.get("tools"):
             return None
-        # torch-only code, imported when a tool call is asked for (echo workers skip it).
-        from inference.constrained import SchemaError, VocabIndex
+        from inference.constrained import SchemaError
         from inference.tools import ToolCallConstraint, parse_tools
 
-        if not isinstance(self.runtime, TorchModel):
-            raise RequestError(400, "tools_not_supported",
-                               f"The model '{self.spec.name}' cannot call tools.")
-        if self._vocab is None:
-            self._vocab = VocabIndex(self.runtime.tokenizer,
-                                     int(self.runtime.model.config.vocab_size))
+        vocab = self._vocab_index("tools_not_supported", "call tools")
         try:
             tools = parse_tools(body["tools"])
         except (SchemaError, KeyError, TypeError) as exc:
             raise RequestError(400, "invalid_tool_schema", f"Invalid tool: {exc}") from None
-        return ToolCallConstraint.build(self._vocab, tools,
-                                        str(body.get("tool_choice", "auto")))
+        return ToolCallConstraint.build(vocab, tools, str(body.get("tool_choice", "auto")))
+
+    def _format_constraint(self, body: dict[str, Any]) -> JsonConstraint | None:
+        fmt = body.get("response_format")
+        if not fmt:
+            return None
+        from inference.constrained import JsonConstraint, SchemaError
+
+        vocab = self._vocab_index("response_format_not_supported",
+                                  "write structured outputs (response_format)")
+        try:
+            return JsonConstraint.for_schema(fmt["schema"], vocab)
+        except (SchemaError, KeyError, TypeError) as exc:
+            raise RequestError(400, "invalid_response_format",
+                               f"Invalid response_format: {exc}") from None
 
     @staticmethod
     def _prompt(runtime: ChatRuntime, messages: list[dict[str, Any]],
@@ -748,6 +780,12 @@ class Worker:
         active.text += active.detok.push(token)
         if active.tool is not None and active.tool.call_complete:
             self._finish(active, "tool_calls")
+            return
+        fmt = active.reply_format
+        if fmt is not None and fmt.done and len(active.ids) >= len(fmt.emitted):
+            # The whole JSON value is out (the constraint may be a token ahead of the
+            # tokens handled here, an overlapped step's: it ends with its last token).
+            self._finish(active, "stop")
             return
         if self._cut_at_stop(active):
             self._finish(active, "stop", flush=False)

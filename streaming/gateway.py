@@ -229,6 +229,34 @@ def _tool_body(req: ChatCompletionRequest) -> dict[str, Any]:
                       for t in req.tools], "tool_choice": wanted}
 
 
+def _format_body(req: ChatCompletionRequest, *, tools: bool) -> dict[str, Any]:
+    """A validated `response_format` for the worker: {"response_format": {"schema":
+    ...}} for structured outputs (the reply is generated under the schema's
+    constraint), {} for plain text."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        raise BadRequest("response_format 'json_object' is not supported; give the reply's "
+                         "JSON schema with 'json_schema' (structured outputs).",
+                         param="response_format.type", code="unsupported_response_format")
+    if fmt.json_schema is None:
+        raise BadRequest("Missing required parameter: 'response_format.json_schema'.",
+                         param="response_format.json_schema",
+                         code="missing_required_parameter")
+    if tools:
+        raise BadRequest("response_format 'json_schema' cannot be combined with tools here.",
+                         param="response_format", code="unsupported_response_format")
+    schema = fmt.json_schema.schema_ or {"type": "object", "properties": {}}
+    try:
+        validate_schema(schema, "schema")
+    except SchemaError as exc:
+        raise BadRequest(f"Invalid schema for response_format '{fmt.json_schema.name}': {exc}",
+                         param="response_format.json_schema.schema",
+                         code="invalid_response_format") from None
+    return {"response_format": {"schema": schema}}
+
+
 def error_from_event(event: dict[str, Any]) -> ApiError:
     """A worker's error event as the typed error every adapter knows how to send. One
     the worker marks as certain to fail again (`"retry": false`: a model fault on this
@@ -371,6 +399,7 @@ class Gateway:
                              code="max_tokens_too_large")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         tools = _tool_body(req)
+        response_format = _format_body(req, tools=bool(tools))
         turn = [_message(m) for m in req.messages]  # what the conversation keeps
         messages = list(turn)
         if tools and req.tools:
@@ -386,6 +415,7 @@ class Gateway:
             max_tokens = min(max_tokens, admission.max_tokens_cap)
         body: dict[str, Any] = {
             **tools,
+            **response_format,
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": 1.0 if req.temperature is None else req.temperature,

@@ -81,6 +81,14 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
         data["tool_choice"] = msg.tool_choice
     elif msg.tool_choice:
         data["tool_choice"] = {"type": "function", "function": {"name": msg.tool_choice}}
+    if msg.HasField("response_format") and msg.response_format.type:
+        fmt = msg.response_format
+        data["response_format"] = {"type": fmt.type}
+        if fmt.HasField("json_schema"):
+            data["response_format"]["json_schema"] = {
+                "name": fmt.json_schema.name, "strict": fmt.json_schema.strict,
+                "schema": MessageToDict(fmt.json_schema.schema)
+                if fmt.json_schema.HasField("schema") else None}
     if msg.conversation_id:
         data["conversation_id"] = msg.conversation_id
     if msg.user:

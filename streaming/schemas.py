@@ -47,6 +47,21 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    # "schema" shadows a BaseModel attribute: stored as schema_, read and written as
+    # "schema".
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_schema", "json_object"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -70,6 +85,7 @@ class ChatCompletionRequest(_Strict):
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     # Sluice extension (also the X-Sluice-Conversation-Id header): server-side history.
     conversation_id: ConversationId | None = None
     # Sluice extension: with conversation_id and stream, resume that conversation's

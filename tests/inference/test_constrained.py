@@ -98,10 +98,26 @@ def test_constrained_and_free_sequences_share_a_batch(tiny: CausalLMRuntime,
     ({"type": "object", "properties": {}, "required": ["y"]}, "required"),
     ({"type": "object", "properties": {"x": {"enum": []}}}, "enum"),
     ("not a schema", "must be a JSON schema object"),
+    # A maxLength the decoder could not count with (it stopped the worker mid-step).
+    ({"type": "string", "maxLength": "20"}, "maxLength"),
+    ({"type": "string", "maxLength": 0}, "maxLength"),
+    ({"type": "string", "maxLength": 2.5}, "maxLength"),
+    ({"type": "string", "maxLength": True}, "maxLength"),
+    ({"type": "string", "maxLength": 10**9}, "maxLength"),
+    ({"type": "object", "properties": {"x": {"type": "string"}}, "required": [["x"]]},
+     "required"),
 ])
 def test_unsupported_schemas_are_refused(schema: Any, fragment: str) -> None:
     with pytest.raises(SchemaError, match=fragment):
         validate(schema)
+
+
+def test_a_maxlength_from_a_protobuf_struct_is_a_whole_number(
+        tiny: CausalLMRuntime, vocab: VocabIndex) -> None:
+    schema = {"type": "string", "maxLength": 3.0}  # gRPC's Struct: every number a float
+    params = SamplingParams(max_tokens=50, temperature=1.5, seed=5)
+    texts = generate(tiny, [JsonConstraint.for_schema(schema, vocab) for _ in range(4)], params)
+    assert all(len(json.loads(text)) <= 3 for text in texts), texts
 
 
 def test_numbers_stop_within_their_token_budget(tiny: CausalLMRuntime, vocab: VocabIndex) -> None:

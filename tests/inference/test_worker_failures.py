@@ -6,12 +6,14 @@ hands its requests back at once; SIGTERM drains and hands the rest back uncounte
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
 import time
 from typing import Any
 
+import jsonschema
 import pytest
 import redis
 
@@ -193,6 +195,60 @@ def test_a_worker_whose_model_raises_hands_its_requests_back_at_once(
     assert after_crash_s < 8, f"taken over {after_crash_s:.1f} s after the crash"
     streamed = sum(1 for batch in victim.admitted for _ in batch)
     assert streamed > 0 and survivor.admitted, "both workers served"
+
+
+def test_a_structured_reply_taken_over_mid_stream_is_still_one_valid_value(
+        rds: redis.Redis, redis_url: str) -> None:
+    """Structured outputs across a takeover: the worker that resumes a request replays
+    what was streamed through the schema's constraint, so the reply goes on from
+    inside the JSON value instead of starting a second one (random weights: only the
+    constraint makes it valid)."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 40}, "score": {"type": "number"},
+        "ok": {"type": "boolean"}, "kind": {"enum": ["a", "b"]}}}
+    spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=8)
+    victim = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=20_000,
+                    block_ms=50)
+    assert isinstance(victim.runtime, CausalLMRuntime)
+    forwards = 0
+
+    def fault(_module: object, _args: object) -> None:
+        nonlocal forwards
+        forwards += 1
+        if forwards == 8:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    victim.runtime.model.register_forward_pre_hook(fault)
+    crashed = threading.Event()
+
+    def run_victim() -> None:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            victim.run(drain_s=1)
+        crashed.set()
+
+    threading.Thread(target=run_victim, daemon=True).start()
+    survivor = Worker(spec, redis.Redis.from_url(redis_url), block_ms=50)
+
+    async def go(client: InferenceClient) -> tuple[list[Result], int]:
+        handles = [await client.submit(spec, tenant="t", timeout_s=60, body=chat(
+            f"describe item {i}", max_tokens=150, temperature=1.0, seed=i,
+            response_format={"schema": schema})) for i in range(4)]
+        while not crashed.is_set():
+            await asyncio.sleep(0.01)
+        partial = sum(1 for h in handles if any(
+            b'"t":"delta"' in f[b"e"] for _i, f in rds.xrange(q.out_key(h.tenant, h.rid))))
+        threading.Thread(target=survivor.run, kwargs={"drain_s": 1}, daemon=True).start()
+        return await asyncio.gather(*[collect(h) for h in handles]), partial
+
+    try:
+        results, partial = run(go, redis_url)
+    finally:
+        survivor.stopping.set()
+    assert partial, "the victim streamed part of a reply before it failed"
+    assert survivor.admitted, "the survivor finished them"
+    for result in results:
+        assert result.final["t"] == "done" and result.final["finish"] == "stop", result.final
+        jsonschema.validate(json.loads(result.text), schema)
 
 
 def test_a_poison_request_is_dead_lettered_without_its_neighbours(
