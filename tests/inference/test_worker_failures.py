@@ -139,6 +139,34 @@ def test_sigterm_drains_running_work_and_hands_back_the_rest(
     run(go, redis_url)
 
 
+def faulty_worker(spec: DeploymentSpec, redis_url: str, reclaim_ms: int, *,
+                  at_forward: int) -> tuple[Worker, list[float]]:
+    """A worker, running in a thread, whose toy model raises on its `at_forward`th
+    forward pass (a transient device error, injected), and the list its crash time is
+    appended to once it has handed its requests back and exited."""
+    victim = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=reclaim_ms,
+                    block_ms=50)
+    assert isinstance(victim.runtime, CausalLMRuntime)
+    forwards = 0
+
+    def fault(_module: object, _args: object) -> None:
+        nonlocal forwards
+        forwards += 1
+        if forwards == at_forward:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    victim.runtime.model.register_forward_pre_hook(fault)
+    crashed: list[float] = []
+
+    def run_victim() -> None:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            victim.run(drain_s=1)
+        crashed.append(time.monotonic())
+
+    threading.Thread(target=run_victim, daemon=True).start()
+    return victim, crashed
+
+
 def test_a_worker_whose_model_raises_hands_its_requests_back_at_once(
         rds: redis.Redis, redis_url: str) -> None:
     """The model raises mid-batch (a transient device error, injected: the toy model's
@@ -151,26 +179,7 @@ def test_a_worker_whose_model_raises_hands_its_requests_back_at_once(
     spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=8)
     texts = [f"request {i}: tell me about the sea" for i in range(6)]
     expected = [tiny_reply(t, SamplingParams(max_tokens=tokens)) for t in texts]
-    victim = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=reclaim_ms,
-                    block_ms=50)
-    assert isinstance(victim.runtime, CausalLMRuntime)
-    forwards = 0
-
-    def fault(_module: object, _args: object) -> None:
-        nonlocal forwards
-        forwards += 1
-        if forwards == 6:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    victim.runtime.model.register_forward_pre_hook(fault)
-    crashed: list[float] = []
-
-    def run_victim() -> None:
-        with pytest.raises(RuntimeError, match="illegal memory access"):
-            victim.run(drain_s=1)
-        crashed.append(time.monotonic())
-
-    threading.Thread(target=run_victim, daemon=True).start()
+    victim, crashed = faulty_worker(spec, redis_url, reclaim_ms, at_forward=6)
     survivor = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=reclaim_ms,
                       block_ms=50)
 
@@ -207,33 +216,14 @@ def test_a_structured_reply_taken_over_mid_stream_is_still_one_valid_value(
         "name": {"type": "string", "maxLength": 40}, "score": {"type": "number"},
         "ok": {"type": "boolean"}, "kind": {"enum": ["a", "b"]}}}
     spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=8)
-    victim = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=20_000,
-                    block_ms=50)
-    assert isinstance(victim.runtime, CausalLMRuntime)
-    forwards = 0
-
-    def fault(_module: object, _args: object) -> None:
-        nonlocal forwards
-        forwards += 1
-        if forwards == 8:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    victim.runtime.model.register_forward_pre_hook(fault)
-    crashed = threading.Event()
-
-    def run_victim() -> None:
-        with pytest.raises(RuntimeError, match="illegal memory access"):
-            victim.run(drain_s=1)
-        crashed.set()
-
-    threading.Thread(target=run_victim, daemon=True).start()
+    _victim, crashed = faulty_worker(spec, redis_url, 20_000, at_forward=8)
     survivor = Worker(spec, redis.Redis.from_url(redis_url), block_ms=50)
 
     async def go(client: InferenceClient) -> tuple[list[Result], int]:
         handles = [await client.submit(spec, tenant="t", timeout_s=60, body=chat(
             f"describe item {i}", max_tokens=150, temperature=1.0, seed=i,
             response_format={"schema": schema})) for i in range(4)]
-        while not crashed.is_set():
+        while not crashed:
             await asyncio.sleep(0.01)
         partial = sum(1 for h in handles if any(
             b'"t":"delta"' in f[b"e"] for _i, f in rds.xrange(q.out_key(h.tenant, h.rid))))
