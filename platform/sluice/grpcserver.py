@@ -2,6 +2,12 @@
 (`manage.py rungrpc`, which the run command starts), serving `sluice.v1.Inference`,
 standard health checking and server reflection (so grpcurl works).
 
+Health follows what the HTTP gateway's `/readyz` says: SERVING while Redis (queue,
+limits, breakers) answers, NOT_SERVING while it does not (checked every
+READINESS_EVERY_S), so a gRPC readiness probe takes the server out of rotation only
+when no call could be served. A database outage leaves it SERVING: cached callers are
+served and the rest get a retriable UNAVAILABLE.
+
 Connection settings follow the platform's seed: connections idle for 5 minutes are
 closed, keepalive pings every 30 s, at most 1000 concurrent streams per connection, and
 bounded message sizes.
@@ -19,10 +25,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sluice import gctuning, telemetry
+from sluice.redis import async_redis
 from streaming.grpc_service import SERVICE, InferenceServicer, ObservingInterceptor
 from streaming.protos import inference_pb2, inference_pb2_grpc
 
 logger = logging.getLogger("sluice.grpc")
+READINESS_EVERY_S = 2.0
+_watchers: set[asyncio.Task[None]] = set()
 
 OPTIONS = [
     ("grpc.max_connection_idle_ms", 5 * 60 * 1000),
@@ -55,9 +64,42 @@ async def build(address: str) -> tuple[grpc.aio.Server, InferenceServicer, int]:
     reflection.enable_server_reflection(names, server)
     port = server.add_insecure_port(address)
     await server.start()
-    for name in ("", SERVICE):
-        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await _set_health(checker, serving=True)
+    watcher = asyncio.create_task(_watch_readiness(checker), name="sluice-grpc-readiness")
+    _watchers.add(watcher)
+    watcher.add_done_callback(_watchers.discard)
     return server, servicer, port
+
+
+async def _set_health(checker: health.aio.HealthServicer, *, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", SERVICE):
+        await checker.set(name, status)
+
+
+async def _watch_readiness(checker: health.aio.HealthServicer) -> None:
+    """Ping Redis every READINESS_EVERY_S and say in the health service whether calls
+    can be served; a change is logged once."""
+    client, serving = async_redis(), True
+    try:
+        while True:
+            try:
+                ready = bool(await client.ping())
+            except Exception as exc:  # any failure to answer is "not ready"
+                ready = False
+                reason = type(exc).__name__
+            if ready != serving:
+                serving = ready
+                await _set_health(checker, serving=ready)
+                if ready:
+                    logger.warning("Redis answers again: gRPC health SERVING")
+                else:
+                    logger.warning("Redis does not answer (%s): gRPC health NOT_SERVING",
+                                   reason)
+            await asyncio.sleep(READINESS_EVERY_S)
+    finally:
+        await client.aclose()
 
 
 async def serve(address: str) -> None:
@@ -70,4 +112,7 @@ async def serve(address: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=5)
+    for watcher in list(_watchers):
+        watcher.cancel()
+    await asyncio.gather(*_watchers, return_exceptions=True)
     await servicer.close()

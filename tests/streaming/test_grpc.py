@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -19,10 +21,11 @@ from governance import audit, breaker
 from governance import cache as policy_cache
 from governance.models import AuditEvent, BreakerPolicy, Quota
 from inference.models import Deployment
+from sluice.localinfra import free_port, start_redis
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
-from tests.conftest import Org, make_org
+from tests.conftest import REPO, Org, eventually, make_org, process_env
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
@@ -187,3 +190,38 @@ def test_tool_calls_over_grpc(grpc_target: str, org: Org, tiny: str) -> None:
     chunks = call(grpc_target, "ChatStream", request, key=org.keys[Role.DEVELOPER])
     assert chunks[-1].finish_reason == "tool_calls"
     assert chunks[-1].tool_calls[0].function.name == "get_weather"
+
+
+def test_health_follows_redis(transactional_db: None) -> None:
+    """The gRPC server's health says what the HTTP gateway's /readyz says: NOT_SERVING
+    while Redis does not answer (no call could be queued), SERVING again once it does."""
+    redis_port, grpc_port = free_port(), free_port()
+    private = start_redis(port=redis_port)
+    env = process_env(REDIS_URL=private.url)
+    proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "rungrpc", "--address",
+                             f"127.0.0.1:{grpc_port}"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def status() -> int | None:
+        async def go() -> int:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="sluice.v1.Inference"), timeout=2)
+                return int(reply.status)
+        try:
+            return asyncio.run(go())
+        except grpc.aio.AioRpcError:
+            return None  # not listening yet
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        assert eventually(lambda: status() == serving, 60, what="SERVING")
+        private.stop()
+        assert eventually(lambda: status() == not_serving, 10, what="NOT_SERVING")
+        private = start_redis(port=redis_port)
+        assert eventually(lambda: status() == serving, 10, what="SERVING again")
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        private.stop()
