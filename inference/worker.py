@@ -580,11 +580,20 @@ class Worker:
                 ignore_eos=bool(body.get("ignore_eos", False)),
                 presence_penalty=float(body.get("presence_penalty") or 0.0),
                 frequency_penalty=float(body.get("frequency_penalty") or 0.0),
+                logit_bias=tuple((int(token), float(amount)) for token, amount
+                                 in (body.get("logit_bias") or {}).items()),
             )
             prompt = self._prompt(runtime, body["messages"], body.get("history") or [],
                                   params.max_tokens)
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(400, "invalid_request", f"Malformed request: {exc}") from None
+        if params.logit_bias and isinstance(runtime, TorchModel):
+            size = int(runtime.model.config.vocab_size)
+            unknown = [token for token, _ in params.logit_bias if not 0 <= token < size]
+            if unknown:
+                raise RequestError(400, "invalid_logit_bias",
+                                   f"logit_bias names token {unknown[0]}, which is not in this "
+                                   f"model's vocabulary (0 to {size - 1}).")
         room = runtime.max_context - len(prompt)
         if room <= 0:
             raise RequestError(400, "context_length_exceeded",

@@ -422,7 +422,7 @@ class Gateway:
             "top_p": req.top_p or 1.0,
             "stop": stop,
             "seed": req.seed,
-            **{name: value for name in ("presence_penalty", "frequency_penalty")
+            **{name: value for name in ("presence_penalty", "frequency_penalty", "logit_bias")
                if (value := getattr(req, name))},
             "stream": req.stream if stream is None else stream,
             # Older turns; the worker drops the oldest until the prompt fits (exact

@@ -72,6 +72,8 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
             data[name] = getattr(msg, name)
     if msg.stop:
         data["stop"] = list(msg.stop)
+    if msg.logit_bias:
+        data["logit_bias"] = {str(token): bias for token, bias in msg.logit_bias.items()}
     if msg.tools:
         data["tools"] = [{"type": t.type or "function", "function": {
             "name": t.function.name, "description": t.function.description or None,

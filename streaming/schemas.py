@@ -81,6 +81,11 @@ class ChatCompletionRequest(_Strict):
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    # Token id (as a string, JSON's keys) -> bias; the worker checks the ids against
+    # its model's vocabulary.
+    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+                               Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=300)] | None = None
     metadata: dict[str, str] | None = None
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None

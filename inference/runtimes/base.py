@@ -37,6 +37,9 @@ class SamplingParams:
     # once (presence) and once per time it was generated (frequency); -2.0 to 2.0.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, amount) pairs added to those tokens' logits at
+    # every step; -100 bans a token, +100 all but forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:

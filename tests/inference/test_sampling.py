@@ -120,6 +120,34 @@ def test_penalties_move_greedy_rows_and_only_their_own() -> None:
     assert torch.allclose(many, expected)
 
 
+def test_logit_bias_is_added_to_its_tokens_and_only_its_rows_own() -> None:
+    """OpenAI's logit_bias: the amount is added to the token's logit; -100 bans it, +100
+    makes it all but certain, a small bias shifts the distribution."""
+    bias = {1: 0.7, 3: -0.4}
+    params = SamplingParams(temperature=1.0, logit_bias=tuple(bias.items()))
+    expected = PROBS.log().clone()
+    for token, amount in bias.items():
+        expected[token] += amount
+    freq = frequencies(params, PROBS.log(), None)
+    assert torch.allclose(freq, torch.softmax(expected, dim=-1), atol=0.03), freq
+
+    many = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    top = many.argmax(dim=-1).tolist()
+    rows = [SamplingParams(logit_bias=((top[0], -100.0),)),  # greedy, its argmax banned
+            SamplingParams(logit_bias=((7, 100.0),)),  # greedy, forced to 7
+            SamplingParams(temperature=1.0, logit_bias=((9, 100.0),)),  # sampled, 9
+            SamplingParams(temperature=0.0)]  # no bias: its own argmax
+    gens = [generator_for(p) for p in rows]
+    tokens = sample(many.clone(), rows, gens)
+    assert tokens[0] != top[0] and tokens[0] == many[0].topk(2).indices[1].item()
+    assert tokens[1:] == [7, 9, top[3]]
+    # Together with penalties, both apply.
+    both = [SamplingParams(frequency_penalty=1.0, logit_bias=((2, 0.5),))]
+    logits = torch.zeros(1, 5)
+    sample(logits, both, [None], counts=[{2: 1}])
+    assert logits[0].tolist() == [0.0, 0.0, -0.5, 0.0, 0.0]
+
+
 def peaked_and_flat() -> tuple[torch.Tensor, torch.Tensor]:
     """Logits over 5,000 tokens: a peaked row (its 0.9 nucleus fits the sampler's first
     top-k look) and a flat one (it does not: its whole vocabulary is sorted)."""
