@@ -99,12 +99,15 @@ class Active:
     # Structured outputs: the reply is generated under its JSON schema's constraint and
     # ends with the value.
     reply_format: JsonConstraint | None = None
+    # OpenAI's logprobs: each token's entry goes out with it (`lp` in its delta event).
+    logprobs: bool = False
     # False: nobody reads the reply token by token, so it goes out in one piece at the
     # end (a non-streaming call's per-token events would cost Redis writes and gateway
     # work for nothing). A failover then regenerates it from the start.
     streamed: bool = True
     ids: list[int] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
+    unsent_lps: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""  # all text decoded so far
     sent_text: str = ""  # the part of it already streamed
     seq: int = 0
@@ -172,6 +175,7 @@ class Worker:
         self._eos = self.runtime.eos_token_ids if isinstance(self.runtime, ChatRuntime) \
             else frozenset()
         self._vocab: Any = None  # a VocabIndex, built on the first tool call
+        self._token_texts: Any = None  # a logprobs.TokenTexts, made on first use
         self._cleanup = self.redis.register_script(q.CLEANUP_LUA)
         self.backlog: list[Pending] = []
         self.active: dict[str, Active] = {}
@@ -582,6 +586,7 @@ class Worker:
                 frequency_penalty=float(body.get("frequency_penalty") or 0.0),
                 logit_bias=tuple((int(token), float(amount)) for token, amount
                                  in (body.get("logit_bias") or {}).items()),
+                logprobs=None if body.get("logprobs") is None else int(body["logprobs"]),
             )
             prompt = self._prompt(runtime, body["messages"], body.get("history") or [],
                                   params.max_tokens)
@@ -603,6 +608,7 @@ class Worker:
                         max_new=min(params.max_tokens, room), stop=params.stop,
                         ignore_eos=params.ignore_eos, tool=self._tool_constraint(body),
                         reply_format=self._format_constraint(body),
+                        logprobs=params.logprobs is not None,
                         streamed=bool(body.get("stream", True)))
         if pending.deliveries > 1 and not self._resume_state(active):
             self._acks.append(pending)  # an earlier delivery finished it
@@ -785,6 +791,8 @@ class Worker:
             return
         active.ids.append(token)
         active.unsent_ids.append(token)
+        if active.logprobs:
+            self._logprob(active, token)
         assert active.detok is not None  # noqa: S101
         active.text += active.detok.push(token)
         if active.tool is not None and active.tool.call_complete:
@@ -804,6 +812,18 @@ class Worker:
             self._finish(active, "length")
         elif active.req.deadline_ms <= q.now_ms():
             self._finish(active, "deadline")
+
+    def _logprob(self, active: Active, token: int) -> None:
+        runtime = self.runtime
+        assert isinstance(runtime, ChatRuntime)  # noqa: S101
+        logprob = runtime.pop_logprob(active.req.rid)
+        if logprob is None:
+            return  # a runtime that has none (echo)
+        if self._token_texts is None:
+            from inference.logprobs import TokenTexts
+
+            self._token_texts = TokenTexts(runtime)
+        active.unsent_lps.append(self._token_texts.entry(token, logprob))
 
     @staticmethod
     def _cut_at_stop(active: Active) -> bool:
@@ -835,8 +855,10 @@ class Worker:
         delta = text[len(active.sent_text):]
         if not delta and not (final and active.unsent_ids):
             return
-        self._event(active.req, {"t": "delta", "seq": active.seq, "text": delta,
-                                 "ids": active.unsent_ids})
+        event = {"t": "delta", "seq": active.seq, "text": delta, "ids": active.unsent_ids}
+        if active.logprobs:
+            event["lp"], active.unsent_lps = active.unsent_lps, []
+        self._event(active.req, event)
         active.seq += 1
         active.sent_text = text
         active.unsent_ids = []

@@ -257,8 +257,9 @@ class LeanApp:
             await out.send(b"%s%s\ndata: %s\n\n" % (event_id, str(seq).encode(),
                                                      orjson.dumps(payload)))
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        def chunk(delta: dict[str, Any], finish: str | None = None,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish}]}
 
         parts: list[str] = []
@@ -267,7 +268,13 @@ class LeanApp:
                 await emit("start", chunk({"role": "assistant", "content": ""}))
             event: dict[str, Any] | None = first
             while event is not None:
-                if event["t"] == "delta" and event["text"]:
+                if event["t"] == "delta" and req.logprobs:  # the slow path: a dict a chunk
+                    parts.append(event["text"])
+                    if event["text"] or event.get("lp"):
+                        await emit(event["seq"], chunk(
+                            {"content": event["text"]},
+                            logprobs=bodies.choice_logprobs(req, event.get("lp") or [])))
+                elif event["t"] == "delta" and event["text"]:
                     parts.append(event["text"])
                     await out.send(b"".join((event_id, b"%d" % event["seq"], b"\ndata: ",
                                              text_head, orjson.dumps(event["text"]),

@@ -21,6 +21,12 @@ def tool_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
 
 
+def choice_logprobs(req: ChatCompletionRequest,
+                    content: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A choice's (or a chunk's) `logprobs`: the tokens' entries, when asked for."""
+    return {"content": content, "refusal": None} if req.logprobs else None
+
+
 def usage(final: dict[str, Any]) -> dict[str, int]:
     reported = final.get("usage", {})
     prompt = reported.get("prompt_tokens", 0)
@@ -32,10 +38,12 @@ def usage(final: dict[str, Any]) -> dict[str, int]:
 async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
     """A `chat.completion` from the call's events; a worker error raises its ApiError."""
     parts: list[str] = []
+    logprobs: list[dict[str, Any]] = []
     final: dict[str, Any] = {}
     async for event in sub.events():
         if event["t"] == "delta":
             parts.append(event["text"])
+            logprobs += event.get("lp") or ()
         elif event["t"] == "error":
             raise error_from_event(event)
         else:
@@ -48,7 +56,7 @@ async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[st
         "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
         "created": int(time.time()), "model": req.model, "system_fingerprint": None,
         "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(final),
-                     "logprobs": None}],
+                     "logprobs": choice_logprobs(req, logprobs)}],
         "usage": usage(final),
     }
     if sub.conversation_id is not None:

@@ -181,9 +181,10 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
     async def _stream(self, rid: str, sub: Submitted) -> None:
         parts: list[str] = []
         async for event in sub.events():
-            if event["t"] == "delta" and event["text"]:
+            if event["t"] == "delta" and (event["text"] or event.get("lp")):
                 parts.append(event["text"])
-                await self._send(rid, "chat.delta", delta=event["text"])
+                extra = {"logprobs": event["lp"]} if "lp" in event else {}
+                await self._send(rid, "chat.delta", delta=event["text"], **extra)
             elif event["t"] == "error":
                 raise error_from_event(event)
             elif event["t"] == "done":

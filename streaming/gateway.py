@@ -400,6 +400,9 @@ class Gateway:
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         tools = _tool_body(req)
         response_format = _format_body(req, tools=bool(tools))
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs requires logprobs to be true.",
+                             param="top_logprobs", code="invalid_value")
         turn = [_message(m) for m in req.messages]  # what the conversation keeps
         messages = list(turn)
         if tools and req.tools:
@@ -416,6 +419,7 @@ class Gateway:
         body: dict[str, Any] = {
             **tools,
             **response_format,
+            **({"logprobs": req.top_logprobs or 0} if req.logprobs else {}),
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": 1.0 if req.temperature is None else req.temperature,

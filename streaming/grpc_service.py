@@ -66,8 +66,10 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
                 "name": c.function.name, "arguments": c.function.arguments}}
                 for c in m.tool_calls]
         data["messages"].append(item)
+    if msg.logprobs:
+        data["logprobs"] = True
     for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty",
-                 "frequency_penalty"):
+                 "frequency_penalty", "top_logprobs"):
         if msg.HasField(name):
             data[name] = getattr(msg, name)
     if msg.stop:
@@ -99,6 +101,13 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def _logprobs(content: list[dict[str, Any]]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token=e["token"], logprob=e["logprob"], token_bytes=bytes(e["bytes"]),
+                            top_logprobs=[pb.TopLogprob(token=t["token"], logprob=t["logprob"],
+                                                        token_bytes=bytes(t["bytes"]))
+                                          for t in e["top_logprobs"]]) for e in content]
 
 
 def _usage(usage: dict[str, int]) -> pb.Usage:
@@ -162,7 +171,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise
             message = body["choices"][0]["message"]
             await self.gateway.remember(sub, message["content"] or "")
+            logprobs = body["choices"][0]["logprobs"]
             return pb.ChatResponse(
+                logprobs=_logprobs(logprobs["content"] if logprobs else []),
                 id=body["id"], model=body["model"], finish_reason=body["choices"][0][
                     "finish_reason"], usage=_usage(body["usage"]),
                 conversation_id=body.get("conversation_id") or "",
@@ -183,9 +194,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                           timeout_s=self._timeout(context), stream=True)
             rid, parts = f"chatcmpl-{sub.handle.rid}", []
             async for event in sub.events():
-                if event["t"] == "delta" and event["text"]:
+                if event["t"] == "delta" and (event["text"] or event.get("lp")):
                     parts.append(event["text"])
-                    yield pb.ChatChunk(id=rid, delta=event["text"])
+                    yield pb.ChatChunk(id=rid, delta=event["text"],
+                                       logprobs=_logprobs(event.get("lp") or []))
                 elif event["t"] == "error":
                     ended = True
                     raise error_from_event(event)

@@ -83,6 +83,8 @@ class ChatCompletionRequest(_Strict):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     # Token id (as a string, JSON's keys) -> bias; the worker checks the ids against
     # its model's vocabulary.
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
                                Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=300)] | None = None

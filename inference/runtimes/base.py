@@ -40,10 +40,23 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, amount) pairs added to those tokens' logits at
     # every step; -100 bans a token, +100 all but forces it.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's logprobs: None, none; k >= 0, each token's log probability under the
+    # model and the k most likely tokens' (top_logprobs, 0 to 20).
+    logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model (its raw logits: before
+    penalties, logit_bias, constraints and temperature), and the most likely tokens'
+    as (token id, log probability), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,13 @@ class ChatRuntime(ABC):
 
     @abstractmethod
     def drop(self, rids: Iterable[str]) -> None: ...
+
+    def pop_logprob(self, rid: str) -> TokenLogprob | None:
+        """The log probabilities of `rid`'s oldest generated token not yet popped (a
+        sequence whose params ask for logprobs), or None. Tokens are popped in the
+        order they were generated, by the thread that handles them, while the next
+        step may already be adding its own."""
+        return None
 
     @property
     @abstractmethod

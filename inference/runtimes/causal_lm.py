@@ -12,6 +12,7 @@ windows...). The weights may be any local transformers folder.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,7 +20,14 @@ from typing import Any, TypeVar
 import torch
 from transformers import DynamicCache
 
-from inference.runtimes.base import FAILED, ChatRuntime, NewSequence, SamplingParams, TorchModel
+from inference.runtimes.base import (
+    FAILED,
+    ChatRuntime,
+    NewSequence,
+    SamplingParams,
+    TokenLogprob,
+    TorchModel,
+)
 from inference.runtimes.sampling import generator_for, sample
 
 T = TypeVar("T")
@@ -42,6 +50,8 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._constraints: list[Any] = []
         # Per row, the tokens it has generated and how often (rows with penalties only).
         self._counts: list[dict[int, int] | None] = []
+        # Per sequence that asks for them, its tokens' log probabilities not yet popped.
+        self._logprobs: dict[str, deque[TokenLogprob]] = {}
         self._cache: Any = None
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=device)
         self._pos = torch.zeros((0,), dtype=torch.long, device=device)
@@ -108,11 +118,14 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         # A resumed sequence's penalties count what its earlier delivery generated.
         counts = [_tally({}, s.prompt_ids[len(s.prompt_ids) - s.generated:])
                   if s.params.penalized else None for s in seqs]
+        rids = [s.rid for s in seqs]
+        asked = _log_softmax(out.logits[:, -1, :], params)
         first = sample(out.logits[:, -1, :], params, gens, constraints, counts)
+        self._keep_logprobs(rids, params, asked, first)
         self._splice(cache, mask, torch.tensor(lengths, device=self.device),
                      self._next_input(first))
         _tally_rows(counts, first)
-        self._rids += [s.rid for s in seqs]
+        self._rids += rids
         self._params += params
         self._gens += gens
         self._constraints += constraints
@@ -146,6 +159,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
                          position_ids=self._pos[:, None], cache=self._cache,
                          use_cache=True)
         try:
+            asked = _log_softmax(out.logits[:, -1, :], self._params)
             tokens = sample(out.logits[:, -1, :], self._params, self._gens, self._constraints,
                             self._counts)
         except Exception:
@@ -158,7 +172,31 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._pos = self._pos + 1
         self._last = self._next_input(tokens)
         _tally_rows(self._counts, tokens)
+        self._keep_logprobs(self._rids, self._params, asked, tokens)
         return dict(zip(self._rids, tokens, strict=True))
+
+    def _keep_logprobs(self, rids: list[str], params: list[SamplingParams],
+                       asked: tuple[list[int], torch.Tensor] | None,
+                       tokens: list[int]) -> None:
+        """Queue each asking row's token log probability and its top ones."""
+        if asked is None:
+            return
+        rows, logprobs = asked
+        chosen = logprobs.gather(1, torch.tensor(
+            [max(tokens[row], 0) for row in rows], device=logprobs.device)[:, None])
+        k = max(params[row].logprobs or 0 for row in rows)
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],) * 2
+        for row, value, values, ids in zip(rows, chosen[:, 0].tolist(), top_values.tolist(),
+                                           top_ids.tolist(), strict=True):
+            if tokens[row] == FAILED:
+                continue
+            n = params[row].logprobs or 0
+            entry = TokenLogprob(value, tuple(zip(ids[:n], values[:n], strict=True)))
+            self._logprobs.setdefault(rids[row], deque()).append(entry)
+
+    def pop_logprob(self, rid: str) -> TokenLogprob | None:
+        queued = self._logprobs.get(rid)
+        return queued.popleft() if queued else None
 
     def _next_input(self, tokens: list[int]) -> torch.Tensor:
         """The tokens the next step feeds back; a FAILED sequence (dropped by the
@@ -174,6 +212,8 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._rids, self._params = _rows(self._rids, keep), _rows(self._params, keep)
         self._gens, self._constraints = _rows(self._gens, keep), _rows(self._constraints, keep)
         self._counts = _rows(self._counts, keep)
+        for rid in gone:
+            self._logprobs.pop(rid, None)
         if not keep:
             self._cache = None
             return
@@ -246,3 +286,14 @@ def tiny_causal_lm(*, device: str, max_context: int, seed: int = 0) -> CausalLMR
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     return CausalLMRuntime(model, tokenizer, device=device, max_context=max_context)
+
+
+def _log_softmax(logits: torch.Tensor, params: list[SamplingParams]
+                 ) -> tuple[list[int], torch.Tensor] | None:
+    """The rows that ask for logprobs and their log probabilities, taken from the raw
+    logits before sampling adjusts them in place (None: no row asks)."""
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    return rows, torch.log_softmax(logits[rows].float(), dim=-1)
+

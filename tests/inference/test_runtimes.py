@@ -232,3 +232,46 @@ def test_real_embedder_ranks_similar_above_unrelated(device: str) -> None:
     assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)
     assert v[0] @ v[1] > v[0] @ v[2] + 0.3
     assert all(c > 3 for c in counts)
+
+
+def test_logprobs_are_the_models_own_for_the_rows_that_ask(tiny: CausalLMRuntime) -> None:
+    """Each generated token's log probability and the top ones, from the raw logits
+    (a plain forward pass over prompt + tokens gives the same), queued per sequence in
+    order; a row that forces a token with logit_bias still gets the model's own
+    probability of it; a row that does not ask gets none."""
+    import torch
+
+    asks = SamplingParams(max_tokens=6, logprobs=3)
+    forced_token = 42
+    forcing = SamplingParams(max_tokens=6, logprobs=0, logit_bias=((forced_token, 100.0),))
+    p1, p2, p3 = prompts(tiny)[:3]
+    seqs = [NewSequence("a", p1, asks), NewSequence("b", p2, SamplingParams(max_tokens=6)),
+            NewSequence("c", p3, forcing)]
+    out = {rid: [token] for rid, token in tiny.add(seqs).items()}
+    for _ in range(5):
+        for rid, token in tiny.step().items():
+            out[rid].append(token)
+    entries = {rid: [tiny.pop_logprob(rid) for _ in range(6)] for rid in "abc"}
+    tiny.drop(["a", "b", "c"])
+    assert out["c"] == [forced_token] * 6
+    assert entries["b"] == [None] * 6 and tiny.pop_logprob("a") is None
+
+    # bfloat16 on a GPU: a decode step's logits are not a whole forward pass's exactly.
+    tol = 2e-3 if tiny.device == "cpu" else 0.1
+    for rid, prompt in (("a", p1), ("c", p3)):
+        ids = torch.tensor([prompt + out[rid]], device=tiny.device)
+        with torch.inference_mode():
+            logits = tiny.model(input_ids=ids).logits[0].float()
+        expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        for i, (token, entry) in enumerate(zip(out[rid], entries[rid], strict=True)):
+            assert entry is not None
+            assert entry.logprob == pytest.approx(expected[i, token].item(), abs=tol)
+            values, top_ids = expected[i].topk(3)
+            if rid == "a":  # greedy: the token is the most likely; three, best first
+                assert entry.top[0][0] == token and len(entry.top) == 3
+                assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=tol)
+                if tiny.device == "cpu":
+                    assert [t for t, _ in entry.top] == top_ids.tolist()
+            else:
+                assert entry.top == ()  # top_logprobs 0
+                assert entry.logprob < -1, "the model's own, not the biased distribution's"
