@@ -296,4 +296,3 @@ def _log_softmax(logits: torch.Tensor, params: list[SamplingParams]
     if not rows:
         return None
     return rows, torch.log_softmax(logits[rows].float(), dim=-1)
-
