@@ -91,10 +91,7 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams],
     presence = torch.tensor([params[r].presence_penalty for r in rows]).repeat_interleave(
         per_row)
     amounts = torch.frombuffer(times, dtype=torch.float32) * frequency + presence
-    device = logits.device
-    index = (torch.tensor(rows).repeat_interleave(per_row).to(device),
-             torch.frombuffer(tokens, dtype=torch.int64).to(device))
-    logits.index_put_(index, -amounts.to(device, logits.dtype), accumulate=True)
+    _add_at(logits, torch.tensor(rows).repeat_interleave(per_row), tokens, -amounts)
     return True
 
 
@@ -109,12 +106,17 @@ def _bias(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
             rows.append(row)
             tokens.append(token)
             amounts.append(amount)
-    device = logits.device
-    index = (torch.tensor(rows, device=device),
-             torch.frombuffer(tokens, dtype=torch.int64).to(device))
-    logits.index_put_(index, torch.frombuffer(amounts, dtype=torch.float32).to(
-        device, logits.dtype), accumulate=True)
+    _add_at(logits, torch.tensor(rows), tokens, torch.frombuffer(amounts, dtype=torch.float32))
     return True
+
+
+def _add_at(logits: torch.Tensor, rows: torch.Tensor, tokens: array,
+            amounts: torch.Tensor) -> None:
+    """logits[rows[i], tokens[i]] += amounts[i] for every pair, in place (one indexed
+    add on the logits' device; `tokens` an array("q") of token ids)."""
+    device = logits.device
+    index = (rows.to(device), torch.frombuffer(tokens, dtype=torch.int64).to(device))
+    logits.index_put_(index, amounts.to(device, logits.dtype), accumulate=True)
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams],

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sluice import gctuning, telemetry
+from sluice.aio import finish_or_cancel
 from sluice.redis import async_redis
 from streaming.grpc_service import SERVICE, InferenceServicer, ObservingInterceptor
 from streaming.protos import inference_pb2, inference_pb2_grpc
@@ -112,7 +113,5 @@ async def serve(address: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=5)
-    for watcher in list(_watchers):
-        watcher.cancel()
-    await asyncio.gather(*_watchers, return_exceptions=True)
+    await finish_or_cancel(_watchers, 0)
     await servicer.close()

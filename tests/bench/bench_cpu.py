@@ -63,12 +63,8 @@ def bare_cost(env: dict[str, str], args: argparse.Namespace) -> tuple[float, flo
     """The bare ASGI app under the same server, processes and load: (req/s, its
     processes' CPU µs per request, wrk's CPU µs per request)."""
     group = ProcessGroup(env)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
     try:
-        group.start("bare", http_command(args.server, "bare_asgi:app", host="127.0.0.1",
-                                         port=port, workers=args.workers,
-                                         app_dir=str(Path(__file__).parent)))
+        url = bench.start_bare(group, args.server, free_port(), workers=args.workers)
         bench.wait_http(url)
         bench.wrk(url, 8, 2)  # warm-up
         pids = process_tree(group.children["bare"].proc.pid)

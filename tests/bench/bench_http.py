@@ -147,6 +147,14 @@ def platform(**extra_env: str) -> Iterator[tuple[dict[str, str], str, ProcessGro
             private.stop()
 
 
+def start_bare(group: ProcessGroup, server: str, port: int, *, workers: int = 1) -> str:
+    """The bare ASGI hello app (tests/bench/bare_asgi.py) under `server` with `workers`
+    processes, named "bare" in the group; its URL."""
+    group.start("bare", http_command(server, "bare_asgi:app", host="127.0.0.1", port=port,
+                                     workers=workers, app_dir=str(REPO / "tests" / "bench")))
+    return f"http://127.0.0.1:{port}/"
+
+
 def start_sluice(group: ProcessGroup, http: list[str], *, audit: bool = True,
                  output: Path | None = None,
                  prefix: Callable[[str], list[str]] = lambda name: []) -> None:
@@ -197,9 +205,7 @@ def main() -> None:
     try:
         key = seed_demo(env)
         bare_port, sluice_port = free_port(), free_port()
-        group.start("bare", http_command(args.server, "bare_asgi:app", host="127.0.0.1",
-                                         port=bare_port, workers=args.workers,
-                                         app_dir=str(REPO / "tests" / "bench")))
+        start_bare(group, args.server, bare_port, workers=args.workers)
         sluice = http_command(args.server, "sluice.asgi:application", host="127.0.0.1",
                               port=sluice_port, workers=args.workers)
         start_sluice(group, sluice, audit=False)

@@ -37,6 +37,7 @@ from bench_http import (  # noqa: E402
     WRK_LUA,
     bench_env,
     seed_demo,
+    start_bare,
     start_sluice,
     wait_http,
     wrk,
@@ -119,10 +120,9 @@ def main() -> None:
         script.write_text(WRK_LUA % key)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        group.start("bare", http_command(args.server, "bare_asgi:app", host="127.0.0.1",
-                                         port=port, app_dir=str(REPO / "tests" / "bench")))
-        wait_http(f"{url}/")
-        results["bare"].append(wrk(f"{url}/", args.connections, args.seconds))
+        bare = start_bare(group, args.server, port)
+        wait_http(bare)
+        results["bare"].append(wrk(bare, args.connections, args.seconds))
         group.stop()
         for _ in range(args.rounds):
             for mode in modes:
