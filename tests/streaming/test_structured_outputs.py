@@ -12,6 +12,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
+import websockets
 from google.protobuf.struct_pb2 import Struct
 from pydantic import BaseModel
 
@@ -79,6 +80,25 @@ def test_a_streamed_reply_is_the_json_value_and_nothing_after_it(
     assert finish == "stop"
     jsonschema.validate(json.loads("".join(parts)), SCHEMA)  # the whole text, no trailer
     assert len(parts) > 3, "streamed token by token"
+
+
+def test_over_the_websocket(live: Live, key: str, tiny: str) -> None:
+    async def go() -> list[dict[str, Any]]:
+        url = live.base_url.replace("http://", "ws://") + "/realtime"
+        async with websockets.connect(url, additional_headers={
+                "Authorization": f"Bearer {key}"}) as ws:
+            await ws.send(json.dumps({"type": "chat.request", "id": "r", "request": {
+                "model": tiny, "messages": ASK, "temperature": 1.0, "seed": 5,
+                "max_tokens": 200, "response_format": json_schema(SCHEMA)}}))
+            frames = []
+            while not frames or frames[-1]["type"] not in ("chat.done", "error"):
+                frames.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+            return frames
+
+    frames = asyncio.run(go())
+    assert frames[-1]["type"] == "chat.done" and frames[-1]["finish_reason"] == "stop", frames[-1]
+    text = "".join(f.get("delta", "") for f in frames if f["type"] == "chat.delta")
+    jsonschema.validate(json.loads(text), SCHEMA)
 
 
 def test_what_cannot_be_honoured_is_a_clear_400(client: openai.OpenAI, tiny: str) -> None:
