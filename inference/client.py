@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from inference import queue as q
 from inference.spec import DeploymentSpec
 from sluice import gctuning
-from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
+from sluice.errors import DeadlineExceeded, RateLimited, Unavailable, Unprocessable
 from sluice.redis import Coalescer, DirectConnection, fast_pool_options, reconnecting
 
 logger = logging.getLogger("sluice.inference")
@@ -182,18 +182,48 @@ class InferenceClient:
         priority: int = 0,
         traceparent: str = "",
         idempotency_key: str | None = None,
+        fingerprint: str = "",
+        owner: str | None = None,
     ) -> RequestHandle:
-        """Enqueue, or raise Unavailable (queue full) / RateLimited (tenant's share full)."""
+        """Enqueue, or raise Unavailable (queue full) / RateLimited (tenant's share full).
+
+        `idempotency_key` (already scoped to its caller: the queue stores it as given) with
+        `fingerprint` (a digest of the request): a second submit with the same key and
+        fingerprint is fed the first one's events; with another fingerprint it is
+        Unprocessable. `owner` (opaque to the queue): stored beside the request for as
+        long as its events can be read again (`owner_of`); a request without one cannot
+        be resumed."""
         if self._router is None:
             await self.start()
         rid = token_hex(12)
         deadline_ms = q.now_ms() + int(timeout_s * 1000)
         if idempotency_key is not None:
             key = q.idem_key(tenant, idempotency_key)
-            first = await self.redis.set(key, rid, nx=True, ex=86400)
-            if not first:
-                existing = (await self.redis.get(key) or b"").decode()
-                return self._replaying(spec, existing, tenant, deadline_ms)
+            record = orjson.dumps({"rid": rid, "fp": fingerprint})
+            # Twice: the first request's key may be freed (it was abandoned) between the
+            # SET that found it and the GET.
+            raw: bytes | None = None
+            for _attempt in range(2):
+                if await self.redis.set(key, record, nx=True, ex=q.IDEM_TTL_S):
+                    raw = None
+                    break
+                raw = await self.redis.get(key)
+                if raw is not None:
+                    break
+            else:
+                raise Unavailable("The request queue is busy; try again shortly.",
+                                  code="queue_unavailable", headers={"Retry-After": "1"})
+            if raw is not None:
+                existing = _idem_record(raw)
+                if existing is None or existing.get("fp") != fingerprint:
+                    raise Unprocessable(
+                        "This Idempotency-Key was already used with a different request; "
+                        "use a new key for a new request.", code="idempotency_key_reused",
+                        param="Idempotency-Key")
+                return self._replaying(spec, str(existing["rid"]), tenant, deadline_ms)
+        if owner is not None:
+            await self.redis.set(q.owner_key(tenant, rid), owner,
+                                 ex=int(timeout_s) + q.OUT_TTL_S)
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._waiting[rid] = events
         request = q.QueuedRequest(rid=rid, tenant=tenant, kind=spec.kind.value, body=body,
@@ -261,6 +291,12 @@ class InferenceClient:
         task = asyncio.create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def owner_of(self, tenant: str, rid: str) -> str | None:
+        """What `submit` stored as the request's owner; None once its events expired (or
+        for a request submitted without one)."""
+        raw = await self.redis.get(q.owner_key(tenant, rid))
+        return raw.decode() if raw else None
 
     async def attach(self, tenant: str, rid: str) -> bool:
         """Mark a stream as resumed by a client; False if no such request exists."""
@@ -335,3 +371,12 @@ class InferenceClient:
             pipe.xrange(q.stream_key(deployment, suffix), count=1)
         depth, *firsts = await pipe.execute()
         return {"depth": int(depth or 0), "oldest_age_ms": q.oldest_age_ms(firsts)}
+
+
+def _idem_record(raw: bytes | None) -> dict[str, Any] | None:
+    """An idempotency record ({"rid", "fp"}), None if absent or not one."""
+    try:
+        record = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("rid"), str) else None

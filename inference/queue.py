@@ -17,7 +17,9 @@ deployment's queue keys, and a tenant's request keys, each in one Redis Cluster 
     sluice:q:{<deployment>}:guard      hash: the memory guard's thresholds (governance)
     sluice:{<tenant>}:out:<rid>        the request's event stream (TTL): resume source
     sluice:{<tenant>}:done:<rid>       set once by the worker that finishes the request
-    sluice:{<tenant>}:idem:<key>       idempotency key -> request id
+    sluice:{<tenant>}:idem:<digest>    a caller's idempotency key (hashed with who sent it)
+                                       -> {"rid", "fp": the request's digest}
+    sluice:{<tenant>}:owner:<rid>      who may read the request's events again (resume)
     sluice:{<tenant>}:attached:<rid>   a client resumed this stream: do not cancel it
     sluice:{<tenant>}:convlast:<conv>  the request id of a conversation's latest stream
     sluice:gw:<gateway id>             events for the requests one gateway process waits on,
@@ -41,6 +43,7 @@ from sluice import wirejson
 GROUP = "workers"
 OUT_TTL_S = 600  # how long a finished generation can still be resumed
 GATEWAY_STREAM_MAXLEN = 100_000
+IDEM_TTL_S = 86_400  # how long an idempotency key keeps answering with its first request
 
 
 def _base(deployment: str) -> str:
@@ -115,6 +118,10 @@ def conversation_stream_key(tenant: str, conversation: str) -> str:
 
 def idem_key(tenant: str, key: str) -> str:
     return f"sluice:{{{tenant}}}:idem:{key}"
+
+
+def owner_key(tenant: str, rid: str) -> str:
+    return f"sluice:{{{tenant}}}:owner:{rid}"
 
 
 def gateway_key(gateway: str) -> str:

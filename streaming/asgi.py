@@ -22,7 +22,8 @@ from redis.exceptions import RedisError
 from governance.observe import served
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from sluice.telemetry import RequestScope
-from streaming import bodies
+from sluice.db import async_db
+from streaming import bodies, replay
 from streaming.gateway import Submitted, error_from_event, queue_unavailable, shared_gateway
 from streaming.schemas import (
     ChatCompletionRequest,
@@ -30,6 +31,8 @@ from streaming.schemas import (
     EmbeddingRequest,
     validation_error,
 )
+from tenants.conversations import conversation_get
+from tenants.principal import Principal
 
 logger = logging.getLogger("sluice.streaming")
 Scope = dict[str, Any]
@@ -149,19 +152,23 @@ class LeanApp:
             raise validation_error(exc) from None
         call["model"] = req.model
         call["observed"].protocol = "sse" if req.stream else "rest"
-        resume = _parse_event_id(headers.get("last-event-id"))
+        resume = replay.parse_event_id(headers.get("last-event-id"))
+        conversation = None
         if req.last_offset is not None:
             if not (req.stream and req.conversation_id):
                 raise BadRequest("last_offset needs stream: true and a conversation_id.",
                                  param="last_offset")
-            rid = await self.gateway.client.latest_stream(principal.tenant_slug,
-                                                          req.conversation_id)
+            conversation = req.conversation_id
+            await async_db(conversation_get)(actor=principal, public_id=conversation)
+            rid = await self.gateway.client.latest_stream(principal.tenant_slug, conversation)
             if rid is None:
                 raise NotFound("That conversation has no resumable stream.",
                                code="stream_not_found", param="conversation_id")
             resume = (rid, req.last_offset)
         if req.stream and resume is not None:
-            await self._resume(principal.tenant_slug, resume, req, send)
+            call["action"] = "chat.completions.resume"
+            await self._resume(principal, resume, req, send, conversation=conversation,
+                               began=call["began"])
             return
         header_conversation = headers.get("x-sluice-conversation-id")
         if header_conversation is not None and req.conversation_id is None:
@@ -212,14 +219,20 @@ class LeanApp:
             task.add_done_callback(self._background.discard)
             return
 
-    async def _resume(self, tenant: str, resume: tuple[str, int], req: ChatCompletionRequest,
-                      send: Send) -> None:
-        """The rest of an earlier stream, from its stored events: nothing regenerated."""
+    async def _resume(self, principal: Principal, resume: tuple[str, int],
+                      req: ChatCompletionRequest, send: Send, *, conversation: str | None,
+                      began: float) -> None:
+        """The rest of an earlier stream, from its stored events: nothing regenerated.
+        Only for whoever may read the original (streaming/replay.py); audited."""
         rid, after = resume
-        client = self.gateway.client
+        tenant, client = principal.tenant_slug, self.gateway.client
+        await replay.authorize_resume(principal, await client.owner_of(tenant, rid),
+                                      model=req.model, conversation=conversation)
         if not await client.attach(tenant, rid):
             raise NotFound("No resumable stream with that Last-Event-ID.",
                            code="stream_not_found")
+        self.gateway.governor.recorder.audit(replay.resume_event(
+            principal, rid, model=req.model, after=after, protocol="sse", began=began))
         events = client.replay(tenant, rid, after_seq=after,
                                timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
         await self._stream(rid, events, req, send, replay=True)
@@ -300,18 +313,6 @@ class LeanApp:
 
     async def _embeddings(self, sub: Submitted, req: EmbeddingRequest, send: Send) -> None:
         await _send_json(send, 200, await bodies.embeddings(sub, req), sub.headers)
-
-
-def _parse_event_id(value: str | None) -> tuple[str, int] | None:
-    """`<request id>:<seq>` (what every SSE event's `id:` carries) -> (rid, seq)."""
-    if not value or ":" not in value:
-        return None
-    rid, _, seq = value.strip().partition(":")
-    if not rid.isalnum() or len(rid) > 64:
-        return None
-    if seq == "start":
-        return rid, -1
-    return (rid, int(seq)) if seq.isdigit() else None
 
 
 class _KeepAlive:

@@ -45,6 +45,7 @@ from sluice.errors import (
     Unauthenticated,
     Unavailable,
 )
+from streaming import replay
 from streaming.schemas import (
     ChatCompletionRequest,
     EmbeddingRequest,
@@ -403,6 +404,7 @@ class Gateway:
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true.",
                              param="top_logprobs", code="invalid_value")
+        key, fingerprint = replay.idempotency(principal, idempotency_key, req)
         turn = [_message(m) for m in req.messages]  # what the conversation keeps
         messages = list(turn)
         if tools and req.tools:
@@ -433,8 +435,11 @@ class Gateway:
             # token counts with the model's own tokenizer).
             "history": history,
         }
-        handle = await self._submit(principal, spec, body, admission, timeout_s=timeout_s,
-                                    idempotency_key=idempotency_key)
+        handle = await self._submit(
+            principal, spec, body, admission, timeout_s=timeout_s, idempotency_key=key,
+            fingerprint=fingerprint,
+            owner=replay.ownership(principal, req.model, conversation_id)
+            if body["stream"] else None)
         return Submitted(principal, spec, handle, admission, conversation_id,
                          turn)
 

@@ -243,7 +243,7 @@ def test_resume_after_dropped_connection_gives_identical_text(
     admitted = [r for batch in live.workers["slow-echo"].admitted for r in batch]
     assert admitted.count(rid) == 1, "generated once, not regenerated"
     with httpx.Client(timeout=30) as http:
-        unknown = http.post(url, json=body, headers={**auth, "Last-Event-ID": "nope:3"})
+        unknown = http.post(url, json=body, headers={**auth, "Last-Event-ID": "0abc:3"})
         bob = make_org("bob", [Role.DEVELOPER]).keys[Role.DEVELOPER]
         stolen = http.post(url, json=body, headers={"Authorization": f"Bearer {bob}",
                                                     "Last-Event-ID": last_id})
