@@ -20,9 +20,9 @@ from pydantic import TypeAdapter, ValidationError
 from redis.exceptions import RedisError
 
 from governance.observe import served
+from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from sluice.telemetry import RequestScope
-from sluice.db import async_db
 from streaming import bodies, replay
 from streaming.gateway import Submitted, error_from_event, queue_unavailable, shared_gateway
 from streaming.schemas import (

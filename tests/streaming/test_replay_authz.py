@@ -115,7 +115,7 @@ def test_a_stream_is_resumed_only_by_its_own_caller(http: httpx.Client, keys: Ke
 
 
 def test_resumes_are_audited(http: httpx.Client, keys: Keys) -> None:
-    rid, _text_ = _stream(http, keys.developer)
+    rid, _ = _stream(http, keys.developer)
     assert _resume(http, keys.developer, rid).status_code == 200
     assert _resume(http, keys.colleague, rid).status_code == 404
     audit.drain()
