@@ -9,11 +9,13 @@ from typing import Any
 from django import forms
 
 from governance.models import BreakerPolicy, Quota, RateLimitPolicy
+from governance.selectors import governed_tenants
 from governance.services import BREAKER_FIELDS, QUOTA_FIELDS, RATELIMIT_FIELDS
 from inference.models import Deployment
 from sluice.errors import ApiError
 from tenants.models import Tenant
-from tenants.roles import Role
+from tenants.principal import Principal
+from tenants.roles import Action, Role
 
 
 def show_error(form: forms.BaseForm, exc: ApiError) -> None:
@@ -35,8 +37,22 @@ class TenantChoice(forms.ModelChoiceField):
 
 
 def _tenant_field(required: bool) -> TenantChoice:
-    return TenantChoice(queryset=Tenant.objects.order_by("slug"), required=required,
+    # No choices until the form knows its actor (ActorForm): a list of every tenant is
+    # never rendered, nor accepted, by default.
+    return TenantChoice(queryset=Tenant.objects.none(), required=required,
                         empty_label="(platform default)" if not required else None)
+
+
+class ActorForm(forms.ModelForm):
+    """A form whose choice lists come from the actor's selectors: what the actor may
+    not see is neither offered nor accepted ("Select a valid choice", the same answer
+    as for an id that does not exist)."""
+
+    def __init__(self, *args: Any, actor: Principal, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tenant = self.fields.get("tenant")
+        if isinstance(tenant, TenantChoice):
+            tenant.queryset = governed_tenants(actor=actor)
 
 
 class QuotaForm(forms.ModelForm):
@@ -45,7 +61,7 @@ class QuotaForm(forms.ModelForm):
         fields: tuple[str, ...] = QUOTA_FIELDS
 
 
-class QuotaCreateForm(QuotaForm):
+class QuotaCreateForm(ActorForm, QuotaForm):
     tenant = _tenant_field(required=True)
 
     class Meta(QuotaForm.Meta):
@@ -58,9 +74,9 @@ class RateLimitForm(forms.ModelForm):
         fields = tuple(f for f in RATELIMIT_FIELDS if f != "scope")
 
 
-class RateLimitCreateForm(forms.ModelForm):
+class RateLimitCreateForm(ActorForm):
     """Platform admins pick any tenant (or none: the platform default); tenant admins
-    only set limits on their own keys (`api_key_id`)."""
+    only set limits on their own keys (`api_key_id`), so they get no tenant field."""
 
     tenant = _tenant_field(required=False)
     api_key_id = forms.IntegerField(required=False, min_value=1, label="API key id",
@@ -69,6 +85,11 @@ class RateLimitCreateForm(forms.ModelForm):
     class Meta:
         model = RateLimitPolicy
         fields = ("tenant", *RATELIMIT_FIELDS)
+
+    def __init__(self, *args: Any, actor: Principal, **kwargs: Any) -> None:
+        super().__init__(*args, actor=actor, **kwargs)
+        if not actor.can(Action.GOVERNANCE_MANAGE_ANY):
+            del self.fields["tenant"]
 
 
 class BreakerForm(forms.ModelForm):

@@ -33,7 +33,7 @@ from governance.audit import verify
 from governance.exports import export_file
 from inference import selectors as inf
 from inference import services as inf_services
-from sluice.errors import ApiError, PermissionDenied
+from sluice.errors import ApiError
 from tenants import selectors as ten
 from tenants import services as ten_services
 from tenants.conversations import conversation_list
@@ -206,7 +206,7 @@ def quotas(request: HttpRequest, actor: Principal) -> HttpResponse:
 
 @page(Action.GOVERNANCE_MANAGE_ANY)
 def quota_new(request: HttpRequest, actor: Principal) -> HttpResponse:
-    form = forms.QuotaCreateForm(request.POST or None)
+    form = forms.QuotaCreateForm(request.POST or None, actor=actor)
     return _form_view(
         request, actor, form, title="New quota",
         save=lambda data: gov_services.quota_create(
@@ -247,10 +247,10 @@ def limits(request: HttpRequest, actor: Principal) -> HttpResponse:
 
 @page(Action.GOVERNANCE_MANAGE)
 def limit_new(request: HttpRequest, actor: Principal) -> HttpResponse:
-    form = forms.RateLimitCreateForm(request.POST or None)
+    form = forms.RateLimitCreateForm(request.POST or None, actor=actor)
 
     def save(data: dict[str, Any]) -> Any:
-        tenant = data.pop("tenant")
+        tenant = data.pop("tenant", None)
         return gov_services.ratelimit_create(actor=actor,
                                              tenant_id=tenant.pk if tenant else None,
                                              api_key_id=data.pop("api_key_id"), **data)
@@ -371,11 +371,8 @@ def audit(request: HttpRequest, actor: Principal) -> HttpResponse:
 
 @page(Action.AUDIT_READ)
 def audit_event(request: HttpRequest, actor: Principal, event_id: int) -> HttpResponse:
-    event = gov.audit_events(actor=actor).filter(pk=event_id).first()
-    if event is None:
-        return _page(request, actor, "error.html", status=404,
-                     error=PermissionDenied("No such event."))
-    return _page(request, actor, "audit_event.html", event=event)
+    return _page(request, actor, "audit_event.html",
+                 event=gov.audit_event_get(actor=actor, event_id=event_id))
 
 
 @page(Action.AUDIT_READ)

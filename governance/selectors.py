@@ -2,7 +2,10 @@
 
 Platform admins (governance.manage_any) see everything; tenant admins
 (governance.manage) see their tenant's policies, the platform defaults that apply to it,
-and its usage; auditors see usage.
+and its usage; auditors see usage. Every lookup by id, here and in the services, goes
+through a selector of this module or tenants.selectors: an object outside the caller's
+reach is NotFound with the same message as a missing one, so answers never tell another
+tenant's ids from free ones.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from governance.models import (
 )
 from inference.models import Deployment
 from sluice.errors import NotFound
-from tenants.models import ApiKey
+from tenants import selectors as tenant_selectors
+from tenants.models import ApiKey, Tenant
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -31,6 +35,33 @@ from tenants.selectors import require
 
 def _any(actor: Principal) -> bool:
     return actor.can(Action.GOVERNANCE_MANAGE_ANY)
+
+
+def governed_tenants(*, actor: Principal) -> QuerySet[Tenant]:
+    """The tenants whose policies the caller may name (a form's choices): every tenant
+    for platform admins, their own for anyone else."""
+    if actor.can(Action.TENANT_READ_ANY):
+        return tenant_selectors.tenant_list(actor=actor).order_by("slug")
+    return Tenant.objects.filter(pk=actor.tenant_id)
+
+
+def governed_tenant(*, actor: Principal, tenant_id: int) -> Tenant:
+    """A tenant named in a policy or an export: NotFound (param tenant_id) for one
+    missing or outside `governed_tenants`, the same answer for both."""
+    tenant = governed_tenants(actor=actor).filter(pk=tenant_id).first()
+    if tenant is None:
+        raise NotFound("No such tenant.", param="tenant_id")
+    return tenant
+
+
+def governed_key(*, actor: Principal, tenant_id: int, key_id: int) -> ApiKey:
+    """An API key of a governed tenant that a limit may name: NotFound (param
+    api_key_id) for a key missing or in another tenant."""
+    tenant = governed_tenant(actor=actor, tenant_id=tenant_id)
+    key = ApiKey.objects.filter(pk=key_id, tenant=tenant).first()
+    if key is None:
+        raise NotFound("No such API key in that tenant.", param="api_key_id")
+    return key
 
 
 def ratelimit_list(*, actor: Principal, tenant_id: int | None = None
@@ -144,6 +175,13 @@ def audit_events(*, actor: Principal, tenant_id: int | None = None,
                          **filters).order_by("-at", "-id")
 
 
+def audit_event_get(*, actor: Principal, event_id: int) -> AuditEvent:
+    event = audit_events(actor=actor).filter(pk=event_id).first()
+    if event is None:
+        raise NotFound("No such event.")
+    return event
+
+
 def audit_export_get(*, actor: Principal, export_id: int) -> AuditExport:
     require(actor, Action.AUDIT_READ)
     rows = AuditExport.objects.filter(pk=export_id)
@@ -158,4 +196,11 @@ def audit_export_get(*, actor: Principal, export_id: int) -> AuditExport:
 def redaction_patterns(*, actor: Principal) -> QuerySet[RedactionPattern]:
     require(actor, Action.GOVERNANCE_MANAGE)
     return RedactionPattern.objects.filter(tenant_id=actor.tenant_id).order_by("id")
+
+
+def redaction_pattern_get(*, actor: Principal, pattern_id: int) -> RedactionPattern:
+    row = redaction_patterns(actor=actor).filter(pk=pattern_id).first()
+    if row is None:
+        raise NotFound("No such redaction pattern.")
+    return row
 

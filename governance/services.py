@@ -3,7 +3,10 @@ reaches every gateway within about a second (cache epoch), and, for breaker poli
 hands the memory guard's thresholds to the deployment's workers through Redis.
 
 Who may write: platform admins anything; tenant admins only rate limits of scope
-api_key on their own tenant (limits they put on their own keys).
+api_key on their own tenant (limits they put on their own keys). Every object a write
+names (tenant, key, policy, pattern) is looked up through governance.selectors, so one
+outside the caller's reach is the same NotFound as a missing one, checked before any
+rule that would tell them apart.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from governance.models import (
     RateLimitScope,
     RedactionPattern,
 )
+from governance.ranges import check as check_ranges
 from governance.redaction import UnsafePattern, compile_tenant_pattern
 from inference.queue import guard_key
-from sluice.errors import NotFound, PermissionDenied, Unprocessable
+from sluice.errors import PermissionDenied, Unprocessable
 from sluice.redis import sync_redis
 from sluice.validation import validate
-from tenants.models import ApiKey, Tenant
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -43,15 +46,6 @@ BREAKER_FIELDS = ("window_kind", "window_size", "min_calls", "failure_rate", "sl
                   "memory_high", "memory_low", "memory_hold_s", "degrade_mode",
                   "degraded_max_tokens", "shed_queue_depth", "shed_oldest_age_ms",
                   "priority_share")
-
-
-def _tenant(tenant_id: int | None) -> Tenant | None:
-    if tenant_id is None:
-        return None
-    tenant = Tenant.objects.filter(pk=tenant_id).first()
-    if tenant is None:
-        raise NotFound("No such tenant.", param="tenant_id")
-    return tenant
 
 
 def _may_write_limit(actor: Principal, policy: RateLimitPolicy) -> None:
@@ -69,6 +63,7 @@ def _save(actor: Principal, row: Any, action: str, kind: str,
     """Every policy write ends the same way: validated (422), saved, the gateways'
     caches told, the admin action audited (target "<kind>:<id>" unless given)."""
     validate(row, exclude=exclude)
+    check_ranges(row)  # the documented ranges, whatever the edge (API, UI)
     row.save()
     cache.invalidate()
     record_action(actor=actor, action=action, target=target or f"{kind}:{row.pk}",
@@ -92,14 +87,13 @@ def ratelimit_create(*, actor: Principal, tenant_id: int | None = None,
     require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY)
     if not actor.can(Action.GOVERNANCE_MANAGE_ANY):
         tenant_id = actor.tenant_id if tenant_id is None else tenant_id
-    policy = RateLimitPolicy(tenant=_tenant(tenant_id))
+    policy = RateLimitPolicy(tenant=None if tenant_id is None else
+                             selectors.governed_tenant(actor=actor, tenant_id=tenant_id))
     if api_key_id is not None:
         if tenant_id is None:
             raise Unprocessable("api_key_id needs the key's tenant_id.", param="tenant_id")
-        key = ApiKey.objects.filter(pk=api_key_id, tenant_id=tenant_id).first()
-        if key is None:
-            raise NotFound("No such API key in that tenant.", param="api_key_id")
-        policy.api_key = key
+        policy.api_key = selectors.governed_key(actor=actor, tenant_id=tenant_id,
+                                                key_id=api_key_id)
     _apply(policy, fields, RATELIMIT_FIELDS)
     _may_write_limit(actor, policy)
     _save(actor, policy, "ratelimit.create", "ratelimit")
@@ -127,8 +121,7 @@ def ratelimit_delete(*, actor: Principal, policy_id: int) -> None:
 @transaction.atomic
 def quota_create(*, actor: Principal, tenant_id: int, **fields: Any) -> Quota:
     require(actor, Action.GOVERNANCE_MANAGE_ANY)
-    tenant = _tenant(tenant_id)
-    quota = Quota(tenant=tenant)
+    quota = Quota(tenant=selectors.governed_tenant(actor=actor, tenant_id=tenant_id))
     _apply(quota, fields, QUOTA_FIELDS)
     _save(actor, quota, "quota.create", "quota", fields)
     return quota
@@ -181,14 +174,16 @@ def publish_guard(policy: BreakerPolicy) -> None:
 def audit_export_create(*, actor: Principal, format: str, tenant_id: int | None = None,
                         actor_filter: str | None = None, **filters: Any) -> AuditExport:
     """Queue an export of the events the caller may read (`actor_filter`: only that
-    principal's events); the Celery job starts on commit."""
+    principal's events; `tenant_id`: a tenant the caller may read, else NotFound; none:
+    every tenant for platform admins, their own for the others); the Celery job starts
+    on commit."""
     require(actor, Action.AUDIT_READ)
     if actor_filter:
         filters["actor"] = actor_filter
-    if not actor.can(Action.TENANT_READ_ANY):
+    if tenant_id is not None:
+        tenant_id = selectors.governed_tenant(actor=actor, tenant_id=tenant_id).pk
+    elif not actor.can(Action.TENANT_READ_ANY):
         tenant_id = actor.tenant_id
-    elif tenant_id is not None:
-        _tenant(tenant_id)  # 404 for a tenant that does not exist
     clean = {k: (v.isoformat() if hasattr(v, "isoformat") else v)
              for k, v in filters.items() if v is not None}
     export = AuditExport.objects.create(tenant_id=tenant_id, requested_by=actor.subject,
@@ -217,11 +212,7 @@ def redaction_pattern_create(*, actor: Principal, label: str,
 
 @transaction.atomic
 def redaction_pattern_delete(*, actor: Principal, pattern_id: int) -> None:
-    require(actor, Action.GOVERNANCE_MANAGE)
-    row = RedactionPattern.objects.filter(pk=pattern_id, tenant_id=actor.tenant_id).first()
-    if row is None:
-        raise NotFound("No such redaction pattern.")
-    row.delete()
+    selectors.redaction_pattern_get(actor=actor, pattern_id=pattern_id).delete()
     cache.invalidate()
     record_action(actor=actor, action="redaction.delete", target=f"pattern:{pattern_id}")
 
