@@ -1,7 +1,8 @@
 """Audit exports: a Celery job writes the events an auditor selected to JSONL or CSV
 under <state dir>/exports/, reporting progress on its AuditExport row. Reruns rewrite
 the same file (idempotent); the file appears only when complete (written aside, then
-renamed)."""
+renamed). CSV cells are neutralized against formula injection (`csv_cell`): a text cell
+that a spreadsheet would run as a formula starts with a single quote."""
 
 from __future__ import annotations
 
@@ -38,6 +39,20 @@ def export_dir() -> Path:
     return path
 
 
+# OWASP's "CSV Injection": a cell starting with one of these is a formula (or, with tab
+# and carriage return, becomes one once a spreadsheet trims it).
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A value as a CSV cell a spreadsheet shows as text: a string starting with
+    = + - @ tab or carriage return gets a leading single quote; other values unchanged
+    (prompts, models, targets and actors are caller input)."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def _row(event: AuditEvent) -> dict[str, Any]:
     out = {name: getattr(event, name) for name in COLUMNS}
     out["at"] = event.at.isoformat()
@@ -63,7 +78,8 @@ def run(export_id: int) -> str:
             for event in events.iterator(chunk_size=2000):
                 row = _row(event)
                 if writer is not None:
-                    writer.writerow({**row, "detail": json.dumps(row["detail"])})
+                    row["detail"] = json.dumps(row["detail"])
+                    writer.writerow({k: csv_cell(v) for k, v in row.items()})
                 else:
                     out.write(json.dumps(row, default=str) + "\n")
                 done += 1
