@@ -1,4 +1,5 @@
-"""Request guards that must run before Django reads a body."""
+"""Request guards that must run before Django reads a body, and the web UI's response
+headers (CSP, Secure cookies on HTTPS)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,41 @@ class JsonErrorMiddleware:
             return wrapped
         return response
 
+
+
+class UiSecurityHeadersMiddleware:
+    """The admin UI's own headers: its Content-Security-Policy (settings.SLUICE_UI_CSP)
+    on every response under /ui/. The UI loads one script and one stylesheet from
+    /ui/static/ and nothing inline, so the policy allows 'self' only; the API's docs
+    page, which loads Swagger from a CDN, is outside /ui/ and keeps none."""
+
+    PREFIX = "/ui/"
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if request.path.startswith(self.PREFIX):
+            response.headers.setdefault("Content-Security-Policy", settings.SLUICE_UI_CSP)
+        return response
+
+
+class SecureCookiesMiddleware:
+    """Every cookie of a response to an HTTPS request is marked Secure (the session,
+    CSRF and messages cookies), whatever SESSION_COOKIE_SECURE says: the flag follows
+    the scheme the request came in on, so one deployment serves the plain-HTTP dev
+    server and HTTPS alike. Behind a TLS-terminating proxy, request.is_secure() is true
+    only when SECURE_PROXY_SSL_HEADER trusts its X-Forwarded-Proto
+    (SLUICE_TRUST_X_FORWARDED_PROTO). Listed before the middleware that set cookies,
+    so it sees theirs on the way out."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if request.is_secure():
+            for morsel in response.cookies.values():
+                morsel["secure"] = True
+        return response

@@ -40,6 +40,8 @@ MIDDLEWARE = [
     "sluice.middleware.JsonErrorMiddleware",
     "sluice.middleware.BodySizeLimitMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "sluice.middleware.UiSecurityHeadersMiddleware",
+    "sluice.middleware.SecureCookiesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -112,9 +114,21 @@ SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 CSRF_COOKIE_SAMESITE = "Lax"
 SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
-SESSION_COOKIE_SECURE = env_bool("SLUICE_SECURE_COOKIES", False)
+# Cookies are Secure on every HTTPS request (sluice.middleware.SecureCookiesMiddleware);
+# these force it on plain HTTP too, by default when the public URL is https.
+SESSION_COOKIE_SECURE = env_bool("SLUICE_SECURE_COOKIES", PUBLIC_URL.startswith("https://"))
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+# Behind a TLS-terminating proxy that sets X-Forwarded-Proto (and strips a client's):
+# trust it, so request.is_secure() (Secure cookies, CSRF's origin checks) sees https.
+if env_bool("SLUICE_TRUST_X_FORWARDED_PROTO", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# The admin UI's policy (sluice.middleware.UiSecurityHeadersMiddleware): its own script
+# and stylesheet, nothing inline, no framing, forms and fetches to itself only.
+SLUICE_UI_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; "
+                 "img-src 'self' data:; connect-src 'self'; object-src 'none'; "
+                 "base-uri 'none'; frame-ancestors 'none'; form-action 'self'")
 
 NINJA_PAGINATION_MAX_LIMIT = 100
 NINJA_PAGINATION_PER_PAGE = 50
