@@ -17,19 +17,22 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from governance.observe import served
 from inference.selectors import models_for
 from sluice import telemetry
 from sluice.db import async_db
-from sluice.errors import ApiError
+from sluice.errors import ApiError, BadRequest
 from streaming import bodies
 from streaming.gateway import Gateway, Submitted, error_from_event
+from streaming.nesting import check_depth
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
@@ -97,6 +100,7 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
         data["conversation_id"] = msg.conversation_id
     if msg.user:
         data["user"] = msg.user
+    check_depth(data)  # protobuf's own limit is below it today; the edges share one
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
@@ -267,11 +271,14 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = {k.lower(): v for k, v in details.invocation_metadata or ()
                     if isinstance(v, str)}
+        parse = _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:
             unary = handler.unary_unary
 
             async def observed_unary(request: Any, context: Any) -> Any:
                 with served(rpc, "grpc", method="", headers=metadata) as scope:
+                    if isinstance(request, Undecodable):
+                        await _abort(context, request.error)
                     try:
                         reply = await unary(request, context)
                     except asyncio.CancelledError:
@@ -280,13 +287,15 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
                     scope.status = scope.status or _SUCCESS
                     return reply
             return grpc.unary_unary_rpc_method_handler(
-                observed_unary, request_deserializer=handler.request_deserializer,
+                observed_unary, request_deserializer=parse,
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             stream = handler.unary_stream
 
             async def observed_stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 with served(rpc, "grpc", method="", headers=metadata) as scope:
+                    if isinstance(request, Undecodable):
+                        await _abort(context, request.error)
                     inner = stream(request, context)
                     try:
                         async for item in inner:
@@ -298,9 +307,36 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
                         await inner.aclose()  # the servicer's own clean-up runs now
                     scope.status = scope.status or _SUCCESS
             return grpc.unary_stream_rpc_method_handler(
-                observed_stream, request_deserializer=handler.request_deserializer,
+                observed_stream, request_deserializer=parse,
                 response_serializer=handler.response_serializer)
         return handler
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request message protobuf could not decode, as the handler receives it."""
+
+    error: ApiError
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """`deserialize`, returning an Undecodable for bytes it rejects: gRPC would answer a
+    deserializer's exception with UNKNOWN and log it as a server error, where a
+    malformed request is the caller's INVALID_ARGUMENT. Protobuf refuses messages
+    nested past 100 levels (a Struct of lists within lists: about 50 JSON levels)."""
+    def parse(data: bytes) -> Any:
+        if deserialize is None:
+            return data
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            if "depth" in str(exc).lower():  # upb: "Exceeded upb_DecodeOptions_MaxDepth"
+                return Undecodable(BadRequest(
+                    "The request message nests more than 100 levels deep.",
+                    code="json_too_deep"))
+            return Undecodable(BadRequest("The request is not a valid message of this "
+                                          "method.", code="invalid_message"))
+    return parse
 
 
 async def _cancel(sub: Submitted) -> None:
