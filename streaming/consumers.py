@@ -1,8 +1,18 @@
 """The WebSocket adapter: `/v1/realtime`, a chat socket over the one gateway pipeline.
 
 Authenticated at connect: `Authorization: Bearer <key|JWT>` header, or (browsers cannot
-set headers) the subprotocol `sluice.bearer.<key|JWT>`. A failed authentication closes
-the socket with 4401 (4403 for a role that may not call models).
+set headers) by offering the subprotocols `sluice.v1` and `sluice.bearer.<key|JWT>`. The
+handshake answers `sluice.v1`, never the credential (RFC 6455 has the server answer one
+of the offered values, so the offer carries a non-secret one); a client that offers only
+`sluice.bearer.<...>` is signed in and gets no subprotocol back. A failed authentication
+closes the socket with 4401 (4403 for a role that may not call models). Every request
+frame authenticates the credential again (cached, as a REST call does), so a socket is
+refused from the moment its key is revoked or its token expires: 4401 after the frame's
+error.
+
+A socket lives as long as its client keeps it: it holds no Redis read of its own (the
+Channels layer carries nothing for it, so it is not subscribed there), and the HTTP
+server pings idle sockets (uvicorn and daphne every 20 s; see sluice/servers.py).
 
 Frames are JSON objects. Client -> server:
     {"type": "chat.request", "id": "r1", "request": {<chat completion body>}}
@@ -14,6 +24,11 @@ Server -> client:
      "tool_calls": [...]}                       (tool_calls only when there are some)
     {"type": "embeddings.result", "id": "e1", "body": {<OpenAI embeddings body>}}
     {"type": "error", "id": "r1" | null, "error": {<OpenAI error>}}
+Every bad frame gets an error frame and the socket stays open: one that is not a JSON
+object, or nests deeper than MAX_JSON_DEPTH levels, gets a 400 (`invalid_json`,
+`json_too_deep`) with the frame's id when it has one, else null. A request that fails
+unexpectedly gets its own 500 (`server_error`) frame; a failure of the socket's own
+handling is logged and closes it with 1011.
 A request frame may carry `"traceparent": "<W3C traceparent>"` to join the caller's trace.
 Several requests may run at once (ids keep them apart, up to MAX_IN_FLIGHT); a cancel
 frame, or the socket closing, cancels the generation on the worker. When the platform
@@ -27,29 +42,58 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from typing import Any
 
+import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from governance.observe import served
-from sluice.errors import ApiError, BadRequest, PermissionDenied
+from sluice.errors import ApiError, BadRequest, PermissionDenied, ServerError
 from streaming import bodies
-from streaming.gateway import Gateway, Submitted, error_from_event, shared_gateway
+from streaming.gateway import (
+    Gateway,
+    Submitted,
+    error_from_event,
+    queue_unavailable,
+    shared_gateway,
+)
+from streaming.nesting import MAX_JSON_DEPTH, check_depth
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
 from tenants.principal import Principal
 from tenants.roles import Action
 
+logger = logging.getLogger("sluice.streaming")
+
 MAX_IN_FLIGHT = 16
 MAX_FRAME_BYTES = 4 * 1024 * 1024
+SUBPROTOCOL = "sluice.v1"
 SUBPROTOCOL_PREFIX = "sluice.bearer."
 CLOSE_UNAUTHENTICATED, CLOSE_FORBIDDEN, CLOSE_TRY_LATER = 4401, 4403, 1013
+CLOSE_INTERNAL_ERROR = 1011
 
 
 class RealtimeConsumer(AsyncWebsocketConsumer):
     gateway: Gateway
     principal: Principal | None
+    # Not subscribed to the Channels layer: nothing reaches these sockets through it,
+    # and its blocking Redis read would tie every socket's life to Redis's (a failed
+    # read ends the consumer). An alias that is not configured means no layer.
+    channel_layer_alias = "sluice.realtime.unsubscribed"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Channels' dispatch loop; an error it did not expect is logged and closes the
+        socket with 1011, where the server would drop it without a close frame."""
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception:
+            logger.exception("websocket /v1/realtime failed; closing it with 1011")
+            await self.disconnect(CLOSE_INTERNAL_ERROR)
+            with contextlib.suppress(Exception):  # the client may be gone already
+                await send({"type": "websocket.close", "code": CLOSE_INTERNAL_ERROR})
 
     async def connect(self) -> None:
         self.gateway = shared_gateway()
@@ -57,23 +101,16 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         self.tasks: dict[str, asyncio.Task[None]] = {}
         headers = {k.decode().lower(): v.decode("latin-1")
                    for k, v in self.scope.get("headers", [])}
-        token, subprotocol = headers.get("authorization"), None
-        for offered in self.scope.get("subprotocols", []):
-            if offered.startswith(SUBPROTOCOL_PREFIX):
-                token, subprotocol = f"Bearer {offered[len(SUBPROTOCOL_PREFIX):]}", offered
-        await self.accept(subprotocol)
+        offered = list(self.scope.get("subprotocols", []))
+        self.authorization = headers.get("authorization")
+        for protocol in offered:
+            if protocol.startswith(SUBPROTOCOL_PREFIX):
+                self.authorization = f"Bearer {protocol[len(SUBPROTOCOL_PREFIX):]}"
+        await self.accept(SUBPROTOCOL if SUBPROTOCOL in offered else None)
         try:
-            principal = await self.gateway.authenticate(token)
+            self.principal = await self._signed_in()
         except ApiError as exc:
-            await self._error(None, exc)
-            await self.close(CLOSE_TRY_LATER if exc.status >= 500 else CLOSE_UNAUTHENTICATED)
-            return
-        if not principal.can(Action.MODEL_USE):
-            await self._error(None, PermissionDenied(
-                f"Your role ({principal.role}) may not call models."))
-            await self.close(CLOSE_FORBIDDEN)
-            return
-        self.principal = principal
+            await self._refuse(None, exc)
 
     async def disconnect(self, code: int) -> None:
         for task in list(getattr(self, "tasks", {}).values()):
@@ -83,20 +120,27 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                       bytes_data: bytes | None = None) -> None:
         if self.principal is None:
             return
-        raw = text_data if text_data is not None else (bytes_data or b"").decode(
-            "utf-8", "replace")
+        raw = text_data if text_data is not None else bytes_data or b""
         if len(raw) > MAX_FRAME_BYTES:
             await self._error(None, BadRequest("Frame too large.", code="frame_too_large"))
             return
         try:
-            frame = json.loads(raw)
-        except ValueError:
-            await self._error(None, BadRequest("Frames must be JSON objects.",
-                                               code="invalid_json"))
-            return
+            # orjson, not json: it refuses nesting past 1,024 levels with an error,
+            # where json recurses into a RecursionError.
+            frame = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            frame = None
         if not isinstance(frame, dict):
             await self._error(None, BadRequest("Frames must be JSON objects.",
                                                code="invalid_json"))
+            return
+        try:
+            # The frame wraps a request body in one level more than REST's.
+            check_depth(frame, what="The frame", limit=MAX_JSON_DEPTH + 1)
+        except BadRequest as exc:
+            rid = frame.get("id")
+            await self._error(rid if isinstance(rid, str) and 0 < len(rid) <= 64
+                              else None, exc)
             return
         rid, kind = frame.get("id"), frame.get("type")
         if not isinstance(rid, str) or not 0 < len(rid) <= 64:
@@ -124,7 +168,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         request = frame.get("request")
         parent = frame.get("traceparent")
         task = asyncio.create_task(self._observed(
-            rid, kind, request if isinstance(request, dict) else {},
+            self.principal, rid, kind, request if isinstance(request, dict) else {},
             {"traceparent": parent} if isinstance(parent, str) else None))
         self.tasks[rid] = task
 
@@ -133,41 +177,47 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
 
         task.add_done_callback(forget)
 
-    async def _observed(self, rid: str, kind: str, request: dict[str, Any],
-                        headers: dict[str, str] | None) -> None:
+    async def _observed(self, principal: Principal, rid: str, kind: str,
+                        request: dict[str, Any], headers: dict[str, str] | None) -> None:
         """One request frame as a served request (span, metrics, access log)."""
-        assert self.principal is not None  # noqa: S101 - receive() checked
         with served("/v1/realtime", "websocket", method=kind, headers=headers) as scope:
-            scope.tenant = self.principal.tenant_slug
+            scope.tenant = principal.tenant_slug
             try:
-                scope.status = await self._run(rid, kind, request)
+                scope.status = await self._run(principal, rid, kind, request)
             except asyncio.CancelledError:
                 scope.status = 499
                 raise
 
-    async def _run(self, rid: str, kind: str, request: dict[str, Any]) -> int:
+    async def _run(self, principal: Principal, rid: str, kind: str,
+                   request: dict[str, Any]) -> int:
         """Serve one request frame; returns its HTTP-equivalent status."""
-        assert self.principal is not None  # noqa: S101 - receive() checked
         began, sub = time.monotonic(), None
         action = "embeddings" if kind == "embeddings.request" else "chat.completions"
         try:
             try:
+                principal = await self._signed_in()
+            except ApiError as exc:
+                if exc.status >= 500:
+                    raise  # the platform failed: this request fails, the socket stays
+                self.principal = None  # frames still buffered are ignored
+                await self._refuse(rid, exc)
+                return exc.status
+            try:
                 if kind == "embeddings.request":
                     emb = EmbeddingRequest.model_validate(request)
-                    sub = await self.gateway.embed(self.principal, emb, protocol="websocket")
+                    sub = await self.gateway.embed(principal, emb, protocol="websocket")
                     await self._send(rid, "embeddings.result",
                                      body=await bodies.embeddings(sub, emb))
                     return 200
                 req = ChatCompletionRequest.model_validate(request)
             except ValidationError as exc:
                 raise validation_error(exc) from None
-            sub = await self.gateway.chat(self.principal, req, protocol="websocket",
-                                          stream=True)
+            sub = await self.gateway.chat(principal, req, protocol="websocket", stream=True)
             await self._stream(rid, sub)
             return 200
         except ApiError as exc:
             if sub is None:
-                self.gateway.refused(self.principal, exc, action=action,
+                self.gateway.refused(principal, exc, action=action,
                                      model=str(request.get("model", "")),
                                      protocol="websocket", began=began)
             await self._error(rid, exc)
@@ -177,6 +227,24 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(sub.handle.cancel())
             raise
+        except RedisError:
+            # Redis failing under a call (a restart, a failover) is retriable, as on REST.
+            await self._error(rid, queue_unavailable())
+            return 503
+        except Exception:
+            logger.exception("websocket request %s failed", kind)
+            await self._error(rid, ServerError(
+                "The server had an error processing your request."))
+            return 500
+
+    async def _signed_in(self) -> Principal:
+        """The socket's credential as a REST call would find it now (the cached path):
+        raises Unauthenticated for one revoked, expired or demoted since the socket
+        opened, PermissionDenied for a role that may not call models."""
+        principal = await self.gateway.authenticate(self.authorization)
+        if not principal.can(Action.MODEL_USE):
+            raise PermissionDenied(f"Your role ({principal.role}) may not call models.")
+        return principal
 
     async def _stream(self, rid: str, sub: Submitted) -> None:
         parts: list[str] = []
@@ -200,3 +268,11 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
 
     async def _error(self, rid: str | None, exc: ApiError) -> None:
         await self._send(rid, "error", error=exc.body()["error"])
+
+    async def _refuse(self, rid: str | None, exc: ApiError) -> None:
+        """The error frame, then the close code for it: 1013 when the platform could not
+        authenticate at all, 4403 for a principal that may not call models, else 4401."""
+        await self._error(rid, exc)
+        await self.close(CLOSE_TRY_LATER if exc.status >= 500 else
+                         CLOSE_FORBIDDEN if isinstance(exc, PermissionDenied) else
+                         CLOSE_UNAUTHENTICATED)

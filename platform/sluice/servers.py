@@ -26,6 +26,12 @@ import sys
 SERVERS = ("uvicorn", "granian", "daphne")
 DEFAULT = "uvicorn"
 
+# WebSocket keepalive (a /v1/realtime socket lives for hours, and proxies close idle
+# connections): uvicorn pings every socket idle for 20 s and closes one that leaves a
+# ping unanswered 20 s (its defaults, --ws-ping-interval/--ws-ping-timeout); daphne pings
+# every 20 s (timeout 30 s) and caps a socket at 24 h (--websocket_timeout); granian 2.8
+# has no WebSocket ping, so its clients behind such a proxy must ping themselves.
+
 # granian admits at most `backpressure` requests at once per worker (default
 # backlog/workers = 1024) and queues the rest: an SSE stream is a request for its
 # whole life, so the cap is set far above the concurrent streams one process serves.

@@ -108,3 +108,56 @@ def test_generated_frames_get_typed_answers_and_the_socket_stays(live: Live) -> 
         asyncio.run(session(generated))
 
     run()
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.slow
+def test_deeply_nested_frames_get_error_frames_and_the_socket_stays(live: Live) -> None:
+    """Given a developer's socket, when frames nest JSON far deeper than any request
+    needs (100,000 `[` unclosed, closed, and nesting inside a request's fields, deep
+    enough to pass a depth-limited parser and break a recursive encoder downstream),
+    then each gets a typed 400 error frame (an id-less one for a frame that is not a
+    JSON object, the request's own for a request), and the socket then still serves a
+    request."""
+    org = make_org("wsdeep", [Role.DEVELOPER])
+    url = live.base_url.replace("http://", "ws://") + "/realtime"
+    # (frame, the id its error frame carries): None for what is not a JSON object.
+    sent: list[tuple[str, str | None]] = [
+        ("[" * 100_000, None), (_nested(100_000), None),
+        ('{"type": "chat.request", "id": "x", "request": ' + "[" * 100_000 + "}", None)]
+    for depth in (100, 300, 900):
+        # The nesting goes in as text: the test's own json would recurse on it.
+        for rid, template in (
+                (f"c{depth}", {"type": "chat.request", "id": f"c{depth}", "request": {
+                    "model": "echo", "messages": [{"role": "user", "content": [
+                        {"x": "DEEP"}]}]}}),
+                (f"t{depth}", {"type": "chat.request", "id": f"t{depth}", "request": {
+                    "model": "echo", "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"type": "function", "function": {
+                        "name": "f", "parameters": {"type": "object", "x": "DEEP"}}}]}}),
+                (f"y{depth}", {"type": "DEEP", "id": f"y{depth}"})):
+            sent.append((json.dumps(template).replace('"DEEP"', _nested(depth)), rid))
+
+    async def go() -> list[dict[str, Any]]:
+        async with websockets.connect(url, additional_headers={
+                "Authorization": f"Bearer {org.keys[Role.DEVELOPER]}"}, max_size=2**24) as ws:
+            finals = []
+            for frame, rid in sent:
+                await ws.send(frame)
+                while (reply := json.loads(await asyncio.wait_for(ws.recv(), 15)))[
+                        "type"] not in FINAL or reply.get("id") != rid:
+                    pass
+                finals.append(reply)
+            after = await _answer(ws, json.dumps({
+                "type": "chat.request", "id": "after", "request": {
+                    "model": "echo", "messages": [{"role": "user", "content": "still"}]}}))
+            return [*finals, {"after": after}]
+    *finals, after = asyncio.run(go())
+    for (frame, _), final in zip(sent, finals, strict=True):
+        assert final["type"] == "error", (frame[:80], final)
+        assert final["error"]["type"] == "invalid_request_error", (frame[:80], final)
+    assert after["after"][-1]["type"] == "chat.done"
+    assert "".join(f.get("delta", "") for f in after["after"]) == "still"

@@ -43,12 +43,13 @@ def org(live: Live) -> Org:
     return make_org("wsorg", [Role.DEVELOPER, Role.AUDITOR])
 
 
-def socket(key: str | None = None, subprotocol: str | None = None) -> WebsocketCommunicator:
+def socket(key: str | None = None, subprotocols: list[str] | None = None
+           ) -> WebsocketCommunicator:
     headers = [(b"host", b"127.0.0.1")]
     if key:
         headers.append((b"authorization", f"Bearer {key}".encode()))
     return WebsocketCommunicator(application, "/v1/realtime", headers=headers,
-                                 subprotocols=[subprotocol] if subprotocol else None)
+                                 subprotocols=subprotocols)
 
 
 async def frames_until(ws: WebsocketCommunicator, done: set[str],
@@ -110,9 +111,9 @@ def test_concurrent_requests_on_one_socket(org: Org) -> None:
 
 def test_bad_frames_get_errors_and_the_socket_stays(org: Org) -> None:
     async def go() -> list[dict[str, Any]]:
-        ws = socket(subprotocol=f"sluice.bearer.{org.keys[Role.DEVELOPER]}")
+        ws = socket(subprotocols=["sluice.v1", f"sluice.bearer.{org.keys[Role.DEVELOPER]}"])
         connected, subprotocol = await ws.connect()
-        assert connected and subprotocol == f"sluice.bearer.{org.keys[Role.DEVELOPER]}"
+        assert connected and subprotocol == "sluice.v1"
         out = []
         for frame in ["not json", json.dumps({"type": "chat.request"}),
                       json.dumps({"type": "dance", "id": "x"}),

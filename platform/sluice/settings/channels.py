@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from sluice.settings.redis import REDIS_URL
+from sluice.settings.redis import REDIS_SOCKET_TIMEOUT_S, REDIS_URL
+
+# A receive on the layer is a BZPOPMIN that blocks up to channels_redis's
+# RedisChannelLayer.brpop_timeout (5 s), then loops. With redis-py's default socket
+# timeout (also 5 s) an idle receive timed its own read out and raised, ending its
+# consumer: the layer's reads wait the block plus our usual Redis timeout, so a dead
+# Redis is still noticed.
+_LAYER_BLOCK_S = 5
 
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": "sluice:channels"},
+        "CONFIG": {"hosts": [{
+            "address": REDIS_URL,
+            "socket_timeout": _LAYER_BLOCK_S + REDIS_SOCKET_TIMEOUT_S,
+            "socket_connect_timeout": REDIS_SOCKET_TIMEOUT_S,
+        }], "prefix": "sluice:channels"},
     }
 }
