@@ -9,7 +9,7 @@ from typing import Any
 
 from django.http import FileResponse, HttpRequest
 from ninja import Router, Status
-from ninja.pagination import LimitOffsetPagination, paginate
+from ninja.pagination import paginate
 
 from governance import live, selectors, services
 from governance.exports import export_file
@@ -20,6 +20,7 @@ from governance.schemas import (
     AuditExportOut,
     BreakerFields,
     BreakerOut,
+    HttpStatus,
     QuotaCreateIn,
     QuotaDetailOut,
     QuotaFields,
@@ -32,6 +33,8 @@ from governance.schemas import (
     RedactionPatternOut,
     UsageOut,
 )
+from sluice.pagination import Pagination
+from sluice.schemas import Id
 from tenants.api import actor_of
 
 router = Router(tags=["governance"])
@@ -39,8 +42,8 @@ router = Router(tags=["governance"])
 
 # -- rate limits ---------------------------------------------------------------------
 @router.get("/governance/rate-limits", response=list[RateLimitOut])
-@paginate(LimitOffsetPagination)
-def ratelimit_list(request: HttpRequest, tenant_id: int | None = None):
+@paginate(Pagination)
+def ratelimit_list(request: HttpRequest, tenant_id: Id | None = None):
     return selectors.ratelimit_list(actor=actor_of(request), tenant_id=tenant_id)
 
 
@@ -79,8 +82,8 @@ def _quota_detail(quota: Quota) -> dict[str, Any]:
 
 
 @router.get("/governance/quotas", response=list[QuotaOut])
-@paginate(LimitOffsetPagination)
-def quota_list(request: HttpRequest, tenant_id: int | None = None):
+@paginate(Pagination)
+def quota_list(request: HttpRequest, tenant_id: Id | None = None):
     return selectors.quota_list(actor=actor_of(request), tenant_id=tenant_id)
 
 
@@ -133,8 +136,8 @@ def breaker_reset(request: HttpRequest, name: str):
 
 # -- usage ---------------------------------------------------------------------------
 @router.get("/governance/usage", response=list[UsageOut])
-@paginate(LimitOffsetPagination)
-def usage_list(request: HttpRequest, tenant_id: int | None = None, model: str | None = None,
+@paginate(Pagination)
+def usage_list(request: HttpRequest, tenant_id: Id | None = None, model: str | None = None,
                since: date | None = None, until: date | None = None):
     return selectors.usage_list(actor=actor_of(request), tenant_id=tenant_id, model=model,
                                 since=since, until=until)
@@ -142,11 +145,11 @@ def usage_list(request: HttpRequest, tenant_id: int | None = None, model: str | 
 
 # -- audit ---------------------------------------------------------------------------
 @router.get("/audit/events", response=list[AuditEventOut])
-@paginate(LimitOffsetPagination)
-def audit_events(request: HttpRequest, tenant_id: int | None = None,
+@paginate(Pagination)
+def audit_events(request: HttpRequest, tenant_id: Id | None = None,
                  since: datetime | None = None, until: datetime | None = None,
                  actor: str | None = None, model: str | None = None,
-                 status: int | None = None, action: str | None = None):
+                 status: HttpStatus | None = None, action: str | None = None):
     return selectors.audit_events(actor=actor_of(request), tenant_id=tenant_id, since=since,
                                   until=until, actor_filter=actor, model=model,
                                   status=status, action=action)
@@ -172,7 +175,7 @@ def audit_export_download(request: HttpRequest, export_id: int) -> FileResponse:
 
 # -- redaction patterns ----------------------------------------------------------------
 @router.get("/governance/redaction-patterns", response=list[RedactionPatternOut])
-@paginate(LimitOffsetPagination)
+@paginate(Pagination)
 def redaction_pattern_list(request: HttpRequest):
     return selectors.redaction_patterns(actor=actor_of(request))
 

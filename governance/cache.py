@@ -3,7 +3,8 @@
 A tenant's rate limits (its own and the platform defaults) and quotas, and each
 deployment's breaker policy, are read once per SLUICE_POLICY_CACHE_TTL_S (default 5 s);
 an edit bumps an epoch in Redis on commit, and every gateway process drops its cache
-within about a second of that.
+within about a second of that. Rows are read through governance.ranges.sane: a stored
+number out of its documented range is clamped, never trusted by the hot path.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from governance.models import (
     RateLimitScope,
     RedactionPattern,
 )
+from governance.ranges import sane
 from governance.redaction import UnsafePattern, compile_tenant_pattern
 from inference.models import Deployment
 from sluice.db import async_db
@@ -92,14 +94,14 @@ def load_tenant(tenant_id: int) -> TenantPolicies:
             patterns.append((row.label, compile_tenant_pattern(row.pattern)))
         except UnsafePattern:  # checked on save; never run one that fails now
             continue
-    return TenantPolicies(rate_limits=tuple(limits), quotas=tuple(
-        Quota.objects.filter(tenant_id=tenant_id)), redaction=tuple(patterns))
+    return TenantPolicies(rate_limits=tuple(sane(p) for p in limits), quotas=tuple(
+        sane(q) for q in Quota.objects.filter(tenant_id=tenant_id)), redaction=tuple(patterns))
 
 
 def load_breaker(deployment: str) -> BreakerPolicy:
     row = BreakerPolicy.objects.filter(deployment__name=deployment).first()
     if row is not None:
-        return row
+        return sane(row)
     dep = Deployment.objects.filter(name=deployment).only("pk").first()
     return default_policy(dep.pk if dep is not None else 0)
 

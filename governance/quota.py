@@ -24,7 +24,7 @@ from typing import Any
 
 from governance.models import Quota, QuotaPeriod, QuotaWindow
 
-PERIOD_S = {QuotaPeriod.MINUTE: 60, QuotaPeriod.DAY: 86_400, QuotaPeriod.MONTH: 0}
+PERIOD_S: dict[str, int] = {QuotaPeriod.MINUTE: 60, QuotaPeriod.DAY: 86_400, QuotaPeriod.MONTH: 0}
 ROLLING_MONTH_S = 30 * 86_400
 _ROLLING_SLOTS = 60
 
@@ -189,9 +189,13 @@ return out
 
 
 def period_len(quota: Quota) -> int:
+    """The period in seconds (0: a calendar month). A period that is none of the
+    choices (a row edited in the database; the hot path's are repaired on load,
+    governance.ranges.sane) is read as a day, the default."""
+    seconds = PERIOD_S.get(quota.period, PERIOD_S[QuotaPeriod.DAY])
     if quota.window == QuotaWindow.ROLLING:
-        return PERIOD_S[QuotaPeriod(quota.period)] or ROLLING_MONTH_S
-    return PERIOD_S[QuotaPeriod(quota.period)]
+        return seconds or ROLLING_MONTH_S
+    return seconds
 
 
 def keys_for(tenant: str, quotas: list[Quota]) -> list[str]:

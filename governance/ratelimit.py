@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from governance.models import RateLimitPolicy
+from governance.ranges import FACTOR_MAX
 
 # KEYS: buckets. ARGV[1]: "check" (all or nothing) or "force" (debit regardless);
 # ARGV[2]: "" (Redis' clock: what the gateway always sends) or a time in seconds (tests
@@ -165,15 +166,22 @@ def _make_buckets(policy: RateLimitPolicy, tenant: str, subject: str,
 
 
 def adaptive_factor(policy: RateLimitPolicy, qps: float, p99_ms: float | None) -> float:
-    """clamp(QPS / qps_ref, qps_min, qps_max) x max(1 - slope x (P99 - target), floor).
+    """clamp(QPS / qps_ref, qps_min, qps_max) x max(1 - slope x (P99 - target), floor),
+    within [0, FACTOR_MAX].
 
-    Without latency samples the latency term is 1 (nothing to react to yet)."""
+    Without latency samples the latency term is 1 (nothing to react to yet). Total: a
+    policy that makes no number (qps_ref 0, NaN; the hot path's are clamped on load,
+    governance.ranges.sane, but the management API reads rows as stored) gives 1."""
     if not policy.adaptive:
         return 1.0
-    load = min(max(qps / policy.qps_ref, policy.qps_min), policy.qps_max)
-    if p99_ms is None:
-        return load
-    return load * max(1.0 - policy.p99_slope * (p99_ms - policy.p99_target_ms), policy.floor)
+    try:
+        factor = min(max(qps / policy.qps_ref, policy.qps_min), policy.qps_max)
+        if p99_ms is not None:
+            factor *= max(1.0 - policy.p99_slope * (p99_ms - policy.p99_target_ms),
+                          policy.floor)
+    except ArithmeticError:
+        return 1.0
+    return min(max(factor, 0.0), FACTOR_MAX) if math.isfinite(factor) else 1.0
 
 
 def args_for(buckets: list[Bucket], costs: Sequence[float], mode: str,

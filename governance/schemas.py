@@ -1,4 +1,8 @@
-"""Management API shapes for rate limits, quotas, breakers and usage."""
+"""Management API shapes for rate limits, quotas, breakers and usage.
+
+Every number of a policy carries its documented range (governance.ranges: the same
+table the services check and the hot path clamps to), so a value outside it is a 422
+naming the field; free text refuses control characters (sluice.schemas.Line)."""
 
 from __future__ import annotations
 
@@ -15,35 +19,43 @@ from governance.models import (
     RateLimitScope,
     WindowKind,
 )
-from sluice.schemas import StrictSchema
+from governance.ranges import BREAKER, QUOTA, RATE_LIMIT, Range
+from sluice.schemas import Id, Line, StrictSchema
 
-Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
-Positive = Annotated[int, Field(ge=1)]
+
+def _in(bounds: Range) -> Any:
+    """The pydantic constraint for one documented range: finite, within it."""
+    if bounds.integer:
+        return Field(ge=int(bounds.lo), le=int(bounds.hi))
+    return Field(ge=bounds.lo, le=bounds.hi, allow_inf_nan=False)
+
+
 ModelName = Annotated[str, StringConstraints(max_length=100, pattern=r"^[A-Za-z0-9._-]*$")]
+HttpStatus = Annotated[int, Field(ge=100, le=599)]
 
 
 class RateLimitFields(StrictSchema):
-    name: Annotated[str, StringConstraints(max_length=100)] | None = None
+    name: Annotated[Line, StringConstraints(max_length=100)] | None = None
     model: ModelName | None = None
-    requests_per_minute: Positive | None = None
-    tokens_per_minute: Positive | None = None
-    burst_requests: Positive | None = None
-    burst_tokens: Positive | None = None
+    requests_per_minute: Annotated[int, _in(RATE_LIMIT["requests_per_minute"])] | None = None
+    tokens_per_minute: Annotated[int, _in(RATE_LIMIT["tokens_per_minute"])] | None = None
+    burst_requests: Annotated[int, _in(RATE_LIMIT["burst_requests"])] | None = None
+    burst_tokens: Annotated[int, _in(RATE_LIMIT["burst_tokens"])] | None = None
     adaptive: bool | None = None
-    qps_ref: Annotated[float, Field(gt=0)] | None = None
-    qps_min: Annotated[float, Field(ge=0)] | None = None
-    qps_max: Annotated[float, Field(ge=0)] | None = None
-    p99_target_ms: Annotated[float, Field(ge=0)] | None = None
-    p99_slope: Annotated[float, Field(ge=0)] | None = None
-    floor: Fraction | None = None
-    window_s: Annotated[int, Field(ge=1, le=3600)] | None = None
+    qps_ref: Annotated[float, _in(RATE_LIMIT["qps_ref"])] | None = None
+    qps_min: Annotated[float, _in(RATE_LIMIT["qps_min"])] | None = None
+    qps_max: Annotated[float, _in(RATE_LIMIT["qps_max"])] | None = None
+    p99_target_ms: Annotated[float, _in(RATE_LIMIT["p99_target_ms"])] | None = None
+    p99_slope: Annotated[float, _in(RATE_LIMIT["p99_slope"])] | None = None
+    floor: Annotated[float, _in(RATE_LIMIT["floor"])] | None = None
+    window_s: Annotated[int, _in(RATE_LIMIT["window_s"])] | None = None
     fail_open: bool | None = None
 
 
 class RateLimitCreateIn(RateLimitFields):
     scope: RateLimitScope
-    tenant_id: int | None = None  # None: the platform default (platform admins)
-    api_key_id: int | None = None
+    tenant_id: Id | None = None  # None: the platform default (platform admins)
+    api_key_id: Id | None = None
 
 
 class RateLimitOut(Schema):
@@ -78,14 +90,14 @@ class QuotaFields(StrictSchema):
     model: ModelName | None = None
     period: QuotaPeriod | None = None
     window: QuotaWindow | None = None
-    max_requests: Positive | None = None
-    max_tokens: Positive | None = None
-    max_concurrent: Positive | None = None
+    max_requests: Annotated[int, _in(QUOTA["max_requests"])] | None = None
+    max_tokens: Annotated[int, _in(QUOTA["max_tokens"])] | None = None
+    max_concurrent: Annotated[int, _in(QUOTA["max_concurrent"])] | None = None
     shadow: bool | None = None
 
 
 class QuotaCreateIn(QuotaFields):
-    tenant_id: int
+    tenant_id: Id
 
 
 class QuotaOut(Schema):
@@ -115,22 +127,22 @@ class QuotaDetailOut(QuotaOut):
 
 class BreakerFields(StrictSchema):
     window_kind: WindowKind | None = None
-    window_size: Annotated[int, Field(ge=1, le=10_000)] | None = None
-    min_calls: Positive | None = None
-    failure_rate: Fraction | None = None
-    slow_call_ms: Positive | None = None
-    slow_call_rate: Fraction | None = None
-    open_wait_s: Annotated[float, Field(gt=0)] | None = None
-    half_open_probes: Annotated[int, Field(ge=1, le=1000)] | None = None
-    probe_timeout_s: Annotated[float, Field(gt=0)] | None = None
-    memory_high: Fraction | None = None
-    memory_low: Fraction | None = None
-    memory_hold_s: Annotated[float, Field(ge=0)] | None = None
+    window_size: Annotated[int, _in(BREAKER["window_size"])] | None = None
+    min_calls: Annotated[int, _in(BREAKER["min_calls"])] | None = None
+    failure_rate: Annotated[float, _in(BREAKER["failure_rate"])] | None = None
+    slow_call_ms: Annotated[int, _in(BREAKER["slow_call_ms"])] | None = None
+    slow_call_rate: Annotated[float, _in(BREAKER["slow_call_rate"])] | None = None
+    open_wait_s: Annotated[float, _in(BREAKER["open_wait_s"])] | None = None
+    half_open_probes: Annotated[int, _in(BREAKER["half_open_probes"])] | None = None
+    probe_timeout_s: Annotated[float, _in(BREAKER["probe_timeout_s"])] | None = None
+    memory_high: Annotated[float, _in(BREAKER["memory_high"])] | None = None
+    memory_low: Annotated[float, _in(BREAKER["memory_low"])] | None = None
+    memory_hold_s: Annotated[float, _in(BREAKER["memory_hold_s"])] | None = None
     degrade_mode: DegradeMode | None = None
-    degraded_max_tokens: Positive | None = None
-    shed_queue_depth: Positive | None = None
-    shed_oldest_age_ms: Positive | None = None
-    priority_share: Fraction | None = None
+    degraded_max_tokens: Annotated[int, _in(BREAKER["degraded_max_tokens"])] | None = None
+    shed_queue_depth: Annotated[int, _in(BREAKER["shed_queue_depth"])] | None = None
+    shed_oldest_age_ms: Annotated[int, _in(BREAKER["shed_oldest_age_ms"])] | None = None
+    priority_share: Annotated[float, _in(BREAKER["priority_share"])] | None = None
 
 
 class BreakerOut(Schema):
@@ -193,13 +205,13 @@ class AuditEventOut(Schema):
 
 class AuditExportIn(StrictSchema):
     format: Literal["jsonl", "csv"] = "jsonl"
-    tenant_id: int | None = None
+    tenant_id: Id | None = None
     since: datetime | None = None
     until: datetime | None = None
-    actor: Annotated[str, StringConstraints(max_length=300)] | None = None
+    actor: Annotated[Line, StringConstraints(max_length=300)] | None = None
     model: ModelName | None = None
-    status: Annotated[int, Field(ge=100, le=599)] | None = None
-    action: Annotated[str, StringConstraints(max_length=64)] | None = None
+    status: HttpStatus | None = None
+    action: Annotated[Line, StringConstraints(max_length=64)] | None = None
 
 
 class AuditExportOut(Schema):
@@ -217,7 +229,7 @@ class AuditExportOut(Schema):
 
 class RedactionPatternIn(StrictSchema):
     label: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
-    pattern: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    pattern: Annotated[Line, StringConstraints(min_length=1, max_length=200)]
 
 
 class RedactionPatternOut(Schema):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from django.http import HttpRequest
-from ninja import Router, Status
-from ninja.pagination import LimitOffsetPagination, paginate
+from ninja import Field, Router, Status
+from ninja.pagination import paginate
 
 from inference import selectors, services
 from inference.models import Deployment
@@ -17,6 +19,7 @@ from inference.schemas import (
     ScalingOut,
 )
 from sluice.errors import NotFound
+from sluice.pagination import Pagination
 from tenants.api import actor_of
 
 router = Router(tags=["deployments"])
@@ -24,7 +27,7 @@ models_router = Router(tags=["models"])
 
 
 @router.get("/deployments", response=list[DeploymentOut])
-@paginate(LimitOffsetPagination)
+@paginate(Pagination)
 def deployment_list(request: HttpRequest):
     return selectors.deployment_list(actor=actor_of(request))
 
@@ -48,10 +51,11 @@ def deployment_update(request: HttpRequest, name: str, data: DeploymentUpdateIn)
 
 
 @router.get("/deployments/{name}/scaling", response=ScalingOut)
-def deployment_scaling(request: HttpRequest, name: str, limit: int = 50):
+def deployment_scaling(request: HttpRequest, name: str,
+                       limit: Annotated[int, Field(ge=1, le=500)] = 50):
     """The autoscaler's view of a deployment and its recent decisions, restarts and cold
     starts (newest first), each with its reason."""
-    return selectors.scaling(actor=actor_of(request), name=name, limit=max(1, min(limit, 500)))
+    return selectors.scaling(actor=actor_of(request), name=name, limit=limit)
 
 
 def _model(deployment: Deployment) -> ModelOut:

@@ -10,7 +10,7 @@ from pydantic import Field, StringConstraints
 
 from inference.models import NAME_PATTERN
 from inference.spec import RuntimeName
-from sluice.schemas import StrictSchema
+from sluice.schemas import Line, StrictSchema, Text
 
 
 class DeploymentOut(Schema):
@@ -44,9 +44,9 @@ class DeploymentOut(Schema):
 
 class DeploymentUpdateIn(StrictSchema):
     runtime: RuntimeName | None = None
-    weights: Annotated[str, StringConstraints(max_length=500)] | None = None
+    weights: Annotated[Line, StringConstraints(max_length=500)] | None = None
     device: Annotated[str, StringConstraints(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] | None = None
-    description: Annotated[str, StringConstraints(max_length=300)] | None = None
+    description: Annotated[Text, StringConstraints(max_length=300)] | None = None
     max_batch_size: Annotated[int, Field(ge=1, le=1024)] | None = None
     max_wait_ms: Annotated[int, Field(ge=0, le=10_000)] | None = None
     max_context: Annotated[int, Field(ge=16, le=1_048_576)] | None = None

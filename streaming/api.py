@@ -12,7 +12,7 @@ from django.http import HttpRequest, HttpResponse
 from ninja import File, Form, Router, Schema, UploadedFile
 from pydantic import Field, StringConstraints
 
-from sluice.schemas import StrictSchema
+from sluice.schemas import Line, StrictSchema, Text
 from streaming import batches
 from streaming.models import Batch, StoredFile
 from tenants.api import actor_of
@@ -71,7 +71,7 @@ def _page(rows: QuerySet[Any], after: str | None, limit: int,
 
 @router.post("/files", response={200: dict[str, Any]})
 def file_create(request: HttpRequest, file: File[UploadedFile],
-                purpose: Form[str]) -> dict[str, Any]:
+                purpose: Form[Line]) -> dict[str, Any]:
     row = batches.file_create(actor=actor_of(request), filename=file.name or "upload",
                               purpose=purpose, content=file.read())
     return _file(row)
@@ -101,10 +101,10 @@ def file_delete(request: HttpRequest, file_id: str) -> dict[str, Any]:
 
 
 class BatchIn(StrictSchema):
-    input_file_id: Annotated[str, StringConstraints(max_length=64)]
-    endpoint: Annotated[str, StringConstraints(max_length=64)]
+    input_file_id: Annotated[Line, StringConstraints(max_length=64)]
+    endpoint: Annotated[Line, StringConstraints(max_length=64)]
     completion_window: Literal["24h"] = "24h"
-    metadata: dict[str, Annotated[str, StringConstraints(max_length=512)]] | None = None
+    metadata: dict[Line, Annotated[Text, StringConstraints(max_length=512)]] | None = None
 
 
 @router.post("/batches", response=dict[str, Any])

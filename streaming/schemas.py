@@ -8,12 +8,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from sluice.errors import BadRequest
+from sluice.schemas import Line
 
 ConversationId = Annotated[str, StringConstraints(pattern=r"^conv_[0-9a-f]{24}$")]
 # A model name: any printable text (OpenAI's and tenants' names vary: "org/model:tag"),
 # no control characters (a NUL cannot even be looked up in PostgreSQL).
-ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200,
-                                             pattern=r"^[^\x00-\x1f\x7f]+$")]
+ModelName = Annotated[Line, StringConstraints(min_length=1, max_length=200)]
 
 
 class _Strict(BaseModel):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from django.http import HttpRequest
 from ninja import Router, Status
-from ninja.pagination import LimitOffsetPagination, paginate
+from ninja.pagination import paginate
 
 from sluice.errors import BadRequest
+from sluice.pagination import Pagination
 from tenants import conversations, selectors, services
 from tenants.principal import Principal
 from tenants.schemas import (
@@ -56,7 +57,7 @@ def me(request: HttpRequest) -> dict[str, object]:
 
 # -- tenants -------------------------------------------------------------------------
 @router.get("/tenants", response=list[TenantOut])
-@paginate(LimitOffsetPagination)
+@paginate(Pagination)
 def tenant_list(request: HttpRequest):
     return selectors.tenant_list(actor=actor_of(request))
 
@@ -83,7 +84,7 @@ def tenant_update(request: HttpRequest, tenant_id: int, data: TenantUpdateIn):
 
 # -- members -------------------------------------------------------------------------
 @router.get("/members", response=list[MemberOut])
-@paginate(LimitOffsetPagination)
+@paginate(Pagination)
 def member_list(request: HttpRequest):
     return selectors.member_list(actor=actor_of(request))
 
@@ -114,7 +115,7 @@ def member_deactivate(request: HttpRequest, member_id: int):
 
 # -- API keys ------------------------------------------------------------------------
 @router.get("/keys", response=list[ApiKeyOut])
-@paginate(LimitOffsetPagination)
+@paginate(Pagination)
 def apikey_list(request: HttpRequest):
     return selectors.apikey_list(actor=actor_of(request))
 
@@ -145,7 +146,7 @@ def apikey_revoke(request: HttpRequest, key_id: int):
 
 # -- conversations -------------------------------------------------------------------
 @router.get("/conversations", response=list[ConversationOut])
-@paginate(LimitOffsetPagination)
+@paginate(Pagination)
 def conversation_list(request: HttpRequest):
     return conversations.conversation_list(actor=actor_of(request))
 

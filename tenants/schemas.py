@@ -8,15 +8,16 @@ from typing import Annotated, Literal
 from ninja import Schema
 from pydantic import EmailStr, Field, StringConstraints
 
-from sluice.schemas import StrictSchema
+from sluice.schemas import Line, StrictSchema
 from tenants.models import SLUG_PATTERN, Conversation, ConversationMessage, Member
 from tenants.roles import Role
 
 Slug = Annotated[str, StringConstraints(pattern=SLUG_PATTERN, max_length=63)]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+# Names and titles are one line of text (sluice.schemas.Line: no control characters).
+Name = Annotated[Line, StringConstraints(min_length=1, max_length=200)]
 Username = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.@+-]{1,150}$")]
 Password = Annotated[str, StringConstraints(min_length=1, max_length=512)]
-ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+ModelName = Annotated[Line, StringConstraints(min_length=1, max_length=200)]
 
 
 class PrincipalOut(Schema):
@@ -108,8 +109,8 @@ class ApiKeyCreateIn(StrictSchema):
 
 class TokenIn(StrictSchema):
     grant_type: Literal["api_key", "password"]
-    api_key: Annotated[str, StringConstraints(max_length=512)] | None = None
-    username: Annotated[str, StringConstraints(max_length=150)] | None = None
+    api_key: Annotated[Line, StringConstraints(max_length=512)] | None = None
+    username: Annotated[Line, StringConstraints(max_length=150)] | None = None
     password: Password | None = None
     tenant: Slug | None = None
 
@@ -147,4 +148,4 @@ class ConversationDetailOut(ConversationOut):
 
 
 class ConversationCreateIn(StrictSchema):
-    title: Annotated[str, StringConstraints(max_length=200)] = ""
+    title: Annotated[Line, StringConstraints(max_length=200)] = ""

@@ -30,6 +30,7 @@ from sluice.errors import (
     error_response_doc,
 )
 from sluice.responses import error_response
+from sluice.schemas import CONTROL_PATTERNS
 from streaming.api import router as batch_router
 from streaming.openapi import add_inference_routes
 from tenants.api import auth_router
@@ -92,6 +93,11 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, 
         return f"Unknown field '{param}'.", param, "unknown_field"
     if first.get("type") == "missing":
         return f"Missing required field '{param}'.", param, "missing_field"
+    if (first.get("type") == "string_pattern_mismatch"
+            and (first.get("ctx") or {}).get("pattern") in CONTROL_PATTERNS):
+        # sluice.schemas.Line / Text: say what is wrong, not the regular expression.
+        return (f"{param}: must not contain control characters (such as NUL).", param,
+                "control_character")
     msg = str(first.get("msg", "Invalid request."))
     return (f"{param}: {msg}" if param else msg), param, "validation_error"
 
@@ -132,9 +138,11 @@ def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
 
 
 @api.exception_handler(DataError)
-def _unstorable(request: HttpRequest, exc: DataError) -> HttpResponse:
-    # A number past the database's range (a 64-bit id, an offset) or a NUL character in
-    # text: the caller's input, not our failure.
+@api.exception_handler(OverflowError)
+def _unstorable(request: HttpRequest, exc: Exception) -> HttpResponse:
+    # A number past the database's range (PostgreSQL: DataError; SQLite: OverflowError)
+    # or a NUL character in text that slipped past the schemas' types (sluice.schemas):
+    # the caller's input, not our failure.
     return error_response(BadRequest("A value in the request is out of range or cannot be "
                                      "stored (numbers must fit in 64 bits; text must not "
                                      "contain NUL characters).", code="invalid_value"))
