@@ -1,7 +1,9 @@
 """People in the browser: username + password (and the tenant, for someone in several),
-a Django session holding the membership, and the same Principal and RBAC table as the
-API. Every page is a `page(...)` view: no principal -> the login page; a role without
-the page's action -> 403; an ApiError from a service -> its status and message."""
+checked, throttled and audited by the same service as the API's token
+(services.member_sign_in), a Django session holding the membership, and the same
+Principal and RBAC table as the API. Every page is a `page(...)` view: no principal ->
+the login page; a role without the page's action -> 403; an ApiError from a service ->
+its status and message."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from django.contrib.auth import authenticate
 from django.contrib.auth import login as django_login
 from django.contrib.auth import logout as django_logout
 from django.http import HttpRequest
@@ -17,10 +18,12 @@ from django.http.response import HttpResponseBase
 from django.shortcuts import redirect, render
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from sluice.errors import ApiError, PermissionDenied, Unauthenticated, Unprocessable
+from sluice.errors import ApiError, PermissionDenied
+from tenants import throttle
 from tenants.models import Member
 from tenants.principal import AuthMethod, Principal
 from tenants.roles import Action, Role
+from tenants.services import member_sign_in
 
 SESSION_MEMBER = "sluice_member_id"
 View = Callable[..., HttpResponseBase]
@@ -28,20 +31,13 @@ View = Callable[..., HttpResponseBase]
 
 def sign_in(request: HttpRequest, *, username: str, password: str,
             tenant: str | None) -> Member:
-    user = authenticate(request, username=username, password=password)
-    if user is None:
-        raise Unauthenticated("Incorrect username or password.")
-    members = Member.objects.filter(user=user, is_active=True, tenant__is_active=True)
-    if tenant:
-        members = members.filter(tenant__slug=tenant)
-    found = list(members.select_related("tenant")[:2])
-    if not found:
-        raise Unauthenticated("No active membership for these credentials.")
-    if len(found) > 1:
-        raise Unprocessable("You belong to several tenants: name one.", param="tenant")
-    django_login(request, user)  # a new session id: no fixation
-    request.session[SESSION_MEMBER] = found[0].pk
-    return found[0]
+    """Unauthenticated (one message for every reason), RateLimited while throttled,
+    Unprocessable when the tenant must be named; else the session is signed in."""
+    member = member_sign_in(username=username, password=password, tenant=tenant or None,
+                            source=throttle.http_source(request.META))
+    django_login(request, member.user)  # a new session id: no fixation
+    request.session[SESSION_MEMBER] = member.pk
+    return member
 
 
 def sign_out(request: HttpRequest) -> None:

@@ -9,7 +9,7 @@ from ninja.pagination import paginate
 
 from sluice.errors import BadRequest
 from sluice.pagination import Pagination
-from tenants import conversations, selectors, services
+from tenants import conversations, selectors, services, throttle
 from tenants.principal import Principal
 from tenants.schemas import (
     ApiKeyCreatedOut,
@@ -171,15 +171,16 @@ def conversation_delete(request: HttpRequest, conversation_id: str):
 # -- token exchange ------------------------------------------------------------------
 @auth_router.post("/token", response=TokenOut)
 def token(request: HttpRequest, data: TokenIn):
+    source = throttle.http_source(request.META)  # wrong credentials count against it
     if data.grant_type == "api_key":
         if not data.api_key:
             raise BadRequest("grant_type api_key needs `api_key`.", param="api_key")
-        issued = services.token_for_api_key(api_key=data.api_key)
+        issued = services.token_for_api_key(api_key=data.api_key, source=source)
     else:
         if not data.username or not data.password:
             raise BadRequest("grant_type password needs `username` and `password`.",
                              param="username")
         issued = services.token_for_password(
-            username=data.username, password=data.password, tenant=data.tenant
+            username=data.username, password=data.password, tenant=data.tenant, source=source
         )
     return {"access_token": issued.access_token, "expires_in": issued.expires_in}

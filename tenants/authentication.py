@@ -1,7 +1,9 @@
 """Bearer credentials (API key or JWT) to a Principal, or Unauthenticated.
 
 One function, `authenticate`, used by every protocol adapter. Failures say what is wrong
-in general terms ("expired", "revoked") without echoing the credential.
+in general terms ("expired", "revoked") without echoing the credential. A wrong API key
+counts against the caller's source address (tenants/throttle.py): the adapter passes it,
+and past the source's limit the answer is a 429 with Retry-After instead of a 401.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 from django.utils import timezone
 
 from sluice.errors import PermissionDenied, Unauthenticated
-from tenants import apikeys
+from tenants import apikeys, throttle
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
 from tenants.roles import Role, can_grant, strongest
@@ -22,12 +24,13 @@ from tenants.tokens import verify_access_token
 _LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
-def authenticate(token: str) -> Principal:
+def authenticate(token: str, *, source: str | None = None) -> Principal:
+    """`source`: the client's address (throttle.client_source); None counts no source."""
     token = token.strip()
     if not token:
         raise Unauthenticated("Missing bearer token.")
     if apikeys.looks_like_key(token):
-        return authenticate_api_key(token)
+        return authenticate_api_key(token, source=source)
     return authenticate_jwt(token)
 
 
@@ -35,8 +38,10 @@ def _models(value: Any) -> frozenset[str] | None:
     return frozenset(value) if isinstance(value, list) else None
 
 
-def lookup_api_key(token: str) -> ApiKey:
-    """The usable ApiKey row for a presented key, or Unauthenticated."""
+def lookup_api_key(token: str, *, source: str | None = None) -> ApiKey:
+    """The usable ApiKey row for a presented key, or Unauthenticated; RateLimited while
+    wrong keys have locked `source` (checked before the database: a flood costs none)."""
+    throttle.refuse_if_held(source)
     parsed = apikeys.parse(token)
     key = (
         ApiKey.objects.select_related("tenant", "member").filter(prefix=parsed.prefix).first()
@@ -44,6 +49,10 @@ def lookup_api_key(token: str) -> ApiKey:
         else None
     )
     if key is None or parsed is None or not apikeys.matches(parsed.full, key.key_hash):
+        throttle.failed(throttle.Attempt(
+            method=throttle.API_KEY, account=parsed.prefix if parsed else "", source=source,
+            tenant_id=key.tenant_id if key else None,
+            tenant_slug=key.tenant.slug if key else None))
         raise Unauthenticated("Incorrect API key provided.")
     now = timezone.now()
     if key.revoked_at is not None:
@@ -63,8 +72,8 @@ def lookup_api_key(token: str) -> ApiKey:
     return key
 
 
-def authenticate_api_key(token: str) -> Principal:
-    key = lookup_api_key(token)
+def authenticate_api_key(token: str, *, source: str | None = None) -> Principal:
+    key = lookup_api_key(token, source=source)
     return Principal(
         tenant_id=key.tenant_id,
         tenant_slug=key.tenant.slug,

@@ -6,6 +6,9 @@ principal is cached by the SHA-256 of the credential for SLUICE_AUTH_CACHE_TTL_S
 removed or demoted, tenant disabled) bumps an epoch counter in Redis; each process looks
 at it at most once a second and drops its whole cache when it moved, so a revocation
 reaches the inference path within about a second.
+
+A hit costs no I/O; only a miss goes to the database (in a thread), and only a wrong key
+goes to Redis (tenants/throttle.py counts it against `source`).
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ _cache: AsyncTTLCache[str, Principal] = AsyncTTLCache(max_entries=_MAX_ENTRIES)
 _epoch = Epoch(EPOCH_KEY)
 
 
-async def authenticate_cached(token: str) -> Principal:
+async def authenticate_cached(token: str, *, source: str | None = None) -> Principal:
+    """`source`: the client's address (throttle.client_source); None counts no source.
+    Concurrent misses for one credential share one load, so they count as one failure."""
     if await _epoch.moved():
         _cache.clear()
     # Keyed by a digest, so the cache never holds a credential; failures are not cached.
     key = hashlib.sha256(token.encode()).hexdigest()
-    return await _cache.get(key, lambda: async_db(authenticate)(token),
+    return await _cache.get(key, lambda: async_db(authenticate)(token, source=source),
                             float(settings.SLUICE_AUTH_CACHE_TTL_S))
 
 

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from sluice.auditlog import admin_action
 from sluice.errors import Conflict, PermissionDenied, Unauthenticated, Unprocessable
-from tenants import apikeys
+from tenants import apikeys, throttle
 from tenants import cache as auth_cache
 from tenants.authentication import lookup_api_key
 from tenants.models import ApiKey, Member, Tenant
@@ -40,6 +40,20 @@ class NewUser:
 def _require_grant(actor: Principal, role: Role) -> None:
     if not can_grant(actor.role, role):
         raise PermissionDenied(f"A {actor.role} cannot grant the role {role}.", param="role")
+
+
+def _require_key_rights(actor: Principal, *, role: Role, priority: int,
+                        allowed_models: list[str] | None, verb: str) -> None:
+    """What a key may carry for `actor` to create it, or revoke it: priority only for
+    those who manage every key, a role the actor may grant, a model scope within the
+    actor's own (None: every model)."""
+    if priority and not actor.can(Action.APIKEY_MANAGE_ALL):
+        raise PermissionDenied(f"Only tenant admins may {verb} priority keys.",
+                               param="priority")
+    _require_grant(actor, role)
+    if actor.allowed_models is not None and (
+            allowed_models is None or not set(allowed_models) <= actor.allowed_models):
+        raise PermissionDenied("allowed_models exceeds your own.", param="allowed_models")
 
 
 def _create_user(new: NewUser) -> AuthUser:
@@ -162,18 +176,14 @@ def apikey_create(
     priority: int = 0,
 ) -> CreatedKey:
     require(actor, Action.APIKEY_MANAGE_ALL, Action.APIKEY_MANAGE_OWN)
-    if priority and not actor.can(Action.APIKEY_MANAGE_ALL):
-        raise PermissionDenied("Only tenant admins may create priority keys.", param="priority")
     role = role or actor.role
-    _require_grant(actor, role)
+    # A key can narrow the caller's model scope, never widen it: none named, its own.
+    if actor.allowed_models is not None and allowed_models is None:
+        allowed_models = sorted(actor.allowed_models)
+    _require_key_rights(actor, role=role, priority=priority, allowed_models=allowed_models,
+                        verb="create")
     if expires_at is not None and expires_at <= timezone.now():
         raise Unprocessable("expires_at must be in the future.", param="expires_at")
-    # A key can narrow the caller's model scope, never widen it.
-    if actor.allowed_models is not None:
-        if allowed_models is None:
-            allowed_models = sorted(actor.allowed_models)
-        elif not set(allowed_models) <= actor.allowed_models:
-            raise PermissionDenied("allowed_models exceeds your own.", param="allowed_models")
     if actor.key_id is not None:
         parent = ApiKey.objects.filter(pk=actor.key_id).first()
         ceiling = parent.expires_at if parent is not None else None
@@ -199,7 +209,12 @@ def apikey_create(
 
 @transaction.atomic
 def apikey_revoke(*, actor: Principal, key_id: int) -> ApiKey:
+    """Revoking takes the rights creating the key would: a key out of the actor's reach
+    is NotFound (selectors), one within reach that it could not have made (a role above
+    what it may grant, priority, a wider model scope) is PermissionDenied."""
     key = apikey_get(actor=actor, key_id=key_id)
+    _require_key_rights(actor, role=Role(key.role), priority=key.priority,
+                        allowed_models=key.allowed_models, verb="revoke")
     if key.revoked_at is None:
         key.revoked_at = timezone.now()
         key.save(update_fields=["revoked_at"])
@@ -208,9 +223,45 @@ def apikey_revoke(*, actor: Principal, key_id: int) -> ApiKey:
     return key
 
 
-# -- tokens --------------------------------------------------------------------------
-def token_for_api_key(*, api_key: str) -> IssuedToken:
-    key = lookup_api_key(api_key)
+# -- sign-in and tokens --------------------------------------------------------------
+_SIGN_IN_REFUSED = "Incorrect username or password."
+
+
+def member_sign_in(*, username: str, password: str, tenant: str | None,
+                   source: str | None) -> Member:
+    """The active membership these credentials open (`member.user` is the authenticated
+    user), for the API's token and the UI's session alike.
+
+    One refusal for every reason (unknown user, wrong password, deactivated user or
+    member, disabled tenant, no membership in `tenant`): Unauthenticated, same message,
+    after the same work (one password hash, the same queries), so neither the answer
+    nor its timing tells a deactivated account from a wrong password. Throttled per
+    username and per `source` (tenants/throttle.py): RateLimited while either is locked,
+    without checking the password; each refusal is counted and audited."""
+    attempt = throttle.Attempt(method=throttle.PASSWORD, account=username, source=source)
+    throttle.check(attempt)
+    # Django's backend hashes the password for an unknown or inactive user too.
+    user = django_authenticate(username=username, password=password)
+    # Asked even when the password failed (for no one), so both paths query alike.
+    members = Member.objects.filter(user_id=user.pk if user is not None else 0,
+                                    is_active=True, tenant__is_active=True)
+    if tenant is not None:
+        members = members.filter(tenant__slug=tenant)
+    found = list(members.select_related("tenant")[:2])
+    if user is None or not found:
+        throttle.failed(attempt)
+        raise Unauthenticated(_SIGN_IN_REFUSED, code="invalid_credentials")
+    throttle.succeeded(attempt)
+    if len(found) > 1:
+        raise Unprocessable("You belong to several tenants: name one in `tenant`.",
+                            param="tenant")
+    member = found[0]
+    member.user = user  # the instance Django's backend annotated (login() needs it)
+    return member
+
+
+def token_for_api_key(*, api_key: str, source: str | None = None) -> IssuedToken:
+    key = lookup_api_key(api_key, source=source)
     return issue_access_token(
         subject=key.created_by,
         tenant_id=key.tenant_id,
@@ -221,21 +272,10 @@ def token_for_api_key(*, api_key: str) -> IssuedToken:
     )
 
 
-def token_for_password(*, username: str, password: str, tenant: str | None) -> IssuedToken:
-    user = django_authenticate(username=username, password=password)
-    if user is None:
-        raise Unauthenticated("Incorrect username or password.", code="invalid_credentials")
-    members = Member.objects.filter(user=user, is_active=True, tenant__is_active=True)
-    if tenant is not None:
-        members = members.filter(tenant__slug=tenant)
-    found = list(members.select_related("tenant")[:2])
-    if not found:
-        raise Unauthenticated("No active membership for these credentials.",
-                              code="invalid_credentials")
-    if len(found) > 1:
-        raise Unprocessable("You belong to several tenants: name one in `tenant`.",
-                            param="tenant")
-    member = found[0]
+def token_for_password(*, username: str, password: str, tenant: str | None,
+                       source: str | None = None) -> IssuedToken:
+    member = member_sign_in(username=username, password=password, tenant=tenant,
+                            source=source)
     return issue_access_token(
         subject=member.subject,
         tenant_id=member.tenant_id,
