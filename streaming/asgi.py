@@ -33,6 +33,7 @@ from streaming.schemas import (
 )
 from tenants.conversations import conversation_get
 from tenants.principal import Principal
+from tenants.throttle import asgi_source
 
 logger = logging.getLogger("sluice.streaming")
 Scope = dict[str, Any]
@@ -124,7 +125,8 @@ class LeanApp:
         if scope["method"] != "POST":
             raise BadRequest(f"{scope['method']} is not allowed on {path}; use POST.",
                              code="method_not_allowed")
-        principal = await self.gateway.authenticate(headers.get("authorization"))
+        principal = await self.gateway.authenticate(headers.get("authorization"),
+                                                    source=asgi_source(scope, headers))
         call["principal"] = principal
         call["action"] = "embeddings" if path == "/v1/embeddings" else "chat.completions"
         length = headers.get("content-length")

@@ -352,12 +352,15 @@ class Gateway:
             latency_ms=(time.monotonic() - began) * 1000, trace_id=telemetry.ids()[0],
             detail={"code": exc.code, "type": exc.type}))
 
-    async def authenticate(self, authorization: str | None) -> Principal:
+    async def authenticate(self, authorization: str | None, *,
+                           source: str | None = None) -> Principal:
+        """`source`: the client's address (tenants.throttle.client_source), which wrong
+        keys count against; None counts none."""
         if not authorization or not authorization.lower().startswith("bearer "):
             raise Unauthenticated("You didn't provide an API key. Use 'Authorization: Bearer "
                                   "<key>'.")
         with telemetry.stage("sluice.auth") as span:
-            principal = await authenticate_cached(authorization[7:])
+            principal = await authenticate_cached(authorization[7:], source=source)
             if span.is_recording():
                 span.set_attributes({"sluice.tenant": principal.tenant_slug,
                                      "sluice.role": str(principal.role)})

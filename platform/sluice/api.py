@@ -37,6 +37,7 @@ from tenants.api import auth_router
 from tenants.api import router as tenants_router
 from tenants.authentication import authenticate
 from tenants.principal import Principal
+from tenants.throttle import http_source
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class BearerAuth(HttpBearer):
     """`Authorization: Bearer <API key or JWT>` to a Principal (request.auth)."""
 
     def authenticate(self, request: HttpRequest, token: str) -> Principal:
-        return authenticate(token)
+        return authenticate(token, source=http_source(request.META))
 
 
 class SluiceAPI(NinjaAPI):
