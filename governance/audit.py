@@ -57,10 +57,12 @@ HASHED = ("chain", "seq", "at", "tenant_id", "actor", "role", "key_prefix", "act
 
 def excerpt(text: str | None, limit: int = EXCERPT_CHARS,
             patterns: Iterable[tuple[str, re.Pattern[str]]] = ()) -> str:
-    """Redacted first, then cut: a cut never leaves half an identifier behind."""
+    """Redacted first, then cut: a cut never leaves half an identifier behind. A NUL
+    becomes U+FFFD: PostgreSQL cannot store it, and one event the writer cannot insert
+    would fail every batch after it (the stream keeps redelivering it)."""
     if not text:
         return ""
-    clean = redact(text, patterns)
+    clean = redact(text, patterns).replace("\x00", "\ufffd")
     return clean if len(clean) <= limit else clean[:limit] + "…"
 
 
@@ -295,7 +297,8 @@ def call_event(*, principal: Any, action: str, model: str, protocol: str, status
         "chain": _chain_of(principal.tenant_slug), "at": timezone.now(),
         "tenant_id": principal.tenant_id, "actor": principal.subject,
         "role": str(principal.role), "key_prefix": principal.key_prefix, "action": action,
-        "target": "", "model": redact(model)[:100],  # a refused call's model is input
+        # A refused call's model is input: redacted, and storable (no NUL).
+        "target": "", "model": redact(model)[:100].replace("\x00", "\ufffd"),
         "protocol": protocol, "status": status,
         "latency_ms": round(latency_ms, 3), "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens, "request_id": request_id,
