@@ -2,21 +2,27 @@
 
 `redact(text)` replaces what its recognizers find with typed placeholders: `[SSN]`,
 `[IBAN]`, `[CARD]`, `[EMAIL]`, `[PHONE]`, `[IP]`, `[JWT]`, `[API_KEY]`, `Bearer [TOKEN]`,
-and `[<LABEL>]` for a tenant's own patterns. It is idempotent (no placeholder matches a
-recognizer) and linear in the input: every pattern is anchored on the boundary of its own
-character class (a lookbehind), so each run of characters is tried from its start once,
-and every repetition is bounded or possessive, so no attempt backtracks beyond a constant.
-Candidates are then validated in Python on bounded spans:
+and `[<LABEL>]` for a tenant's own patterns. It is idempotent: no placeholder matches a
+recognizer, no placeholder is a label, and a span that touches a placeholder is refused
+(what was glued to it before redaction made the first pass refuse it too). It is linear
+in the input: every pattern is anchored on the boundary of its own character class (a
+lookbehind), so each run of characters is tried from its start once, and every
+repetition is bounded or possessive, so no attempt backtracks beyond a constant.
+Candidates are then validated in Python on bounded spans (the checks and the context
+labels are in governance/pii_patterns.py):
 
-- US SSN: AAA-GG-SSSS (or spaces). Valid: area not 000, 666 or 9xx; group not 00; serial
-  not 0000. Invalid ones (and bare nine-digit runs) are redacted only when labelled
-  ("SSN", "social security number", "SS#") just before them.
+- US SSN: AAA-GG-SSSS (or spaces), letters may touch it ("ssn-536-42-7151"), digits may
+  not. Valid: area not 000, 666 or 9xx; group not 00; serial not 0000. Invalid ones and
+  bare nine-digit runs are redacted only where the text says SSN beside them.
 - IBAN: country code, the country's exact length, mod-97 check; spaces allowed.
-- Payment cards: 13-19 digits, optionally in space- or dash-separated groups, Luhn, and a
-  known issuer prefix (Visa, Mastercard, Amex, Discover, JCB, Diners, UnionPay, Maestro).
+- Payment cards: 12-19 digits, compact or in groups of 3-6 digits separated by spaces,
+  dashes or dots (one kind), Luhn, and a known issuer prefix (Visa, Mastercard, Amex,
+  Discover, JCB, Diners, UnionPay, Maestro).
 - Phone numbers: E.164 (+...) of any country, and national formats of the configured
   regions (SLUICE_PHONE_REGIONS, default US,GB: regions with variable-length numbering
-  such as DE make almost any digit run "valid"), validated by `phonenumbers`.
+  such as DE make almost any digit run "valid"), validated by `phonenumbers`. A bare
+  digit run (no +, no separators) is a phone number only after a phone word ("tel",
+  "call me at"): "max_tokens is 2147483647" is not one.
 - Emails, IPv4 (octets <= 255) and IPv6 (`ipaddress`), JWTs (eyJ...eyJ...), API keys
   (sk-/pk-/rk- keys incl. Sluice's, AWS access keys, GitHub and Slack tokens) and bearer
   tokens.
@@ -37,82 +43,32 @@ from typing import Any
 import phonenumbers
 from django.conf import settings
 
+from governance.pii_patterns import (
+    IBAN_LENGTHS,
+    card_issuer,
+    iban_valid,
+    luhn,
+    phone_context,
+    ssn_context,
+    ssn_valid,
+)
+
 
 @dataclass(frozen=True)
 class Span:
     start: int
     end: int
     label: str
-    keep_prefix: int = 0  # characters at the start that stay (e.g. "Bearer ")
-
-
-# -- validators ----------------------------------------------------------------------
-def luhn(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = ord(ch) - 48
-        if i % 2:
-            d = d * 2 - 9 if d > 4 else d * 2
-        total += d
-    return total % 10 == 0
-
-
-def card_issuer(digits: str) -> str | None:
-    n, two, three, four = len(digits), int(digits[:2]), int(digits[:3]), int(digits[:4])
-    six = int(digits[:6])
-    if digits[0] == "4" and n in (13, 16, 19):
-        return "visa"
-    if (51 <= two <= 55 or 222100 <= six <= 272099) and n == 16:
-        return "mastercard"
-    if two in (34, 37) and n == 15:
-        return "amex"
-    if (four == 6011 or two == 65 or 644 <= three <= 649) and n in (16, 19):
-        return "discover"
-    if 3528 <= four <= 3589 and 16 <= n <= 19:
-        return "jcb"
-    if (two in (36, 38, 39) or 300 <= three <= 305) and 14 <= n <= 19:
-        return "diners"
-    if two == 62 and 16 <= n <= 19:
-        return "unionpay"
-    if (two == 50 or 56 <= two <= 69) and 12 <= n <= 19:
-        return "maestro"
-    return None
-
-
-# Lengths by country (SWIFT IBAN registry).
-IBAN_LENGTHS = {
-    "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22,
-    "BH": 22, "BR": 29, "BY": 28, "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22,
-    "DK": 18, "DO": 28, "EE": 20, "EG": 29, "ES": 24, "FI": 18, "FO": 18, "FR": 27,
-    "GB": 22, "GE": 22, "GI": 23, "GL": 18, "GR": 27, "GT": 28, "HR": 21, "HU": 28,
-    "IE": 22, "IL": 23, "IQ": 23, "IS": 26, "IT": 27, "JO": 30, "KW": 30, "KZ": 20,
-    "LB": 28, "LC": 32, "LI": 21, "LT": 20, "LU": 20, "LV": 21, "MC": 27, "MD": 24,
-    "ME": 22, "MK": 19, "MR": 27, "MT": 31, "MU": 30, "NL": 18, "NO": 15, "PK": 24,
-    "PL": 28, "PS": 29, "PT": 25, "QA": 29, "RO": 24, "RS": 22, "SA": 24, "SC": 31,
-    "SE": 24, "SI": 19, "SK": 24, "SM": 27, "ST": 25, "SV": 28, "TL": 23, "TN": 24,
-    "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
-}
-
-
-def iban_valid(iban: str) -> bool:
-    iban = iban.upper()
-    if IBAN_LENGTHS.get(iban[:2]) != len(iban) or not iban[2:4].isdigit():
-        return False
-    moved = iban[4:] + iban[:4]
-    number = "".join(str(int(ch, 36)) for ch in moved)
-    return int(number) % 97 == 1
-
-
-def ssn_valid(area: str, group: str, serial: str) -> bool:
-    return (area != "000" and area != "666" and area[0] != "9" and group != "00"
-            and serial != "0000")
 
 
 # -- recognizers ---------------------------------------------------------------------
-_SSN = re.compile(r"(?<![\w-])(\d{3})([- ]?)(\d{2})\2(\d{4})(?![\w-])")
-_SSN_LABEL = re.compile(r"(?i)(?:\bssn|\bsocial\s{1,3}security(?:\s{1,3}(?:number|no\.?))?"
-                        r"|\bss\s?#)\s{0,3}(?:is|:|=|#)?\s{0,3}$")
-_CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){11,18}(?!\d)")
+# A number's own edges: no digit (or a digit and a separator) beside it, so no pattern
+# starts or ends inside a longer number; letters may touch it ("ssn-536-42-7151",
+# "x536-42-7151").
+_NUM_START = r"(?<!\d)(?<!\d[.-])"
+_NUM_END = r"(?!\d)(?![.-]\d)"
+_SSN = re.compile(rf"{_NUM_START}(\d{{3}})([- ]?)(\d{{2}})\2(\d{{4}}){_NUM_END}")
+_CARD = re.compile(rf"{_NUM_START}\d(?:[ .-]?\d){{11,18}}(?!\d)")
 _IBAN = re.compile(r"(?<![A-Za-z0-9])[A-Za-z]{2}\d{2}(?: ?[A-Za-z0-9]){11,30}+")
 _EMAIL = re.compile(r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}+@"
                     r"[A-Za-z0-9-]{1,63}+(?:\.[A-Za-z0-9-]{1,63}+){1,8}+")
@@ -126,10 +82,22 @@ _API_KEY = re.compile(
     r"|AKIA[0-9A-Z]{16}(?![0-9A-Z])"
     r"|gh[pousr]_[A-Za-z0-9]{30,}+"
     r"|xox[abprs]-[A-Za-z0-9-]{10,}+)")
-_BEARER = re.compile(r"(?i)(?<![A-Za-z0-9])(bearer\s{1,8}+)[A-Za-z0-9._~+/=-]{8,}+")
+_BEARER = re.compile(r"(?i)(?<![A-Za-z0-9\]])(bearer\s{1,8}+)[A-Za-z0-9._~+/=-]{8,}+")
 
 
 Free = Callable[[Span], bool]  # does a span overlap none already claimed?
+
+
+# A placeholder just before or after a span, or across up to two of ".", ":", "-". (A
+# tenant's label with a digit is not recognised here: "[AT611904300234573201]" in text
+# is an IBAN in brackets, not a placeholder.)
+_PLACEHOLDER_BEFORE = re.compile(r"\[[A-Z][A-Z_]{0,31}\][.:-]{0,2}$")
+_PLACEHOLDER_AFTER = re.compile(r"[.:-]{0,2}\[[A-Z][A-Z_]{0,31}\]")
+
+
+def _touches_placeholder(text: str, span: Span) -> bool:
+    return (_PLACEHOLDER_BEFORE.search(text, max(0, span.start - 36), span.start) is not None
+            or _PLACEHOLDER_AFTER.match(text, span.end) is not None)
 
 
 def _scan(pattern: re.Pattern[str], text: str, free: Free,
@@ -138,14 +106,16 @@ def _scan(pattern: re.Pattern[str], text: str, free: Free,
     what starts inside it ("1234 4111 1111 1111 1111" holds a card after a number):
     the search resumes one character on, where the lookbehinds let only the starts of
     runs through, so the work stays linear. A span that overlaps text another
-    recognizer claimed counts as rejected."""
+    recognizer claimed counts as rejected, and so does one that touches a placeholder
+    ("[EMAIL]-536-42-7151"): where a placeholder stands, a token stood that the first
+    pass saw glued to this one, so redacting again must not find what it did not."""
     pos, end = 0, len(text)
     while pos < end:
         m = pattern.search(text, pos)
         if m is None:
             return
         span = check(m)
-        if span is not None and free(span):
+        if span is not None and free(span) and not _touches_placeholder(text, span):
             yield span
             pos = max(span.end, m.start() + 1)
         else:
@@ -155,9 +125,7 @@ def _scan(pattern: re.Pattern[str], text: str, free: Free,
 def _ssn(text: str, free: Free) -> Iterable[Span]:
     def check(m: re.Match[str]) -> Span | None:
         area, sep, group, serial = m.groups()
-        if sep and ssn_valid(area, group, serial):
-            return Span(m.start(), m.end(), "SSN")
-        if _SSN_LABEL.search(text, max(0, m.start() - 40), m.start()):
+        if (sep and ssn_valid(area, group, serial)) or ssn_context(text, m.start(), m.end()):
             return Span(m.start(), m.end(), "SSN")
         return None
     return _scan(_SSN, text, free, check)
@@ -169,17 +137,18 @@ def _cards(text: str, free: Free) -> Iterable[Span]:
         if raw[0] not in "23456":
             return None  # no issuer starts otherwise
         # The longest valid card that starts here and ends at a group's end, written
-        # with one kind of separator ("4111-1111 1111 1111" is not one number).
-        ends = [i + 1 for i, ch in enumerate(raw)
-                if ch.isdigit() and (i + 1 == len(raw) or not raw[i + 1].isdigit())]
-        digits = raw.replace(" ", "").replace("-", "")
-        for end in reversed(ends):
-            head = raw[:end]
-            spaces, dashes = head.count(" "), head.count("-")
-            n = end - spaces - dashes
-            if 12 <= n <= 19 and not (spaces and dashes) and card_issuer(digits[:n]) \
-                    and luhn(digits[:n]) and free(span := Span(m.start(), m.start() + end,
-                                                               "CARD")):
+        # compact or in groups of 3-6 digits with one kind of separator (neither
+        # "4111-1111 1111 1111" nor "4 1 1 1 ..." is how a card is written).
+        groups = list(_DIGIT_GROUPS.finditer(raw))
+        for k in range(len(groups), 0, -1):
+            sizes = [g.end() - g.start() for g in groups[:k]]
+            digits = "".join(g.group() for g in groups[:k])
+            if not (12 <= len(digits) <= 19) or (k > 1 and not (
+                    min(sizes) >= 3 and max(sizes) <= 6
+                    and len({raw[g.end()] for g in groups[:k - 1]}) == 1)):
+                continue
+            span = Span(m.start(), m.start() + groups[k - 1].end(), "CARD")
+            if card_issuer(digits) and luhn(digits) and free(span):
                 return span
         return None
     return _scan(_CARD, text, free, check)
@@ -204,13 +173,17 @@ def _ibans(text: str, free: Free) -> Iterable[Span]:
     return _scan(_IBAN, text, free, check)
 
 
+# A domain ends with its last alphabetic top-level label: labels after it
+# ("jane@example.org.416", "...org.eyJhbGciOi...") belong to the next token.
+_DOMAIN = re.compile(r"(?:[A-Za-z0-9-]{1,63}\.){1,8}[A-Za-z]{2,63}(?!-?[A-Za-z0-9])")
+
+
 def _emails(text: str, free: Free) -> Iterable[Span]:
     def check(m: re.Match[str]) -> Span | None:
-        raw = m.group().rstrip(".-")
-        local, _, domain = raw.partition("@")
-        tld = domain.rsplit(".", 1)[-1]
-        if local.strip(".") and tld.isalpha() and len(tld) >= 2:
-            return Span(m.start(), m.start() + len(raw), "EMAIL")
+        local, _, rest = m.group().partition("@")
+        domain = _DOMAIN.match(rest)
+        if local.strip(".") and domain:
+            return Span(m.start(), m.start() + len(local) + 1 + domain.end(), "EMAIL")
         return None
     return _scan(_EMAIL, text, free, check)
 
@@ -279,6 +252,9 @@ def _phones(text: str, free: Free) -> Iterable[Span]:
             head = raw[:groups[k - 1].end()]
             if head.count("(") != head.count(")") and not head.startswith("("):
                 continue
+            if k == 1 and head.isdigit() and not phone_context(
+                    text, m.start(), m.start() + len(head)):
+                continue  # a bare digit run is a phone number only where one is said
             for region in _phone_regions(head, sizes[:k]):
                 try:
                     number = phonenumbers.parse(head, region)
@@ -308,7 +284,7 @@ def _bearer(text: str, free: Free) -> Iterable[Span]:
         token = m.group()[len(m.group(1)):]
         # a credential, not prose ("bearer information"): it has a digit or punctuation
         if any(ch.isdigit() or ch in "._~+/=-" for ch in token) or len(token) >= 24:
-            return Span(m.start(), m.end(), "TOKEN", keep_prefix=len(m.group(1)))
+            return Span(m.start() + len(m.group(1)), m.end(), "TOKEN")  # "Bearer " stays
         return None
     return _scan(_BEARER, text, free, check)
 
@@ -364,7 +340,7 @@ def redact(text: str, extra: Iterable[tuple[str, re.Pattern[str]]] = ()) -> str:
         return text
     out, last = [], 0
     for span in find(text, extra):
-        out.append(text[last:span.start + span.keep_prefix])
+        out.append(text[last:span.start])
         out.append(f"[{span.label}]")
         last = span.end
     out.append(text[last:])

@@ -1,16 +1,25 @@
 """A labelled corpus for the redaction engine: generated valid identifiers of every kind
-(seeded, so the corpus is the same on every run), hand-picked real-world shapes, and
-near misses that must stay untouched. Used by test_redaction.py and by
-tests/bench/redaction_scores.py (precision and recall per recognizer)."""
+(seeded, so the corpus is the same on every run), hand-picked real-world shapes (the
+forms issue #28 found missed among them), and numbers that are not personal data and
+must stay untouched, by category (large integers, token counts, ids, timestamps,
+versions, dates, prices, hashes, UUIDs, order numbers, near misses of each recognizer).
+
+`score(find)` measures a recognizer set on it: per recognizer, per positive form and per
+negative category. Used by test_redaction.py (which holds the floors) and by
+tests/bench/redaction_scores.py (which prints the tables in docs/AUDIT.md)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import random
-from dataclasses import dataclass
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from governance.redaction import IBAN_LENGTHS, luhn
+from governance.pii_patterns import IBAN_LENGTHS, luhn
+from governance.redaction import Span
 
 
 @dataclass(frozen=True)
@@ -18,6 +27,7 @@ class Sample:
     text: str
     secret: str  # the substring that must vanish ("" for a negative)
     label: str  # the recognizer that must catch it ("" for a negative)
+    form: str = ""  # a shape reported on its own (the forms issue #28 found missed)
 
 
 _RNG = random.Random(20261203)
@@ -67,6 +77,7 @@ def _alnum(n: int) -> str:
 
 
 def positives() -> list[Sample]:
+    _RNG.seed(20261203)  # the same samples on every call
     out: list[Sample] = []
     # SSN: valid areas, groups and serials, with - or space
     for _ in range(60):
@@ -132,30 +143,223 @@ def positives() -> list[Sample]:
         out.append(_wrap("api_key", value, "API_KEY"))
     for token in [_alnum(32), f"{_alnum(20)}.{_alnum(10)}", "abc123def456ghi7"]:
         out.append(Sample(f"Authorization: Bearer {token}", token, "TOKEN"))
+    out += _missed_forms()
     return out
 
 
-NEGATIVES: list[str] = [
-    # SSN-shaped but invalid and unlabelled; dates; other groupings
-    "000-12-3456", "666-45-6789", "900-12-3456", "123-00-4567", "123-45-0000",
-    "1234-56-789", "12-345-6789", "order 123456789 shipped", "2026-12-03",
-    # IBAN near misses: wrong check digits, wrong length, unknown country, prose
-    "DE89 3704 0044 0532 0130 01", "DE8937040044053201300", "XX12 3456 7890 1234 56",
-    "GB82 WEST 1234 5698 7654 33", "ID12345678901234 is a serial",
-    # cards: Luhn fails, no issuer, too short, mixed separators
-    "4111 1111 1111 1112", "1234 5678 9012 3452", "4111 1111 111", "4111-1111 1111 1111",
-    "0000 0000 0000 0000", "tracking 9400111202555842761534",
-    # emails
-    "user@localhost", "user@@example.com", "@example.com", "name at example dot com",
-    "user@example.", "see @mentions", "a@b.c",
-    # phones
-    "12345", "1 2 3 4 5 6 7", "call 555-2671", "123-456-7890", "version 1.2.3",
-    "ISBN 978", "12:30 pm", "room 101",
-    # IPs
-    "256.1.1.1", "1.2.3", "1.2.3.4.5", "a:b", "2001:db8:::1", "cafe", "deadbeef",
-    # secrets
-    "eyJhbGciOi", "eyJ.abc.def", "sk-short", "AKIA123", "task-force-one", "risk-management",
-    "bearer bonds", "Bearer of bad news", "the bearer information", "skeleton-key",
-    # placeholders stay as they are
-    "[SSN] [IBAN] [CARD] [EMAIL] [PHONE] [IP] [JWT] [API_KEY] Bearer [TOKEN]",
-]
+def _ssn_value(sep: str) -> str:
+    area = _RNG.choice([a for a in range(1, 900) if a != 666])
+    return f"{area:03d}{sep}{_RNG.randint(1, 99):02d}{sep}{_RNG.randint(1, 9999):04d}"
+
+
+def _us_phone() -> str:
+    area = _RNG.choice([201, 212, 312, 415, 617, 650, 718, 202, 305, 512])
+    return f"{area}{_RNG.randint(200, 999)}{_RNG.randint(0, 9999):04d}"
+
+
+# Where an SSN touches a word, and how text says a bare number is one.
+_SSN_GLUED = ["ssn-{v}", "x{v}", "{v}x", "SSN#{v}", "ssn_{v}", "id:{v}", "ref{v}.",
+              "({v})th", "SSN{v}", "[{v}]"]
+_SSN_LABELS = ["SSN {v}", "social security number: {v}", "SSN number {v}", "SSN no: {v}",
+               "Social Security #: {v}", "SSN is: {v}", "SSN ({v})", "ssn={v}", "SSN:{v}",
+               "ssn-{v}", "her SSN, {v}", "SSN was {v}", "my social security number is {v}",
+               '"ssn": "{v}"', '{{"ssn":{v}}}', "<ssn>{v}</ssn>", "SSNs: {v}",
+               "S.S.N. {v}", "SocialSecurityNumber={v}", "social_security_number: {v}",
+               "SSN on file: {v}", "{v} is my SSN", "{v} (SSN)", "soc. sec. no. {v}",
+               "SSN\n{v}", "ssn_{v}", "my ss number {v}"]
+_PHONE_LABELS = ["phone: {v}", "call me at {v}", "tel {v}", "Mobile: {v}", "fax no. {v}",
+                 "cell {v}", "WhatsApp {v}", "phone number is {v}", "Tel.:{v}", "call {v}",
+                 "{v} (mobile)", "reach me on {v}", "{v} is my cell"]
+
+
+def _missed_forms() -> list[Sample]:
+    """The forms issue #28 found missed, each reported as its own row by `score`."""
+    out = [Sample(t, v, "SSN", "ssn glued to a word") for t, v in [
+        ("ssn-536-42-7151", "536-42-7151"), ("x536-42-7151", "536-42-7151"),
+        ("536-42-7151x", "536-42-7151")]]
+    out += [Sample("SSN 536427151", "536427151", "SSN", "ssn bare, labelled"),
+            Sample("social security number: 536427151", "536427151", "SSN",
+                   "ssn bare, labelled")]
+    for template in _SSN_GLUED:
+        value = _ssn_value(_RNG.choice("- "))
+        out.append(Sample(template.format(v=value), value, "SSN", "ssn glued to a word"))
+    for template in _SSN_LABELS:
+        for _ in range(2):
+            value = _ssn_value("")
+            out.append(Sample(template.format(v=value), value, "SSN", "ssn bare, labelled"))
+    brands = [("4", 16, [4, 4, 4, 4]), ("51", 16, [4, 4, 4, 4]), ("34", 15, [4, 6, 5]),
+              ("6011", 16, [4, 4, 4, 4]), ("3530", 16, [4, 4, 4, 4]), ("36", 14, [4, 6, 4]),
+              ("62", 16, [4, 4, 4, 4]), ("4", 19, [4, 4, 4, 4, 3])]
+    out.append(Sample("pay with 4111.1111.1111.1111 today", "4111.1111.1111.1111", "CARD",
+                      "card with dots"))
+    for prefix, length, groups in brands:
+        value = _grouped(_card(prefix, length), groups, ".")
+        out.append(Sample(_RNG.choice(_TEMPLATES).format(k="card", v=value), value, "CARD",
+                          "card with dots"))
+    for template in _PHONE_LABELS:
+        for value in [_us_phone(), "1" + _us_phone()]:
+            out.append(Sample(template.format(v=value), value, "PHONE",
+                              "phone bare, beside a phone word"))
+    for value in ["07911123456", "02079460958"]:
+        out.append(Sample(f"mobile {value}", value, "PHONE", "phone bare, beside a phone word"))
+    return out
+
+
+# Hand-picked numbers and near misses, by category: each must stay exactly as it is.
+HAND_PICKED: dict[str, list[str]] = {
+    "ssn near misses": [
+        "000-12-3456", "666-45-6789", "900-12-3456", "123-00-4567", "123-45-0000",
+        "1234-56-789", "12-345-6789", "order 123456789 shipped", "2026-12-03",
+        "SSN verified, order 123456789 shipped", "assn 123456789", "1-536-42-7151",
+        "536-42-7151-0001", "4111-536-42-7151", "class no 123456789"],
+    "iban near misses": [
+        "DE89 3704 0044 0532 0130 01", "DE8937040044053201300", "XX12 3456 7890 1234 56",
+        "GB82 WEST 1234 5698 7654 33", "ID12345678901234 is a serial"],
+    "card near misses": [
+        "4111 1111 1111 1112", "1234 5678 9012 3452", "4111 1111 111", "4111-1111 1111 1111",
+        "0000 0000 0000 0000", "tracking 9400111202555842761534", "4111.1111.1111.1112",
+        "4 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1", "4111.1111-1111 1111", "1.4111.1111.1111.1111"],
+    "email near misses": [
+        "user@localhost", "user@@example.com", "@example.com", "name at example dot com",
+        "user@example.", "see @mentions", "a@b.c"],
+    "phone near misses": [
+        "12345", "1 2 3 4 5 6 7", "call 555-2671", "123-456-7890", "version 1.2.3",
+        "ISBN 978", "12:30 pm", "room 101"],
+    "ip near misses": ["256.1.1.1", "1.2.3", "1.2.3.4.5", "a:b", "2001:db8:::1", "cafe",
+                       "deadbeef"],
+    "secret near misses": [
+        "eyJhbGciOi", "eyJ.abc.def", "sk-short", "AKIA123", "task-force-one",
+        "risk-management", "bearer bonds", "Bearer of bad news", "the bearer information",
+        "skeleton-key"],
+    "placeholders": [
+        "[SSN] [IBAN] [CARD] [EMAIL] [PHONE] [IP] [JWT] [API_KEY] Bearer [TOKEN]"],
+    "large integers": [
+        "max_tokens is 2147483647; this model's context is 2048 tokens.",
+        "max_tokens is 4294967295", "offset 9223372036854775807 is too large",
+        "18446744073709551615", "seed=4155552671", "n = 2125550199", "1000000007",
+        "id 2147483647 - call failed"],
+    "token counts": [
+        "usage: 4155 prompt + 2671 completion tokens", "context window of 2097152 tokens",
+        '{"prompt_tokens": 131072, "completion_tokens": 4096, "total_tokens": 135168}'],
+    "ids": [
+        "user id 4155552671", "customer_id=536427151", "request 6175550123 failed",
+        "account 0123456789", "message 1187429581962403840", "pid 48213"],
+    "timestamps": [
+        "created 1733212800", "ts=1733212800123", "2026-12-03T10:15:30Z",
+        "2026-12-03 10:15:30.123456+00:00", "Tue, 03 Dec 2026 10:15:30 GMT",
+        "1733212800123456789 ns"],
+    "version strings": ["v2.14.3", "numpy==1.26.4", "Chrome/120.0.6099.109",
+                        "Windows 10.0.19045.3803", "CUDA 12.4.131", "build 2026.12.03.4155"],
+    "iso dates": ["2026-12-03", "2026-W49-4", "2026-337", "20261203", "03/12/2026",
+                  "2026-12-03/2026-12-31"],
+    "prices": ["$1,299.99", "€4.111,11", "USD 2147483647.00", "1 234 567,89 €",
+               "JPY 4155552671", "price: 19.99"],
+    "hex hashes": ["d41d8cd98f00b204e9800998ecf8427e",
+                   "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+                   "commit 8d47537"],
+    "uuids": ["123e4567-e89b-12d3-a456-426614174000", "550e8400-e29b-41d4-a716-446655440000"],
+    "order numbers": ["order #4155552671", "PO 4500012345", "ORD-2026-000123",
+                      "INV-000123456", "tracking 1Z999AA10123456784",
+                      "Amazon order 112-4155552-6710001"],
+}
+NEGATIVES: list[str] = [text for texts in HAND_PICKED.values() for text in texts]
+
+
+def _generated_negatives(rng: random.Random) -> dict[str, list[str]]:
+    """Numbers that are not personal data, drawn at random in their usual contexts."""
+    def digits(n: int, first: str = "123456789") -> str:
+        return rng.choice(first) + "".join(rng.choice("0123456789") for _ in range(n - 1))
+
+    def hexes(n: int) -> str:
+        return f"{rng.getrandbits(4 * n):0{n}x}"
+
+    contexts = ["max_tokens is {n}", "value {n} is out of range", "count={n}", "{n} bytes",
+                "limit: {n}", "seed {n}", '{{"n": {n}}}']
+    out: dict[str, list[str]] = {
+        "large integers": [rng.choice(contexts).format(n=digits(n))
+                           for n in range(7, 21) for _ in range(10)],
+        "token counts": [f"prompt_tokens: {rng.randint(1, 2_000_000)}, completion_tokens: "
+                         f"{rng.randint(1, 100_000)}" for _ in range(40)],
+        "ids": ([f"user id {digits(10)}" for _ in range(30)]
+                + [f"customer_id={digits(9)}" for _ in range(30)]
+                + [f"snowflake {digits(rng.choice([18, 19]), '1')}" for _ in range(20)]
+                + [f"trace_id={hexes(32)} span_id={hexes(16)}" for _ in range(20)]),
+        "timestamps": ([f"ts={rng.randint(10**9, 2 * 10**9)}" for _ in range(30)]
+                       + [f"at {rng.randint(10**12, 2 * 10**12)} ms" for _ in range(20)]
+                       + [f"{rng.randint(2000, 2030)}-{rng.randint(1, 12):02d}-"
+                          f"{rng.randint(1, 28):02d}T{rng.randint(0, 23):02d}:"
+                          f"{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}."
+                          f"{rng.randint(0, 999999):06d}Z" for _ in range(30)]),
+        "version strings": [f"v{rng.randint(0, 30)}.{rng.randint(0, 99)}.{rng.randint(0, 999)}"
+                            f".{rng.randint(0, 9999)}" for _ in range(40)],
+        "iso dates": [f"{rng.randint(1900, 2099)}-{rng.randint(1, 12):02d}-"
+                      f"{rng.randint(1, 28):02d}" for _ in range(40)],
+        "prices": [f"${rng.randint(1, 999)},{rng.randint(0, 999):03d},{rng.randint(0, 999):03d}"
+                   f".{rng.randint(0, 99):02d}" for _ in range(40)],
+        "hex hashes": [hexes(rng.choice([7, 32, 40, 64])) for _ in range(60)],
+        "uuids": [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(60)],
+        "order numbers": ([f"order #{digits(10)}" for _ in range(30)]
+                          + [f"PO 45{digits(8, '0123456789')}" for _ in range(20)]
+                          + [f"INV-{digits(9)}" for _ in range(20)]),
+    }
+    return out
+
+
+def negatives() -> dict[str, list[str]]:
+    """Every negative by category: the hand-picked ones, then the generated ones."""
+    out = {category: list(texts) for category, texts in HAND_PICKED.items()}
+    for category, texts in _generated_negatives(random.Random(28)).items():
+        out[category] += texts
+    return out
+
+
+@dataclass
+class Scores:
+    tp: Counter[str] = field(default_factory=Counter)
+    fn: Counter[str] = field(default_factory=Counter)
+    fp: Counter[str] = field(default_factory=Counter)
+    forms: Counter[str] = field(default_factory=Counter)  # samples of each named form
+    forms_hit: Counter[str] = field(default_factory=Counter)
+    negatives: Counter[str] = field(default_factory=Counter)  # texts per category
+    negatives_flagged: Counter[str] = field(default_factory=Counter)  # ... with a span
+    misses: list[Sample] = field(default_factory=list)
+    flagged: list[str] = field(default_factory=list)  # "LABEL: text" of each false positive
+
+    def recall(self, label: str | None = None) -> float:
+        t = sum(self.tp.values()) if label is None else self.tp[label]
+        f = sum(self.fn.values()) if label is None else self.fn[label]
+        return t / (t + f) if t + f else 1.0
+
+    def precision(self, label: str | None = None) -> float:
+        t = sum(self.tp.values()) if label is None else self.tp[label]
+        p = sum(self.fp.values()) if label is None else self.fp[label]
+        return t / (t + p) if t + p else 1.0
+
+
+def score(find: Callable[[str], Sequence[Span]]) -> Scores:
+    """A positive is found when a span of its label covers its secret; every other span,
+    on a positive or a negative, is a false positive of its label."""
+    scores = Scores()
+    for sample in positives():
+        spans = find(sample.text)
+        hit = [s for s in spans if sample.secret in sample.text[s.start:s.end]]
+        found = any(s.label == sample.label for s in hit)
+        (scores.tp if found else scores.fn)[sample.label] += 1
+        if not found:
+            scores.misses.append(sample)
+        if sample.form:
+            scores.forms[sample.form] += 1
+            scores.forms_hit[sample.form] += found
+        for s in spans:
+            if s not in hit:
+                scores.fp[s.label] += 1
+                scores.flagged.append(f"{s.label}: {sample.text!r}")
+    for category, texts in negatives().items():
+        for text in texts:
+            spans = find(text)
+            scores.negatives[category] += 1
+            scores.negatives_flagged[category] += bool(spans)
+            for s in spans:
+                scores.fp[s.label] += 1
+                scores.flagged.append(f"{s.label}: {text!r}")
+    return scores

@@ -1,5 +1,7 @@
-"""The redaction engine: full recall on the labelled corpus, no near-miss false
-positives, idempotence, linear time on pathological megabytes, safe tenant patterns."""
+"""The redaction engine: recall and precision on the labelled corpus at or above their
+measured floors, the forms issue #28 found missed or over-redacted, no hand-picked
+near-miss false positives, idempotence, linear time on pathological megabytes, safe
+tenant patterns."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from governance.redaction import UnsafePattern, compile_tenant_pattern, redact
-from tests.governance.redaction_corpus import NEGATIVES, Sample, positives
+from governance.redaction import UnsafePattern, compile_tenant_pattern, find, redact
+from sluice.errors import BadRequest
+from tests.governance.redaction_corpus import NEGATIVES, Sample, positives, score
 
 POSITIVES = positives()
 
@@ -59,6 +62,9 @@ PATHOLOGICAL = {
     "at signs": "a@" * 32, "dots": "a." * 32, "jwt starts": "eyJ" * 20 + ".",
     "iban starts": "DE89 " * 12, "plus": "+1 " * 20, "colons": "::" * 30,
     "hex": "ab:" * 20, "bearer": "Bearer " * 10, "sk": "sk-" * 20, "letters": "a" * 64,
+    "dotted digits": "4111." * 16, "glued ssns": "x536-42-7151" * 6,
+    "ssn labels": "SSN: " * 12 + "536427151 ", "phone words": "call me at " * 6 + "4155552671 ",
+    "placeholders": "[SSN]-" * 12 + "1", "bare numbers": "2147483647 " * 6,
 }
 
 
@@ -86,3 +92,110 @@ def test_tenant_patterns_are_applied_and_checked() -> None:
         with pytest.raises(UnsafePattern):
             compile_tenant_pattern(unsafe)
     assert isinstance(compile_tenant_pattern(r"[A-Z]{3}-\d+"), re.Pattern)
+
+
+# -- issue #28: forms it missed, and what it over-redacted ------------------------------
+@pytest.mark.parametrize(("text", "expected"), [
+    ("ssn-536-42-7151", "ssn-[SSN]"),
+    ("x536-42-7151", "x[SSN]"),
+    ("536-42-7151x", "[SSN]x"),
+    ("ssn_536 42 7151 on file", "ssn_[SSN] on file"),
+])
+def test_an_ssn_touching_a_word_is_redacted(text: str, expected: str) -> None:
+    assert redact(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "SSN 536427151", "social security number: 536427151", "SSN number 536427151",
+    "Social Security #: 536427151", "SSN (536427151)", '"ssn": "536427151"',
+    "<ssn>536427151</ssn>", "SocialSecurityNumber=536427151", "ssn-536427151",
+    "SSN on file: 536427151", "536427151 is my SSN", "536427151 (SSN)",
+    "my ss number 536427151",
+])
+def test_a_bare_nine_digit_number_is_redacted_where_the_text_says_ssn(text: str) -> None:
+    out = redact(text)
+    assert "536427151" not in out and "[SSN]" in out, out
+
+
+@pytest.mark.parametrize("text", [
+    "order 536427151 shipped", "SSN verified, order 536427151 shipped",
+    "assn 536427151", "[SSN] 536427151", "1-536-42-7151", "536-42-7151-0001",
+])
+def test_a_bare_or_embedded_nine_digit_number_without_an_ssn_label_stays(text: str) -> None:
+    assert redact(text) == text
+
+
+@pytest.mark.parametrize("text", [
+    "4111.1111.1111.1111", "4111 1111 1111 1111", "4111-1111-1111-1111",
+    "4111111111111111", "3782.822463.10005", "card-4111.1111.1111.1111"])
+def test_cards_are_redacted_with_dots_spaces_or_dashes(text: str) -> None:
+    out = redact(f"pay with {text} today")
+    assert out.startswith("pay with ") and "[CARD]" in out and "1111" not in out, out
+
+
+@pytest.mark.parametrize("text", [
+    "4111.1111.1111.1112", "4111.1111-1111 1111", "4 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1",
+    "1.4111.1111.1111.1111"])
+def test_card_shaped_numbers_that_fail_luhn_or_grouping_stay(text: str) -> None:
+    assert redact(text) == text
+
+
+@pytest.mark.parametrize("text", [
+    "max_tokens is 2147483647; this model's context is 2048 tokens.",
+    "user id 4155552671", "order #4155552671", "PO 4500012345", "seed=2125550199",
+    "account 0123456789", "id 2147483647 - call failed"])
+def test_a_bare_integer_is_not_a_phone_number(text: str) -> None:
+    assert redact(text) == text
+
+
+def test_an_error_message_keeps_the_number_it_quotes() -> None:
+    # given the error every protocol encodes when max_tokens is out of range
+    error = BadRequest("max_tokens is 2147483647; this model's context is 2048 tokens.",
+                       param="max_tokens")
+    # when it is rendered for the caller (REST, SSE, WebSocket and gRPC all use body())
+    message = error.body()["error"]["message"]
+    # then the number is still there
+    assert message == "max_tokens is 2147483647; this model's context is 2048 tokens."
+
+
+@pytest.mark.parametrize("text", [
+    "+14155552671", "+1 415 555 2671", "(415) 555-2671", "415-555-2671", "415.555.2671",
+    "1-415-555-2671", "020 7946 0958", "phone: 4155552671", "call me at 14155552671",
+    "Tel.:4155552671", "mobile 07911123456", "4155552671 (mobile)",
+    "reach me on 4155552671"])
+def test_phone_numbers_with_a_format_or_a_phone_word_are_redacted(text: str) -> None:
+    out = redact(text)
+    assert "[PHONE]" in out and "555" not in out and "791" not in out, out
+
+
+def test_redaction_is_idempotent_next_to_other_identifiers() -> None:
+    # given identifiers glued to each other and to labels (what a second pass sees
+    # differently: placeholders where digits and letters were)
+    texts = ["4111111111111111-536-42-7151", "x@example.org.536-42-7151x4111.1111.1111.1111",
+             "fe80::1ff:fe23:4567:890a..305-533-8984", "1-415-555-2671::assn 123456789",
+             "AKIAFO7BP5EKOMEBCCEGcell 16179523937", "ssn: 506-29-6739.-818995471",
+             "first.last@mail.example.co.uk.bearer bonds+484603427",
+             "iban: BA36 5329 2259 3546 6525.[027 12 7185 306321365"]
+    for text in texts:
+        # when redacted twice, then the second pass changes nothing
+        once = redact(text)
+        assert redact(once) == once, (text, once)
+
+
+def test_recall_and_precision_on_the_corpus_hold_their_floors() -> None:
+    # given the labelled corpus (positives incl. the forms issue #28 found missed;
+    # negatives: large integers, token counts, ids, timestamps, versions, dates, prices,
+    # hashes, UUIDs, order numbers, near misses)
+    scores = score(find)
+    # then recall and precision are at or above what docs/AUDIT.md reports (measured:
+    # recall 100%, precision 99.5%: two random 16-digit integers pass Luhn and a card
+    # issuer's prefix, which no rule can tell from a card)
+    assert scores.recall() >= 0.995, [m.text for m in scores.misses]
+    assert scores.precision() >= 0.99, scores.flagged
+    for label in scores.tp:
+        assert scores.recall(label) >= 0.98, (label, scores.misses)
+        assert scores.precision(label) >= 0.95, (label, scores.flagged)
+    for form, total in scores.forms.items():
+        assert scores.forms_hit[form] == total, (form, scores.misses)
+    for category, total in scores.negatives.items():
+        assert scores.negatives_flagged[category] <= 0.02 * total, (category, scores.flagged)
