@@ -57,8 +57,7 @@ from sluice.processes import set_on_signals
 from sluice.redis import ScriptBatch, chunks, reconnecting
 
 if TYPE_CHECKING:
-    from inference.constrained import JsonConstraint, VocabIndex
-    from inference.tools import ToolCallConstraint
+    from inference.constraint import Constraint
 
 logger = logging.getLogger("sluice.worker")
 _EMBED_CHUNK = 64
@@ -95,10 +94,9 @@ class Active:
     max_new: int
     stop: tuple[str, ...]
     ignore_eos: bool = False
-    tool: ToolCallConstraint | None = None
-    # Structured outputs: the reply is generated under its JSON schema's constraint and
-    # ends with the value.
-    reply_format: JsonConstraint | None = None
+    # Tool calls and structured outputs: the reply is generated under its grammar and
+    # ends with the value (or the calls).
+    constraint: Constraint | None = None
     # OpenAI's logprobs: each token's entry goes out with it (`lp` in its delta event).
     logprobs: bool = False
     # False: nobody reads the reply token by token, so it goes out in one piece at the
@@ -174,7 +172,7 @@ class Worker:
         self.window = spec.max_batch_size * 2
         self._eos = self.runtime.eos_token_ids if isinstance(self.runtime, ChatRuntime) \
             else frozenset()
-        self._vocab: Any = None  # a VocabIndex, built on the first tool call
+        self._vocab: Any = None  # a Vocabulary, built on the first constrained request
         self._token_texts: Any = None  # a logprobs.TokenTexts, made on first use
         self._cleanup = self.redis.register_script(q.CLEANUP_LUA)
         self.backlog: list[Pending] = []
@@ -606,19 +604,19 @@ class Worker:
                                f"{runtime.max_context}.")
         active = Active(pending, prompt_tokens=len(prompt),
                         max_new=min(params.max_tokens, room), stop=params.stop,
-                        ignore_eos=params.ignore_eos, tool=self._tool_constraint(body),
-                        reply_format=self._format_constraint(body),
+                        ignore_eos=params.ignore_eos,
+                        constraint=self._constraint(body, min(params.max_tokens, room)),
                         logprobs=params.logprobs is not None,
                         streamed=bool(body.get("stream", True)))
         if pending.deliveries > 1 and not self._resume_state(active):
             self._acks.append(pending)  # an earlier delivery finished it
             self._served(pending.req.rid)
             return None
-        if active.reply_format is not None:
-            for token in active.ids:  # resumed: what was streamed was written under it
-                active.reply_format.advance(token)
-            if active.reply_format.done:
-                self._finish(active, "stop")
+        constraint = active.constraint
+        if constraint is not None:
+            constraint.replay(active.ids)  # resumed: what was streamed was written under it
+            if constraint.complete:
+                self._finish(active, "tool_calls" if constraint.kind() == "calls" else "stop")
                 return None
         left = active.max_new - len(active.ids)
         if left <= 0:
@@ -629,47 +627,35 @@ class Worker:
         # A resumed request continues from what was already streamed, as context.
         return active, NewSequence(pending.req.rid, prompt + active.ids, params,
                                    generated=len(active.ids),
-                                   constraint=active.tool or active.reply_format)
+                                   constraint=active.constraint)
 
-    def _vocab_index(self, code: str, cannot: str) -> VocabIndex:
-        """The runtime's vocabulary masks for constrained decoding, built on first use;
-        a runtime without a tokenizer's vocabulary (echo) refuses with `code`."""
-        # torch-only code, imported when a constraint is asked for (echo workers skip it).
-        from inference.constrained import VocabIndex
+    def _constraint(self, body: dict[str, Any], budget: int) -> Constraint | None:
+        """The grammar of a request with tools or a response format (None without);
+        a runtime without a tokenizer (echo) refuses them, as does a schema that cannot
+        be enforced (the gateway checked it too: this is a worker's own guard)."""
+        tools, fmt = body.get("tools"), body.get("response_format")
+        if not tools and not fmt:
+            return None
+        # torch- and llguidance-side code, imported when a constraint is asked for.
+        from inference.constraint import Constraint, Vocabulary, plan_for
 
+        code = "invalid_tool_schema" if tools else "invalid_response_format"
         if not isinstance(self.runtime, TorchModel):
-            raise RequestError(400, code, f"The model '{self.spec.name}' cannot {cannot}.")
+            what = "call tools" if tools else "write structured outputs (response_format)"
+            raise RequestError(400, "tools_not_supported" if tools else
+                               "response_format_not_supported",
+                               f"The model '{self.spec.name}' cannot {what}.")
+        try:
+            plan = plan_for(body)
+        except ValueError as exc:
+            raise RequestError(400, code, f"Invalid request: {exc}") from None
+        if plan is None:
+            return None
         if self._vocab is None:
-            self._vocab = VocabIndex(self.runtime.tokenizer,
-                                     int(self.runtime.model.config.vocab_size))
-        return self._vocab
-
-    def _tool_constraint(self, body: dict[str, Any]) -> ToolCallConstraint | None:
-        if not body.get("tools"):
-            return None
-        from inference.constrained import SchemaError
-        from inference.tools import ToolCallConstraint, parse_tools
-
-        vocab = self._vocab_index("tools_not_supported", "call tools")
-        try:
-            tools = parse_tools(body["tools"])
-        except (SchemaError, KeyError, TypeError) as exc:
-            raise RequestError(400, "invalid_tool_schema", f"Invalid tool: {exc}") from None
-        return ToolCallConstraint.build(vocab, tools, str(body.get("tool_choice", "auto")))
-
-    def _format_constraint(self, body: dict[str, Any]) -> JsonConstraint | None:
-        fmt = body.get("response_format")
-        if not fmt:
-            return None
-        from inference.constrained import JsonConstraint, SchemaError
-
-        vocab = self._vocab_index("response_format_not_supported",
-                                  "write structured outputs (response_format)")
-        try:
-            return JsonConstraint.for_schema(fmt["schema"], vocab)
-        except (SchemaError, KeyError, TypeError) as exc:
-            raise RequestError(400, "invalid_response_format",
-                               f"Invalid response_format: {exc}") from None
+            self._vocab = Vocabulary(self.runtime.tokenizer,
+                                     int(self.runtime.model.config.vocab_size),
+                                     sorted(self._eos))
+        return Constraint(self._vocab, plan, budget=budget)
 
     @staticmethod
     def _prompt(runtime: ChatRuntime, messages: list[dict[str, Any]],
@@ -786,8 +772,10 @@ class Worker:
         if token == FAILED:
             self._finish(active, "model_error")
             return
+        constraint = active.constraint
         if token in self._eos and not active.ignore_eos:
-            self._finish(active, "stop")
+            calls = constraint is not None and constraint.kind() == "calls"
+            self._finish(active, "tool_calls" if calls else "stop")
             return
         active.ids.append(token)
         active.unsent_ids.append(token)
@@ -795,14 +783,11 @@ class Worker:
             self._logprob(active, token)
         assert active.detok is not None  # noqa: S101
         active.text += active.detok.push(token)
-        if active.tool is not None and active.tool.call_complete:
-            self._finish(active, "tool_calls")
-            return
-        fmt = active.reply_format
-        if fmt is not None and fmt.done and len(active.ids) >= len(fmt.emitted):
-            # The whole JSON value is out (the constraint may be a token ahead of the
-            # tokens handled here, an overlapped step's: it ends with its last token).
-            self._finish(active, "stop")
+        if constraint is not None and constraint.complete \
+                and len(active.ids) >= len(constraint.emitted):
+            # The whole value (or every call) is out: the constraint may be a token ahead
+            # of the tokens handled here (an overlapped step's), so it ends with its last.
+            self._finish(active, "tool_calls" if constraint.kind() == "calls" else "stop")
             return
         if self._cut_at_stop(active):
             self._finish(active, "stop", flush=False)
@@ -838,8 +823,7 @@ class Worker:
         return bool(hits)
 
     def _emit_text(self, active: Active, *, final: bool) -> None:
-        tool = active.tool
-        if tool is not None and (tool.mode == "call" or not tool.done):
+        if active.constraint is not None and active.constraint.kind() != "text":
             return  # a tool call (or maybe the start of one) is not content
         text = active.text
         if not final:
@@ -873,14 +857,16 @@ class Worker:
         self._emit_text(active, final=True)  # whatever was held back, if anything
         self._drop(active.req.rid)
         self.active.pop(active.req.rid, None)
-        if reason == "tool_calls" and active.tool is not None:
-            name, arguments = active.tool.call()
+        if reason == "tool_calls" and active.constraint is not None:
+            rid = active.req.rid[:20]
+            calls = [{"id": f"call_{rid}" if i == 0 else f"call_{rid}_{i}", "name": name,
+                      "arguments": arguments}
+                     for i, (name, arguments) in enumerate(active.constraint.calls())]
             # Seen one token ahead (an overlapped step), the call's last token is in
             # the constraint but not yet in ids.
             self._final(active.pending, active.seq, reason, prompt_tokens=active.prompt_tokens,
-                        completion_tokens=max(len(active.ids), len(active.tool.emitted)),
-                        tool_calls=[{"id": f"call_{active.req.rid[:20]}", "name": name,
-                                     "arguments": arguments}])
+                        completion_tokens=max(len(active.ids), len(active.constraint.emitted)),
+                        tool_calls=calls)
             return
         if reason == "deadline":
             self._error(active.pending, RequestError(

@@ -25,6 +25,7 @@ from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Serve
 from sluice.telemetry import RequestScope
 from streaming import bodies, replay
 from streaming.gateway import Submitted, error_from_event, queue_unavailable, shared_gateway
+from streaming.nesting import check_depth
 from streaming.schemas import (
     ChatCompletionRequest,
     ConversationId,
@@ -141,6 +142,7 @@ class LeanApp:
                              code="invalid_json") from None
         if not isinstance(data, dict):
             raise BadRequest("The request body must be a JSON object.", code="invalid_json")
+        check_depth(data)
         try:
             if path == "/v1/embeddings":
                 emb = EmbeddingRequest.model_validate(data)

@@ -29,10 +29,9 @@ from governance.admission import Admission, Governor
 from governance.redaction import redact
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
+from inference.grammar import TOOL_MARKER
 from inference.queue import FINAL_EVENTS
 from inference.spec import DeploymentSpec, Kind
-from inference.toolschema import TOOL_MARKER, SchemaError
-from inference.toolschema import validate as validate_schema
 from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import (
@@ -49,9 +48,8 @@ from streaming import replay
 from streaming.schemas import (
     ChatCompletionRequest,
     EmbeddingRequest,
-    NamedToolChoice,
-    ToolDef,
 )
+from streaming.structured import structured_body, tool_prompt
 from tenants.cache import authenticate_cached
 from tenants.conversations import conversation_append, conversation_history
 from tenants.principal import Principal
@@ -192,70 +190,6 @@ def _message(message: Any) -> dict[str, str]:
     if message.role == "tool":
         content = f"[result of {extra.get('tool_call_id', 'the call')}] {content}"
     return {"role": message.role, "content": content}
-
-
-def _tool_prompt(tools: list[ToolDef]) -> dict[str, str]:
-    listed = [{"name": t.function.name, "description": t.function.description or "",
-               "parameters": t.function.parameters or {}} for t in tools]
-    return {"role": "system", "content": (
-        "You can call functions. To call one, reply with " + TOOL_MARKER + " followed by "
-        'a JSON object {"name": <function name>, "arguments": <arguments>}. Functions: '
-        + json.dumps(listed))}
-
-
-def _tool_body(req: ChatCompletionRequest) -> dict[str, Any]:
-    """Validated tools and tool_choice for the worker ({} when no tool may be called)."""
-    choice = req.tool_choice
-    if not req.tools:
-        if choice not in (None, "none"):
-            raise BadRequest("tool_choice is set but no tools are given.", param="tool_choice")
-        return {}
-    if choice == "none":
-        return {}
-    names = [t.function.name for t in req.tools]
-    if len(set(names)) != len(names):
-        raise BadRequest("Function names must be unique.", param="tools")
-    for i, tool in enumerate(req.tools):
-        try:
-            validate_schema(tool.function.parameters or {"type": "object", "properties": {}})
-        except SchemaError as exc:
-            raise BadRequest(f"Invalid schema for function '{tool.function.name}': {exc}",
-                             param=f"tools[{i}].function.parameters",
-                             code="invalid_function_parameters") from None
-    wanted = choice.function.name if isinstance(choice, NamedToolChoice) else choice or "auto"
-    if isinstance(choice, NamedToolChoice) and wanted not in names:
-        raise BadRequest(f"tool_choice names '{wanted}', which is not among the tools.",
-                         param="tool_choice")
-    return {"tools": [{"name": t.function.name, "parameters": t.function.parameters}
-                      for t in req.tools], "tool_choice": wanted}
-
-
-def _format_body(req: ChatCompletionRequest, *, tools: bool) -> dict[str, Any]:
-    """A validated `response_format` for the worker: {"response_format": {"schema":
-    ...}} for structured outputs (the reply is generated under the schema's
-    constraint), {} for plain text."""
-    fmt = req.response_format
-    if fmt is None or fmt.type == "text":
-        return {}
-    if fmt.type == "json_object":
-        raise BadRequest("response_format 'json_object' is not supported; give the reply's "
-                         "JSON schema with 'json_schema' (structured outputs).",
-                         param="response_format.type", code="unsupported_response_format")
-    if fmt.json_schema is None:
-        raise BadRequest("Missing required parameter: 'response_format.json_schema'.",
-                         param="response_format.json_schema",
-                         code="missing_required_parameter")
-    if tools:
-        raise BadRequest("response_format 'json_schema' cannot be combined with tools here.",
-                         param="response_format", code="unsupported_response_format")
-    schema = fmt.json_schema.schema_ or {"type": "object", "properties": {}}
-    try:
-        validate_schema(schema, "schema")
-    except SchemaError as exc:
-        raise BadRequest(f"Invalid schema for response_format '{fmt.json_schema.name}': {exc}",
-                         param="response_format.json_schema.schema",
-                         code="invalid_response_format") from None
-    return {"response_format": {"schema": schema}}
 
 
 def error_from_event(event: dict[str, Any]) -> ApiError:
@@ -402,16 +336,16 @@ class Gateway:
                              f"{spec.max_context} tokens.", param="max_tokens",
                              code="max_tokens_too_large")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        tools = _tool_body(req)
-        response_format = _format_body(req, tools=bool(tools))
+        structured = structured_body(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true.",
                              param="top_logprobs", code="invalid_value")
         key, fingerprint = replay.idempotency(principal, idempotency_key, req)
         turn = [_message(m) for m in req.messages]  # what the conversation keeps
         messages = list(turn)
-        if tools and req.tools:
-            messages.insert(0, _tool_prompt(req.tools))
+        if structured.get("tools") and req.tools:
+            messages.insert(0, tool_prompt(req.tools,
+                                            parallel=structured["parallel_tool_calls"]))
         max_tokens = max_tokens or min(1024, spec.max_context // 2)
         texts = [m["content"] for m in messages] + [m.get("content", "") for m in history]
         admission = await self.governor.admit(
@@ -422,8 +356,7 @@ class Gateway:
         if admission.max_tokens_cap is not None:
             max_tokens = min(max_tokens, admission.max_tokens_cap)
         body: dict[str, Any] = {
-            **tools,
-            **response_format,
+            **structured,
             **({"logprobs": req.top_logprobs or 0} if req.logprobs else {}),
             "messages": messages,
             "max_tokens": max_tokens,

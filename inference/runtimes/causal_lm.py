@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import DynamicCache
 
+from inference import masks as grammar_masks
 from inference.runtimes.base import (
     FAILED,
     ChatRuntime,
@@ -155,13 +156,15 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
             return {}
         ones = torch.ones((len(self._rids), 1), dtype=torch.long, device=self.device)
         mask = torch.cat([self._mask, ones], dim=1)
+        # The grammar masks are computed on llguidance's threads while the model runs.
+        masks = grammar_masks.start(self._constraints)
         out = self.model(input_ids=self._last[:, None], attention_mask=mask,
                          position_ids=self._pos[:, None], cache=self._cache,
                          use_cache=True)
         try:
             asked = _log_softmax(out.logits[:, -1, :], self._params)
             tokens = sample(out.logits[:, -1, :], self._params, self._gens, self._constraints,
-                            self._counts)
+                            self._counts, masks.result() if masks is not None else None)
         except Exception:
             # The forward pass already grew the cache by a column: take it back, so the
             # batch stays consistent for the caller that handles the error.

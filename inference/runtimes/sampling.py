@@ -27,13 +27,16 @@ _TOP_K = 1024  # where a top-p cut looks first
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
            constraints: list[Any] | None = None,
-           counts: Sequence[dict[int, int] | None] | None = None) -> list[int]:
+           counts: Sequence[dict[int, int] | None] | None = None,
+           masks: Any = None) -> list[int]:
     """One token per row of `logits` [B, V]; `FAILED` for a row whose logits are NaN
     or +infinity, or all -infinity (a model's numerical fault on that sequence: no
     token can be drawn from them, and argmax would pick a made-up one). The other rows
-    are sampled as if it were not there. A row with a constraint
-    (inference.constrained.JsonConstraint) gets its forced token, or samples only among
-    the tokens it allows. `counts`: per row, how often it has generated each token, for
+    are sampled as if it were not there. A row with a masking constraint
+    (inference.constraint.Constraint) samples only among the tokens its grammar allows:
+    `masks` (inference.masks.Masks) were computed for these constraints beside the
+    forward pass, or are computed here when None; every constraint that is not done
+    is advanced with its row's token. `counts`: per row, how often it has generated each token, for
     its presence and frequency penalties (None: the row has none); the penalties and
     each row's logit_bias are applied to `logits` in place (the caller's logits are
     scratch: a copy of a batch's was ~6 ms on the CPU at batch 128)."""
@@ -43,24 +46,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     adjusted = counts is not None and _penalize(logits, params, counts)
     if _bias(logits, params) or adjusted:
         chosen = logits.argmax(dim=-1)
-    forced: list[int | None] = [None] * len(params)
     if constraints is not None and any(c is not None for c in constraints):
-        from inference.constrained import apply
+        from inference import masks as grammar_masks
 
-        logits = logits.clone()
-        forced = apply(logits, constraints)
-        chosen = logits.argmax(dim=-1)  # among what the constraints allow
-    rows = [row for row, p in enumerate(params)
-            if forced[row] is None and p.temperature > 0]
+        masks = masks if masks is not None else grammar_masks.now(constraints)
+        if masks is not None:
+            masks.apply(logits)
+            chosen = logits.argmax(dim=-1)  # among what the grammars allow
+    rows = [row for row, p in enumerate(params) if p.temperature > 0]
     if rows:
         # A faulty row draws a meaningless token here (nothing checks, nothing syncs);
         # `finite` replaces it below.
         chosen[rows] = _draw(logits[rows], [params[row] for row in rows],
                              [generators[row] for row in rows])
     out = torch.where(finite, chosen, FAILED).tolist()
-    for row, token in enumerate(forced):
-        if token is not None and out[row] != FAILED:
-            out[row] = token
     for row, constraint in enumerate(constraints or []):
         if constraint is not None and not constraint.done and out[row] != FAILED:
             constraint.advance(out[row])

@@ -42,12 +42,18 @@ def client(live: Live, tiny: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=60)
 
 
-def call_of(reply: Any) -> tuple[str, dict[str, Any]]:
+def calls_of(reply: Any) -> list[tuple[str, dict[str, Any]]]:
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    [call] = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    return call.function.name, json.loads(call.function.arguments)
+    calls = choice.message.tool_calls
+    assert calls and all(c.type == "function" and c.id.startswith("call_") for c in calls)
+    assert len({c.id for c in calls}) == len(calls)
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def call_of(reply: Any) -> tuple[str, dict[str, Any]]:
+    [call] = calls_of(reply)
+    return call
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -62,17 +68,34 @@ def test_forced_function_arguments_validate_against_its_schema(
         jsonschema.validate(arguments, WEATHER["function"]["parameters"])
 
 
-def test_required_calls_one_of_the_tools(client: openai.OpenAI, tiny: str) -> None:
-    reply = client.chat.completions.create(model=tiny, messages=ASK, tools=[WEATHER, TIME],
-                                           tool_choice="required", max_tokens=200)
-    name, arguments = call_of(reply)
-    schema = {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"]
-    jsonschema.validate(arguments, schema)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_the_tools_several_only_when_parallel(
+        client: openai.OpenAI, tiny: str, parallel: bool) -> None:
+    """A model that wants to go on after a call (its logit_bias favours the first token
+    of the call marker) makes several valid calls with parallel_tool_calls (as many as
+    its max_tokens leave room for, up to the limit), and exactly one without."""
+    from transformers import AutoTokenizer
+
+    from inference.weights import smollm2_tokenizer_dir
+
+    marker = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir())).encode("<")[0]
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        **TIME["function"]["parameters"], "additionalProperties": False}}}
+    reply = client.chat.completions.create(
+        model=tiny, messages=ASK, tools=[clock], tool_choice="required",
+        max_tokens=200, temperature=1.0, seed=3, parallel_tool_calls=parallel,
+        logit_bias={str(marker): 100})
+    calls = calls_of(reply)
+    assert len(calls) > 1 if parallel else len(calls) == 1, calls
+    for name, arguments in calls:
+        assert name == "get_time"
+        jsonschema.validate(arguments, TIME["function"]["parameters"])
 
 
 def test_tool_call_streams_as_a_delta(client: openai.OpenAI, tiny: str) -> None:
     chunks = list(client.chat.completions.create(
-        model=tiny, messages=ASK, tools=[TIME], tool_choice="required", stream=True))
+        model=tiny, messages=ASK, tools=[TIME], tool_choice="required", stream=True,
+        parallel_tool_calls=False))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].function.name == "get_time"
     assert json.loads(calls[0].function.arguments)["zone"] in ("UTC", "CET")
@@ -101,7 +124,10 @@ def test_tool_result_round_trip(client: openai.OpenAI, tiny: str) -> None:
 
 @pytest.mark.parametrize(("tools", "choice", "fragment"), [
     ([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"xs": {"type": "array"}}}}}], "required", "array"),
+        "type": "object", "properties": {"xs": {"not": {}}}}}}], "required", "not"),
+    ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}}}}], "required",
+     "additionalProperties"),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "nope"),
     (None, "required", "no tools"),
     ([WEATHER, WEATHER], "auto", "unique"),

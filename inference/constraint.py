@@ -1,0 +1,201 @@
+"""One sequence's grammar state during generation, and the vocabulary it is checked
+against: llguidance matchers over the runtime's own tokenizer (inference/grammar.py
+makes the grammars).
+
+A Constraint is advanced with every token its sequence generates (`advance`, by the
+sampler on the model thread) and read by the worker (`kind`, `complete`, `calls`). Its
+masks are computed for a whole batch at once, on llguidance's threads, while the model
+runs its forward pass (inference/masks.py). Contract:
+- `masking`: the next token must be one the matcher allows (mask it); False while an
+  "auto" reply has not begun a call yet, and once the constraint is `done`;
+- `done`: nothing more to constrain: the grammar is complete (`complete`), the reply
+  turned out to be free text, or the matcher failed (it never should: every token it
+  sees was allowed by its own mask; a failure ends the constraint, not the worker);
+- `closing`: the sequence's token budget is nearly spent: the sampler then prefers
+  tokens that close the value (quotes, brackets), so a started value ends valid
+  within max_tokens instead of being cut off;
+- `replay(ids)`: a resumed delivery's already streamed tokens, fed through.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from inference.grammar import TOOL_MARKER, Plan, Tool, plan, split_calls
+
+_CLOSERS = frozenset('"}],')
+
+
+def plan_for(body: dict[str, Any]) -> Plan | None:
+    """The plan of a queued chat request's `tools`, `tool_choice`,
+    `parallel_tool_calls` and `response_format` (ValueError when they cannot be
+    enforced). Plans are cached: an agent sends the same tools with every turn."""
+    try:
+        return _cached_plan(json.dumps([body.get("tools") or [],
+                                        body.get("tool_choice", "auto"),
+                                        body.get("parallel_tool_calls", True),
+                                        body.get("response_format")], sort_keys=True))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed tools or response_format ({exc})") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(key: str) -> Plan | None:
+    tools, choice, parallel, fmt = json.loads(key)
+    return plan(tools=[Tool(t["name"], t.get("parameters") or {}, bool(t.get("strict")))
+                       for t in tools],
+                choice=str(choice), parallel=bool(parallel), response_format=fmt)
+
+
+class Vocabulary:
+    """A runtime's tokenizer as llguidance sees it (built once per worker: ~1 s)."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos: list[int]) -> None:
+        import llguidance.hf  # transformers: only on a worker that constrains
+
+        self.tokenizer: LLTokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.size = vocab_size
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
+        texts = hf_tokenizer.batch_decode([[i] for i in range(len(hf_tokenizer))])
+        self.texts = texts + [""] * (vocab_size - len(texts))
+        closers = np.array([bool(t) and set(t) <= _CLOSERS for t in self.texts])
+        self.closer_ids = [int(i) for i in np.flatnonzero(closers)]
+        self.eos = eos
+        self.executor = LLExecutor()
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode_str(ids)
+
+
+class Constraint:
+    def __init__(self, vocab: Vocabulary, plan: Plan, *, budget: int) -> None:
+        self.vocab, self.plan = vocab, plan
+        self.matcher = LLMatcher(vocab.tokenizer, plan.grammar, log_level=0)
+        self.watching = plan.watch_marker
+        self.emitted: list[int] = []
+        self.done = self.complete = self.free = False
+        self.failed = ""  # the matcher's error, if it ever fails
+        self._head = ""  # the reply's first characters, until its kind is known
+        self._kind = "text" if not plan.tools else ("calls" if plan.calls_only else "")
+        # The last quarter of the budget (at least 16 tokens) is for closing the value:
+        # what a schema still requires after a string closes (keys, separators) costs
+        # a step per token.
+        self._closing_at = max(1, budget - max(16, budget // 4))
+        if self.matcher.is_error():
+            self._fail()
+
+    @property
+    def masking(self) -> bool:
+        return not self.done and not self.watching
+
+    @property
+    def closing(self) -> bool:
+        return len(self.emitted) >= self._closing_at
+
+    def kind(self) -> str:
+        """"text" (the reply is content: free text or the structured answer), "calls",
+        or "" while that is not known yet."""
+        return "text" if self.free else self._kind
+
+    def advance(self, token: int) -> None:
+        self.emitted.append(token)
+        if self.done:
+            return
+        if not self._kind:
+            self._decide(self.vocab.texts[token])
+        if self.watching:
+            self._watch()
+            return
+        if not self.matcher.consume_token(token):
+            self._fail()
+        elif self.matcher.is_stopped():
+            self.done = self.complete = True
+
+    def replay(self, ids: list[int]) -> None:
+        for token in ids:
+            self.advance(token)
+
+    def accepting(self) -> bool:
+        """The grammar may end here (an end-of-sequence token is allowed)."""
+        return self.complete or (self.masking and self.matcher.is_accepting())
+
+    def closing_choice(self, allowed: list[int]) -> list[int]:
+        """Among `allowed` (the end-of-sequence and closing tokens the mask allows: quotes,
+        brackets, commas), the one that finishes the grammar soonest: an end-of-sequence
+        token when it may end now; else the token after which it may end soonest
+        (through the forced tokens that follow it and one more closer); else the one
+        whose forced continuation is longest (a comma that ends a number and brings the
+        next key). [] when none makes progress: the row then samples as usual. Leaves
+        the matcher as it was (every trial is rolled back)."""
+        ends = [t for t in allowed if t in self.vocab.eos]
+        if ends:
+            return ends
+        m, best, best_score = self.matcher, [], (3, 0)
+        for token in allowed:
+            if m.try_consume_tokens([token]) != 1:
+                continue
+            score = self._progress(allowed)
+            m.rollback(1)
+            if score < best_score:
+                best, best_score = [token], score
+        return best
+
+    def _progress(self, closers: list[int]) -> tuple[int, int]:
+        """(tokens until the grammar may end, 3 when not within two; minus the length of
+        the forced continuation) from the matcher's state."""
+        m = self.matcher
+        if m.is_stopped() or m.is_accepting():
+            return (0, 0)
+        forced = m.compute_ff_tokens()
+        taken = m.try_consume_tokens(forced) if forced else 0
+        try:
+            if m.is_stopped() or m.is_accepting():
+                return (1, -taken)
+            for token in closers:
+                if m.try_consume_tokens([token]) == 1:
+                    done = m.is_stopped() or m.is_accepting()
+                    m.rollback(1)
+                    if done:
+                        return (2, -taken)
+            return (3, -taken)
+        finally:
+            if taken:
+                m.rollback(taken)
+
+    def calls(self) -> list[tuple[str, str]]:
+        """(name, arguments JSON) of each call of a finished reply."""
+        eos = self.vocab.eos
+        return split_calls(self.vocab.decode([t for t in self.emitted if t not in eos]))
+
+    def _decide(self, text: str) -> None:
+        self._head += text
+        head = self._head.lstrip()
+        if head.startswith(TOOL_MARKER):
+            self._kind = "calls"
+        elif head and not TOOL_MARKER.startswith(head):
+            self._kind = "text"
+
+    def _watch(self) -> None:
+        """An "auto" reply: free until it begins with TOOL_MARKER, then the grammar (which
+        starts at the marker) takes every token so far."""
+        if self._kind == "text":
+            self.done = self.free = True
+        elif self._kind == "calls":
+            self.watching = False
+            head = self.emitted
+            while head and self.vocab.texts[head[0]].strip() == "":
+                head = head[1:]  # whitespace before the marker is not the grammar's
+            if self.matcher.validate_tokens(head) != len(head) or not \
+                    self.matcher.consume_tokens(head):
+                self.done = self.free = True  # the marker ran into text the call can't take
+                self._kind = "text"
+
+    def _fail(self) -> None:
+        self.failed = self.matcher.get_error() or "the grammar failed"
+        self.done = True

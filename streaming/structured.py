@@ -1,0 +1,77 @@
+"""Tools and response formats of a chat request, checked at the gateway: what the worker
+gets to build the reply's grammar (inference/grammar.py), and the system prompt that
+tells the model how to write a call."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from inference import grammar
+from inference.grammar import TOOL_MARKER
+from sluice.errors import BadRequest
+from streaming.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
+
+
+def tool_prompt(tools: list[ToolDef], *, parallel: bool) -> dict[str, str]:
+    listed = [{"name": t.function.name, "description": t.function.description or "",
+               "parameters": t.function.parameters or {}} for t in tools]
+    several = (" To call several, write each call the same way, one after another."
+               if parallel else "")
+    return {"role": "system", "content": (
+        "You can call functions. To call one, reply with " + TOOL_MARKER + " followed by "
+        'a JSON object {"name": <function name>, "arguments": <arguments>}.' + several
+        + " Functions: " + json.dumps(listed))}
+
+
+def structured_body(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The validated tools, tool_choice, parallel_tool_calls and response_format for
+    the worker ({} for a free-text reply). Every schema is compiled here, without a
+    tokenizer, so a schema the engine cannot enforce is a 400 naming it before anything
+    is queued."""
+    choice, fmt = req.tool_choice, req.response_format
+    body: dict[str, Any] = {}
+    if fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise BadRequest("Missing required parameter: 'response_format.json_schema'.",
+                             param="response_format.json_schema",
+                             code="missing_required_parameter")
+        body["response_format"] = {
+            "schema": fmt.json_schema.schema_ or {"type": "object", "properties": {}},
+            "strict": bool(fmt.json_schema.strict)}
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise BadRequest("tool_choice is set but no tools are given.", param="tool_choice")
+    elif choice != "none":
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) != len(names):
+            raise BadRequest("Function names must be unique.", param="tools")
+        wanted = choice.function.name if isinstance(choice, NamedToolChoice) else \
+            choice or "auto"
+        if isinstance(choice, NamedToolChoice) and wanted not in names:
+            raise BadRequest(f"tool_choice names '{wanted}', which is not among the tools.",
+                             param="tool_choice")
+        body.update(tools=[{"name": t.function.name, "parameters": t.function.parameters,
+                            "strict": bool(t.function.strict)} for t in req.tools],
+                    tool_choice=wanted, parallel_tool_calls=req.parallel_tool_calls is not False)
+    if body:
+        _check_grammar(body)
+    return body
+
+
+def _check_grammar(body: dict[str, Any]) -> None:
+    """Compile the request's grammar as the worker will (a 400 naming what cannot be
+    enforced)."""
+    try:
+        grammar.plan(tools=[grammar.Tool(t["name"], t["parameters"] or {}, t["strict"])
+                            for t in body.get("tools", [])],
+                     choice=body.get("tool_choice", "auto"),
+                     parallel=body.get("parallel_tool_calls", True),
+                     response_format=body.get("response_format"))
+    except grammar.GrammarError as exc:
+        where = str(exc).split(":")[0]
+        raise BadRequest(f"Invalid schema: {exc}", param=where,
+                         code="invalid_function_parameters" if where.startswith("tools")
+                         else "invalid_response_format") from None
