@@ -21,6 +21,7 @@ from django.utils import timezone
 from governance.models import AuditEvent, AuditExport, ExportStatus
 from governance.selectors import filter_events
 from sluice.errors import Conflict
+from sluice.private_files import open_private, private_dirs
 
 COLUMNS = ["chain", "seq", "at", "tenant_id", "actor", "role", "key_prefix", "action",
            "target", "model", "protocol", "status", "latency_ms", "prompt_tokens",
@@ -34,9 +35,7 @@ class Retryable(Exception):
 
 
 def export_dir() -> Path:
-    path = Path(settings.STATE_DIR) / "exports"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dirs(Path(settings.STATE_DIR), "exports")  # 0700; exports are 0600
 
 
 # OWASP's "CSV Injection": a cell starting with one of these is a formula (or, with tab
@@ -71,7 +70,7 @@ def run(export_id: int) -> str:
         final = export_dir() / f"audit-{job.pk}.{job.format}"
         partial = final.with_suffix(final.suffix + ".part")
         done = 0
-        with partial.open("w", newline="", encoding="utf-8") as out:
+        with open_private(partial, "w", newline="", encoding="utf-8") as out:
             writer = csv.DictWriter(out, fieldnames=COLUMNS) if job.format == "csv" else None
             if writer is not None:
                 writer.writeheader()

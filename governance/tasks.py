@@ -28,6 +28,15 @@ def audit_purge() -> int:
     return audit.purge(cutoff)
 
 
+@shared_task(acks_late=True, max_retries=3)
+def conversations_retention() -> dict[str, int]:
+    """Delete conversation messages and conversations past their tenant's retention
+    (beat, every SLUICE_RETENTION_SWEEP_S). Idempotent: it deletes by age only."""
+    from tenants.privacy import conversations_purge
+
+    return conversations_purge()
+
+
 @shared_task(bind=True, acks_late=True, max_retries=3, default_retry_delay=5)
 def audit_export(self: Any, export_id: int) -> str:
     """Write an export's events to a file; idempotent (a rerun rewrites the file)."""

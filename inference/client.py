@@ -99,14 +99,14 @@ class InferenceClient:
         # Enqueues (and the governance scripts that run before them) of concurrent
         # requests share pipelines.
         self.scripts = Coalescer(self.redis)
-        self._last_id = "0-0"
+        self._last_id = self._trimmed = "0-0"
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
 
     async def start(self) -> None:
         if self._router is None:
             # Start reading from "now": events for requests submitted after this.
-            self._last_id = f"{q.now_ms()}-0"
+            self._last_id = self._trimmed = f"{q.now_ms()}-0"
             self._router = asyncio.create_task(self._route(), name="sluice-result-router")
 
     async def close(self) -> None:
@@ -158,16 +158,19 @@ class InferenceClient:
                         waiting = self._waiting.get(rid)
                         if waiting is not None:
                             waiting.put_nowait(event)
-        if reply and time.monotonic() >= self._trim_due:
+        if self._trimmed != self._last_id and time.monotonic() >= self._trim_due:
             # Our own stream: keep it short and let it vanish if this process dies. At
             # most every _TRIM_EVERY_S, not after every read (a read under load brings
             # an event or two, and the trim had cost as much as the read).
             self._trim_due = time.monotonic() + _TRIM_EVERY_S
             for answer in await self._routing.run([
-                    ("XTRIM", self.key, "MINID", self._last_id),
-                    ("EXPIRE", self.key, 3600)]):
+                    # MINID keeps its own id: trim past the last entry read too (it
+                    # may hold a reply's last text), also after an idle read.
+                    ("XTRIM", self.key, "MINID", _next_id(self._last_id)),
+                    ("EXPIRE", self.key, q.OUT_TTL_S)]):
                 if isinstance(answer, Exception):
                     raise answer
+            self._trimmed = self._last_id
 
     def _forget(self, rid: str) -> None:
         self._waiting.pop(rid, None)
@@ -371,6 +374,12 @@ class InferenceClient:
             pipe.xrange(q.stream_key(deployment, suffix), count=1)
         depth, *firsts = await pipe.execute()
         return {"depth": int(depth or 0), "oldest_age_ms": q.oldest_age_ms(firsts)}
+
+
+def _next_id(stream_id: str) -> str:
+    """The smallest stream id after `stream_id` ("ms-seq")."""
+    ms, _, seq = stream_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
 
 
 def _idem_record(raw: bytes | None) -> dict[str, Any] | None:

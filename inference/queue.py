@@ -316,5 +316,9 @@ def gateway_item(rid: str, data: str) -> str:
 def add_gateway_message(client: Any, gateway: str, items: list[str]) -> None:
     """Append one message carrying `items` to a gateway's event stream (a client or a
     pipeline): the gateway's router reads it as [[rid, event], ...]."""
-    client.xadd(gateway_key(gateway), {"b": "[" + ",".join(items) + "]"},
+    key = gateway_key(gateway)
+    client.xadd(key, {"b": "[" + ",".join(items) + "]"},
                 maxlen=GATEWAY_STREAM_MAXLEN, approximate=True)
+    # Reply text must not outlive the resume window, even in the stream of a gateway
+    # that is gone (its router trims what it reads; nobody trims a dead one's).
+    client.expire(key, OUT_TTL_S)

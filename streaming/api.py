@@ -4,7 +4,6 @@
 
 from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from django.db.models import QuerySet
@@ -13,7 +12,7 @@ from ninja import File, Form, Router, Schema, UploadedFile
 from pydantic import Field, StringConstraints
 
 from sluice.schemas import Line, StrictSchema, Text
-from streaming import batches
+from streaming import batches, files
 from streaming.models import Batch, StoredFile
 from tenants.api import actor_of
 
@@ -27,7 +26,8 @@ def _ts(value: datetime | None) -> int | None:
 def _file(row: StoredFile) -> dict[str, Any]:
     return {"id": row.public_id, "object": "file", "bytes": row.bytes,
             "created_at": _ts(row.created_at), "filename": row.filename,
-            "purpose": row.purpose, "status": "processed", "status_details": None}
+            "purpose": row.purpose, "status": "processed", "status_details": None,
+            "expires_at": _ts(files.expires_at(row))}
 
 
 def _batch(row: Batch) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def _page(rows: QuerySet[Any], after: str | None, limit: int,
 @router.post("/files", response={200: dict[str, Any]})
 def file_create(request: HttpRequest, file: File[UploadedFile],
                 purpose: Form[Line]) -> dict[str, Any]:
-    row = batches.file_create(actor=actor_of(request), filename=file.name or "upload",
+    row = files.file_create(actor=actor_of(request), filename=file.name or "upload",
                               purpose=purpose, content=file.read())
     return _file(row)
 
@@ -80,23 +80,23 @@ def file_create(request: HttpRequest, file: File[UploadedFile],
 @router.get("/files", response=ListOut)
 def file_list(request: HttpRequest, limit: Annotated[int, Field(ge=1, le=100)] = 100,
               after: str | None = None) -> dict[str, Any]:
-    return _page(batches.file_list(actor=actor_of(request)), after, limit, _file)
+    return _page(files.file_list(actor=actor_of(request)), after, limit, _file)
 
 
 @router.get("/files/{file_id}", response=dict[str, Any])
 def file_get(request: HttpRequest, file_id: str) -> dict[str, Any]:
-    return _file(batches.file_get(actor=actor_of(request), file_id=file_id))
+    return _file(files.file_get(actor=actor_of(request), file_id=file_id))
 
 
 @router.get("/files/{file_id}/content")
 def file_content(request: HttpRequest, file_id: str) -> HttpResponse:
-    row = batches.file_get(actor=actor_of(request), file_id=file_id)
-    return HttpResponse(Path(row.path).read_bytes(), content_type="application/jsonl")
+    return HttpResponse(files.file_content(actor=actor_of(request), file_id=file_id),
+                        content_type="application/jsonl")
 
 
 @router.delete("/files/{file_id}", response=dict[str, Any])
 def file_delete(request: HttpRequest, file_id: str) -> dict[str, Any]:
-    row = batches.file_delete(actor=actor_of(request), file_id=file_id)
+    row = files.file_delete(actor=actor_of(request), file_id=file_id)
     return {"id": row.public_id, "object": "file", "deleted": True}
 
 

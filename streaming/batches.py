@@ -1,4 +1,5 @@
-"""The OpenAI Files and Batch APIs: services, selectors and the batch runner.
+"""The OpenAI Batch API: services, selectors and the batch runner (files:
+streaming/files.py).
 
 A batch runs in a Celery job (`streaming.tasks.run_batch`): it validates the input
 JSONL, then sends every line through the same gateway pipeline as a live call (RBAC,
@@ -14,6 +15,10 @@ as a client would, until the batch expires: a batch larger than the tenant's lim
 runs at their pace instead of failing most of its lines. A used-up quota, bad input, a
 model fault, or a refusal that says to come back more than RETRY_MAX_WAIT_S later fails
 its line at once.
+
+What a batch stores is redacted per the tenant's policy (governance/privacy.py, read
+once when the job starts): its metadata when created, every output and error line
+(string values; custom_id too) before it is written. Partial and final files are 0600.
 """
 
 from __future__ import annotations
@@ -29,84 +34,31 @@ from pathlib import Path
 from secrets import token_hex
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 from pydantic import ValidationError
 
+from governance.privacy import Redactor, redact_json, redactor_now
 from sluice.db import async_db
-from sluice.errors import ApiError, BadRequest, Conflict, NotFound, PayloadTooLarge, QuotaExceeded
+from sluice.errors import ApiError, BadRequest, Conflict, NotFound, QuotaExceeded
+from sluice.private_files import open_private
 from streaming import bodies
+from streaming.files import TERMINAL, file_get, files_dir, store
 from streaming.gateway import Gateway
 from streaming.models import Batch, BatchStatus, StoredFile
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
 from tenants.models import ApiKey, Tenant
 from tenants.principal import AuthMethod, Principal
+from tenants.privacy import policy_of
 from tenants.roles import Action, Role
 from tenants.selectors import require
 
 logger = logging.getLogger("sluice.batches")
 ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
-PURPOSES = ("batch",)
 MAX_LINES = 50_000
 CONCURRENCY = 8
 RETRY_MAX_WAIT_S = 60.0  # a refusal that says to come back later than this fails its line
-_TERMINAL = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.CANCELLED,
-             BatchStatus.EXPIRED)
-
-
-# -- files ----------------------------------------------------------------------------
-def _files_dir(tenant_id: int) -> Path:
-    path = Path(settings.STATE_DIR) / "files" / str(tenant_id)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _store(*, tenant_id: int, filename: str, purpose: str, content: bytes,
-           created_by: str) -> StoredFile:
-    public_id = f"file-{token_hex(12)}"
-    path = _files_dir(tenant_id) / public_id
-    path.write_bytes(content)
-    return StoredFile.objects.create(tenant_id=tenant_id, public_id=public_id,
-                                     filename=filename[:255], purpose=purpose,
-                                     bytes=len(content), path=str(path),
-                                     created_by=created_by)
-
-
-def file_create(*, actor: Principal, filename: str, purpose: str, content: bytes) -> StoredFile:
-    require(actor, Action.MODEL_USE)
-    if purpose not in PURPOSES:
-        raise BadRequest(f"purpose must be one of {', '.join(PURPOSES)}.", param="purpose")
-    if len(content) > settings.SLUICE_MAX_FILE_BYTES:
-        raise PayloadTooLarge(f"Files are limited to {settings.SLUICE_MAX_FILE_BYTES} bytes.")
-    return _store(tenant_id=actor.tenant_id, filename=filename, purpose=purpose,
-                  content=content, created_by=actor.subject)
-
-
-def file_list(*, actor: Principal) -> QuerySet[StoredFile]:
-    require(actor, Action.MODEL_USE)
-    return StoredFile.objects.filter(tenant_id=actor.tenant_id).order_by("-id")
-
-
-def file_get(*, actor: Principal, file_id: str) -> StoredFile:
-    row = file_list(actor=actor).filter(public_id=file_id).first()
-    if row is None:
-        raise NotFound(f"No such file: '{file_id[:64]}'.", param="file_id")
-    return row
-
-
-def file_delete(*, actor: Principal, file_id: str) -> StoredFile:
-    row = file_get(actor=actor, file_id=file_id)
-    if Batch.objects.filter(input_file=row).exclude(status__in=_TERMINAL).exists():
-        raise Conflict("The file is the input of a running batch.", param="file_id")
-    Path(row.path).unlink(missing_ok=True)
-    with transaction.atomic():
-        Batch.objects.filter(output_file=row).update(output_file=None)
-        Batch.objects.filter(error_file=row).update(error_file=None)
-        if not Batch.objects.filter(input_file=row).exists():
-            row.delete()
-    return row
 
 
 # -- batches --------------------------------------------------------------------------
@@ -136,7 +88,8 @@ def batch_create(*, actor: Principal, input_file_id: str, endpoint: str,
         raise BadRequest("The input file's purpose must be 'batch'.", param="input_file_id")
     batch = Batch.objects.create(
         tenant_id=actor.tenant_id, public_id=f"batch_{token_hex(12)}", endpoint=endpoint,
-        input_file=source, metadata=metadata, principal=_frozen(actor),
+        input_file=source, principal=_frozen(actor),
+        metadata=redact_json(metadata, redactor_now(actor.tenant_id), keys=True),
         expires_at=timezone.now() + timedelta(hours=24))
     from sluice.auditlog import admin_action
     from streaming.tasks import run_batch
@@ -148,8 +101,11 @@ def batch_create(*, actor: Principal, input_file_id: str, endpoint: str,
 
 
 def batch_list(*, actor: Principal) -> QuerySet[Batch]:
+    """The tenant's batches, less the finished ones past its retention."""
     require(actor, Action.MODEL_USE)
-    return Batch.objects.filter(tenant_id=actor.tenant_id).select_related(
+    cutoff = policy_of(actor.tenant_id).cutoff()
+    return Batch.objects.filter(tenant_id=actor.tenant_id).exclude(
+        status__in=TERMINAL, created_at__lt=cutoff).select_related(
         "input_file", "output_file", "error_file").order_by("-id")
 
 
@@ -223,7 +179,7 @@ def _done_ids(*paths: Path) -> set[str]:
 
 def run(batch_id: int) -> str:
     batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
-    if batch is None or batch.status in _TERMINAL:
+    if batch is None or batch.status in TERMINAL:
         return batch.status if batch else "missing"
     principal = _thawed(batch.principal)
     tenant_ok = Tenant.objects.filter(pk=principal.tenant_id, is_active=True).exists()
@@ -240,16 +196,19 @@ def run(batch_id: int) -> str:
         return BatchStatus.FAILED
     Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
         status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), total=len(lines))
-    work = _files_dir(batch.tenant_id)
+    work = files_dir(batch.tenant_id)
     out_part, err_part = work / f"{batch.public_id}.out.part", work / f"{batch.public_id}.err.part"
+    clean = redactor_now(batch.tenant_id)
     done = _done_ids(out_part, err_part)
-    todo = [line for line in lines if line["custom_id"] not in done]
-    asyncio.run(_process(batch, principal, todo, out_part, err_part))
+    # A line's custom_id is stored redacted: either form marks it done.
+    todo = [line for line in lines
+            if line["custom_id"] not in done and clean(line["custom_id"]) not in done]
+    asyncio.run(_process(batch, principal, todo, out_part, err_part, clean))
     return _finish(batch, principal, out_part, err_part)
 
 
 async def _process(batch: Batch, principal: Principal, todo: list[dict[str, Any]],
-                   out_part: Path, err_part: Path) -> None:
+                   out_part: Path, err_part: Path, clean: Redactor) -> None:
     gateway = Gateway()
     gate = asyncio.Semaphore(CONCURRENCY)
     cancelled = asyncio.Event()
@@ -274,10 +233,12 @@ async def _process(batch: Batch, principal: Principal, todo: list[dict[str, Any]
                 return  # cancelled while waiting to send it again: not done
             status, body, rid = answer
             line = json.dumps({"id": f"batch_req_{token_hex(12)}",
-                               "custom_id": item["custom_id"],
+                               "custom_id": clean(item["custom_id"]),
                                "response": {"status_code": status, "request_id": rid,
-                                            "body": body}, "error": None})
-            with (out_part if status == 200 else err_part).open("a", encoding="utf-8") as f:
+                                            "body": redact_json(body, clean)},
+                               "error": None})
+            with open_private(out_part if status == 200 else err_part, "a",
+                              encoding="utf-8") as f:
                 f.write(line + "\n")
             if status == 200:
                 completed += 1
@@ -354,7 +315,7 @@ def _finish(batch: Batch, principal: Principal, out_part: Path, err_part: Path) 
     for name, part in (("output", out_part), ("error", err_part)):
         content = part.read_bytes() if part.exists() else b""
         counts.append(content.count(b"\n"))
-        outputs[name] = _store(
+        outputs[name] = store(
             tenant_id=batch.tenant_id, filename=f"{batch.public_id}_{name}.jsonl",
             purpose="batch_output", content=content, created_by=principal.subject,
         ) if content else None

@@ -1,4 +1,5 @@
-"""Celery tasks of the protocol edge: the Batch API's runner."""
+"""Celery tasks of the protocol edge: the Batch API's runner and the retention of batch
+files and batches."""
 
 from __future__ import annotations
 
@@ -11,3 +12,12 @@ def run_batch(batch_id: int) -> str:
     from streaming import batches
 
     return batches.run(batch_id)
+
+
+@shared_task(acks_late=True, max_retries=3)
+def files_retention() -> dict[str, int]:
+    """Delete batches and batch files past their tenant's retention (beat, every
+    SLUICE_RETENTION_SWEEP_S). Idempotent: it deletes by age and state only."""
+    from streaming import files
+
+    return files.retention_purge()

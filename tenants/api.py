@@ -9,7 +9,8 @@ from ninja.pagination import paginate
 
 from sluice.errors import BadRequest
 from sluice.pagination import Pagination
-from tenants import conversations, selectors, services, throttle
+from tenants import conversations, privacy, selectors, services, throttle
+from tenants.models import Tenant
 from tenants.principal import Principal
 from tenants.schemas import (
     ApiKeyCreatedOut,
@@ -23,6 +24,8 @@ from tenants.schemas import (
     MemberUpdateIn,
     NewUserIn,
     PrincipalOut,
+    PrivacyIn,
+    PrivacyOut,
     TenantCreateIn,
     TenantOut,
     TenantUpdateIn,
@@ -80,6 +83,26 @@ def tenant_update(request: HttpRequest, tenant_id: int, data: TenantUpdateIn):
     return services.tenant_update(
         actor=actor_of(request), tenant_id=tenant_id, name=data.name, is_active=data.is_active
     )
+
+
+def _privacy(tenant: Tenant) -> dict[str, object]:
+    now = privacy.effective(tenant)
+    return {"tenant_id": tenant.pk, "redact_stored": tenant.redact_stored,
+            "retention_days": tenant.retention_days,
+            "effective_redact_stored": now.redact_stored,
+            "effective_retention_days": now.retention_days}
+
+
+@router.get("/tenants/{int:tenant_id}/privacy", response=PrivacyOut)
+def tenant_privacy_get(request: HttpRequest, tenant_id: int):
+    return _privacy(privacy.privacy_get(actor=actor_of(request), tenant_id=tenant_id))
+
+
+@router.patch("/tenants/{int:tenant_id}/privacy", response=PrivacyOut)
+def tenant_privacy_update(request: HttpRequest, tenant_id: int, data: PrivacyIn):
+    given = {name: getattr(data, name) for name in data.model_fields_set}
+    return _privacy(privacy.tenant_privacy_update(actor=actor_of(request),
+                                                  tenant_id=tenant_id, **given))
 
 
 # -- members -------------------------------------------------------------------------

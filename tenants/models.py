@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.conf import settings
-from django.core.validators import MaxValueValidator, RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 
@@ -17,6 +17,7 @@ from tenants import apikeys
 from tenants.roles import Role
 
 SLUG_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
+MAX_RETENTION_DAYS = 3650  # ten years: a bound, so a cutoff date never overflows
 
 
 class Tenant(models.Model):
@@ -24,6 +25,13 @@ class Tenant(models.Model):
     name = models.CharField(max_length=200)
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
+    # The tenant's data-protection policy (tenants/privacy.py; docs/AUDIT.md, "Data
+    # protection"). None: the platform default (SLUICE_REDACT_STORED,
+    # SLUICE_RETENTION_DAYS). Only tenant_privacy_update writes them, audited.
+    redact_stored = models.BooleanField(null=True, blank=True, default=None)
+    retention_days = models.PositiveIntegerField(
+        null=True, blank=True, default=None,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_RETENTION_DAYS)])
 
     class Meta:
         ordering = ["id"]

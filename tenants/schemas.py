@@ -9,7 +9,14 @@ from ninja import Schema
 from pydantic import EmailStr, Field, StringConstraints
 
 from sluice.schemas import Line, StrictSchema
-from tenants.models import SLUG_PATTERN, Conversation, ConversationMessage, Member
+from tenants.conversations import conversation_messages
+from tenants.models import (
+    MAX_RETENTION_DAYS,
+    SLUG_PATTERN,
+    Conversation,
+    ConversationMessage,
+    Member,
+)
 from tenants.roles import Role
 
 Slug = Annotated[str, StringConstraints(pattern=SLUG_PATTERN, max_length=63)]
@@ -144,8 +151,26 @@ class ConversationDetailOut(ConversationOut):
 
     @staticmethod
     def resolve_messages(obj: Conversation) -> list[ConversationMessage]:
-        return list(obj.messages.order_by("id"))
+        return list(conversation_messages(obj))
 
 
 class ConversationCreateIn(StrictSchema):
     title: Annotated[Line, StringConstraints(max_length=200)] = ""
+
+
+class PrivacyOut(Schema):
+    """A tenant's data-protection policy: its own choices (None: the platform default)
+    and what applies now."""
+
+    tenant_id: int
+    redact_stored: bool | None
+    retention_days: int | None
+    effective_redact_stored: bool
+    effective_retention_days: int
+
+
+class PrivacyIn(StrictSchema):
+    """Fields left out stay as they are; null returns one to the platform default."""
+
+    redact_stored: bool | None = None
+    retention_days: Annotated[int, Field(ge=1, le=MAX_RETENTION_DAYS)] | None = None

@@ -17,9 +17,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from sluice.localinfra import Started, ensure_postgres, ensure_redis
+from sluice.private_files import DIR_MODE, FILE_MODE, narrow
 from sluice.processes import ProcessGroup
 from sluice.servers import DEFAULT as DEFAULT_SERVER
 from sluice.servers import MAX_DEFAULT_WORKERS, SERVERS, default_workers, http_command
@@ -51,6 +54,23 @@ def _wait_ready(url: str, timeout_s: float, group: ProcessGroup) -> None:
     raise RuntimeError(f"{url} did not become ready in {timeout_s:.0f}s")
 
 
+def private_state(state_dir: Path, database: Mapping[str, Any]) -> None:
+    """The state dir 0700 and the SQLite database 0600, made so before anything opens
+    it (never readable by others, not even for a moment); this process and those it
+    starts create files owner-only (umask 077) whatever the shell's umask."""
+    os.umask(0o077)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.chmod(DIR_MODE)
+    if database["ENGINE"] == "django.db.backends.sqlite3":
+        path = Path(database["NAME"])
+        # An empty file is an empty SQLite database; its journal files take its mode.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        os.fchmod(fd, FILE_MODE)
+        os.close(fd)
+        for suffix in ("-journal", "-wal", "-shm"):
+            narrow(Path(f"{path}{suffix}"))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sluice.settings.base")
     base = f"http://{args.host}:{args.port}"
@@ -71,6 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         django.setup()
         from django.conf import settings
 
+        private_state(Path(settings.STATE_DIR), settings.DATABASES["default"])
         from governance.services import publish_guards
         from inference.services import deployment_seed_defaults
         from tenants.services import demo_seed

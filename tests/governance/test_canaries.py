@@ -76,7 +76,6 @@ def _scan_database() -> list[str]:
 
 def test_no_canary_leaves_the_platform(live: Live, tiny: str, settings: Any,
                                        log_output: io.StringIO, tmp_path: Path) -> None:
-    settings.SLUICE_REDACT_CONVERSATIONS = True
     settings.STATE_DIR = tmp_path
     org: Org = make_org("canary", [Role.DEVELOPER, Role.AUDITOR])
     key = org.keys[Role.DEVELOPER]

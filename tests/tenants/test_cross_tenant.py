@@ -34,6 +34,9 @@ Target = Callable[[Org], str]
 CASES: list[tuple[str, str, Target, Any]] = [
     ("GET", "tenant", lambda b: f"/api/v1/tenants/{b.tenant.pk}", None),
     ("PATCH", "tenant", lambda b: f"/api/v1/tenants/{b.tenant.pk}", {"name": "pwned"}),
+    ("GET", "privacy", lambda b: f"/api/v1/tenants/{b.tenant.pk}/privacy", None),
+    ("PATCH", "privacy", lambda b: f"/api/v1/tenants/{b.tenant.pk}/privacy",
+     {"redact_stored": False, "retention_days": 1}),
     ("GET", "member", lambda b: f"/api/v1/members/{b.members[Role.TENANT_ADMIN].pk}", None),
     ("PATCH", "member", lambda b: f"/api/v1/members/{b.members[Role.DEVELOPER].pk}",
      {"role": "auditor"}),

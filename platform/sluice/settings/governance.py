@@ -3,6 +3,8 @@ exports; redaction."""
 
 from __future__ import annotations
 
+from django.core.exceptions import ImproperlyConfigured
+
 from sluice.settings.env import env_bool, env_int, env_list
 
 # A policy edit bumps an epoch that every gateway sees within a second; this TTL bounds
@@ -19,5 +21,16 @@ SLUICE_AUDIT_RETENTION_DAYS = env_int("SLUICE_AUDIT_RETENTION_DAYS", 365, minimu
 SLUICE_AUDIT_REFUSE_AT = env_int("SLUICE_AUDIT_REFUSE_AT", 900_000, minimum=0)
 # National phone formats recognised by the redaction engine (E.164 always is).
 SLUICE_PHONE_REGIONS = env_list("SLUICE_PHONE_REGIONS", ["US", "GB"])
-# Store conversation messages redacted (the model then sees placeholders in history).
-SLUICE_REDACT_CONVERSATIONS = env_bool("SLUICE_REDACT_CONVERSATIONS", False)
+# The platform's data-protection defaults (docs/AUDIT.md, "Data protection"); a tenant
+# admin may choose otherwise for their tenant (PATCH /api/v1/tenants/{id}/privacy).
+# Redact what is stored beyond the call: conversation turns, batch output and error
+# files, batch metadata (the model then sees placeholders in a conversation's history).
+SLUICE_REDACT_STORED = env_bool("SLUICE_REDACT_STORED", True)
+# Days that conversations, stored responses and batch files are kept.
+SLUICE_RETENTION_DAYS = env_int("SLUICE_RETENTION_DAYS", 30, minimum=1)
+if SLUICE_RETENTION_DAYS > 3650:  # tenants.models.MAX_RETENTION_DAYS
+    raise ImproperlyConfigured("SLUICE_RETENTION_DAYS must be <= 3650")
+# How often Celery beat deletes what is past its tenant's retention.
+SLUICE_RETENTION_SWEEP_S = env_int("SLUICE_RETENTION_SWEEP_S", 3600, minimum=60)
+# Read by Gateway.remember until it asks governance.privacy (the tenant's choice).
+SLUICE_REDACT_CONVERSATIONS = SLUICE_REDACT_STORED
