@@ -35,7 +35,7 @@ from secrets import token_hex
 from typing import Any
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 from pydantic import ValidationError
 
@@ -101,11 +101,13 @@ def batch_create(*, actor: Principal, input_file_id: str, endpoint: str,
 
 
 def batch_list(*, actor: Principal) -> QuerySet[Batch]:
-    """The tenant's batches, less the finished ones past its retention."""
+    """The tenant's batches, less the finished ones past its retention (or whose input
+    file is: the retention task deletes those with it)."""
     require(actor, Action.MODEL_USE)
     cutoff = policy_of(actor.tenant_id).cutoff()
     return Batch.objects.filter(tenant_id=actor.tenant_id).exclude(
-        status__in=TERMINAL, created_at__lt=cutoff).select_related(
+        Q(created_at__lt=cutoff) | Q(input_file__created_at__lt=cutoff),
+        status__in=TERMINAL).select_related(
         "input_file", "output_file", "error_file").order_by("-id")
 
 

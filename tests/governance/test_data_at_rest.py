@@ -32,6 +32,7 @@ from inference import queue as q
 from sluice.cli import private_state
 from sluice.errors import NotFound
 from streaming import files
+from streaming.batches import batch_list
 from streaming.models import Batch, BatchStatus, StoredFile
 from streaming.tasks import files_retention
 from tenants.conversations import conversation_append, conversation_create, conversation_get
@@ -330,6 +331,7 @@ def test_the_retention_task_deletes_conversations_and_batch_files_past_the_tenan
         files.file_get(actor=ann, file_id=old_input.public_id)
     with pytest.raises(NotFound):
         conversation_get(actor=ann, public_id=stale)
+    assert set(batch_list(actor=ann).values_list("pk", flat=True)) == {running.pk}
     assert [m["content"] for m in history(actor=ann, public_id=active)] == ["m2"]
 
     # when: the beat tasks run (twice: idempotent)
