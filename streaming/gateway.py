@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from governance import audit, metrics
 from governance.admission import Admission, Governor
-from governance.redaction import redact
+from governance.privacy import stored_messages
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
 from inference.grammar import TOOL_MARKER
@@ -344,8 +344,7 @@ class Gateway:
         turn = [_message(m) for m in req.messages]  # what the conversation keeps
         messages = list(turn)
         if structured.get("tools") and req.tools:
-            messages.insert(0, tool_prompt(req.tools,
-                                            parallel=structured["parallel_tool_calls"]))
+            messages[:0] = tool_prompt(req.tools, parallel=structured["parallel_tool_calls"])
         max_tokens = max_tokens or min(1024, spec.max_context // 2)
         texts = [m["content"] for m in messages] + [m.get("content", "") for m in history]
         admission = await self.governor.admit(
@@ -383,8 +382,7 @@ class Gateway:
         """Append the request's messages and the reply to its conversation."""
         if sub.conversation_id is not None:
             messages = [*(sub.messages or []), {"role": "assistant", "content": reply}]
-            if settings.SLUICE_REDACT_CONVERSATIONS:
-                messages = [{**m, "content": redact(m["content"])} for m in messages]
+            messages = await stored_messages(sub.principal, messages)
             await async_db(conversation_append)(
                 actor=sub.principal, public_id=sub.conversation_id, messages=messages)
 

@@ -32,5 +32,3 @@ if SLUICE_RETENTION_DAYS > 3650:  # tenants.models.MAX_RETENTION_DAYS
     raise ImproperlyConfigured("SLUICE_RETENTION_DAYS must be <= 3650")
 # How often Celery beat deletes what is past its tenant's retention.
 SLUICE_RETENTION_SWEEP_S = env_int("SLUICE_RETENTION_SWEEP_S", 3600, minimum=60)
-# Read by Gateway.remember until it asks governance.privacy (the tenant's choice).
-SLUICE_REDACT_CONVERSATIONS = SLUICE_REDACT_STORED
