@@ -31,7 +31,7 @@ def tool_prompt(tools: list[ToolDef], *, parallel: bool) -> list[dict[str, str]]
             f"reply with {TOOL_MARKER} followed by a JSON object "
             '{"name": <function name>, "arguments": <arguments>} and nothing else.'
             + several + " Functions: " + json.dumps(listed))},
-        {"role": "user", "content": f"Can you use {first.name} for me?"},
+        {"role": "user", "content": "Can you check something with a function?"},
         {"role": "assistant", "content": TOOL_MARKER + example},
     ]
 

@@ -221,3 +221,43 @@ def test_masks_are_computed_beside_the_forward_pass(vocab: Vocabulary) -> None:
     allowed = torch.isfinite(logits[2]).nonzero().flatten().tolist()
     assert vocab.decode(allowed[:1]).startswith("{")
 
+
+
+def test_smollm2_answers_a_weather_question_with_a_call_and_others_in_text() -> None:
+    """`auto` with a real model: the tool prompt (streaming/structured.py) and the
+    grammar taking over at the marker turn a weather question into a valid call, while
+    a question no function answers stays text."""
+    from inference.weights import SMOLLM2
+    from streaming.schemas import ToolDef
+    from streaming.structured import tool_prompt
+
+    rt = load_runtime(DeploymentSpec("smol", RuntimeName.CAUSAL_LM, weights=SMOLLM2))
+    assert isinstance(rt, CausalLMRuntime)
+    smol = Vocabulary(rt.tokenizer, int(rt.model.config.vocab_size), sorted(rt.eos_token_ids))
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+               "required": ["city"], "additionalProperties": False}
+    tool = ToolDef.model_validate({"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city",
+        "parameters": weather}})
+    kinds = {}
+    for question in ("What's the weather like in Paris right now?",
+                     "What is the capital of France?"):
+        prompt = rt.encode_chat([*tool_prompt([tool], parallel=False),
+                                 {"role": "user", "content": question}])
+        constraint = Constraint(smol, plan(tools=[Tool("get_weather", weather)],
+                                           parallel=False), budget=60)
+        rt.add([NewSequence("q", prompt, SamplingParams(max_tokens=60), constraint=constraint)])
+        for _ in range(60):
+            if constraint.done or constraint.kind() == "text":
+                break
+            rt.step()
+        rt.drop(["q"])
+        kinds[question] = constraint.kind()
+        if constraint.kind() == "calls":
+            assert constraint.complete
+            [(name, arguments)] = constraint.calls()
+            assert name == "get_weather"
+            assert "paris" in json.loads(arguments)["city"].lower()
+            jsonschema.validate(json.loads(arguments), weather)
+    assert list(kinds.values()) == ["calls", "text"], kinds
