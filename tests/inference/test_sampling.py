@@ -62,21 +62,29 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch() -> None:
     assert len(set(alone)) > 10, "a sampled row, not a constant"
 
 
-def test_greedy_and_forced_rows_are_left_alone() -> None:
-    class Forced:
-        done = False
+def test_a_masked_row_samples_only_what_its_grammar_allows_and_advances() -> None:
+    """Row 2's grammar mask (inference.masks) allows token 3 alone: sampled at
+    temperature 1 it is 3, its constraint is advanced with it, and the unmasked rows
+    sample as before."""
+    import numpy as np
 
-        def choose(self, row: torch.Tensor) -> int:
-            return 3
+    from inference.masks import Masks
+
+    class Row:
+        done, masking, advanced = False, True, -1
 
         def advance(self, token: int) -> None:
             self.advanced = token
 
+    bits = np.zeros((1, (PROBS.numel() + 31) // 32), dtype=np.int32)
+    bits[0, 0] = 1 << 3
     logits = PROBS.log().repeat(3, 1)
-    rows = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams()]
-    forced = Forced()
-    tokens = sample(logits, rows, [generator_for(p) for p in rows], [None, None, forced])
-    assert tokens[0] == 0 and tokens[2] == 3 and forced.advanced == 3
+    rows = [SamplingParams(), SamplingParams(temperature=1.0, seed=1),
+            SamplingParams(temperature=1.0, seed=2)]
+    row = Row()
+    tokens = sample(logits, rows, [generator_for(p) for p in rows], [None, None, row],
+                    masks=Masks([2], bits))
+    assert tokens[0] == 0 and tokens[2] == 3 and row.advanced == 3
 
 
 @pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.4), (0.3, 0.2),
