@@ -101,11 +101,15 @@ def batch_create(*, actor: Principal, input_file_id: str, endpoint: str,
 
 
 def batch_list(*, actor: Principal) -> QuerySet[Batch]:
-    """The tenant's batches, less the finished ones past its retention (or whose input
-    file is: the retention task deletes those with it)."""
+    """The batches the caller may read (a tenant admin: the tenant's; anyone else: their
+    own, as files), less the finished ones past the retention (or whose input file is:
+    the retention task deletes those with it)."""
     require(actor, Action.MODEL_USE)
     cutoff = policy_of(actor.tenant_id).cutoff()
-    return Batch.objects.filter(tenant_id=actor.tenant_id).exclude(
+    found = Batch.objects.filter(tenant_id=actor.tenant_id)
+    if not actor.can(Action.CONVERSATION_MANAGE_ALL):
+        found = found.filter(principal__subject=actor.subject)
+    return found.exclude(
         Q(created_at__lt=cutoff) | Q(input_file__created_at__lt=cutoff),
         status__in=TERMINAL).select_related(
         "input_file", "output_file", "error_file").order_by("-id")

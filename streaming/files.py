@@ -75,11 +75,16 @@ def file_create(*, actor: Principal, filename: str, purpose: str, content: bytes
 
 
 def file_list(*, actor: Principal) -> QuerySet[StoredFile]:
-    """The tenant's files within their retention, newest first."""
+    """The files the caller may read within their retention, newest first: a tenant
+    admin (who manages every conversation of the tenant) reads every file of the
+    tenant, anyone else only their own uploads and their own batches' outputs, as with
+    conversations; another member's file is NotFound, like a missing one."""
     require(actor, Action.MODEL_USE)
     cutoff = policy_of(actor.tenant_id).cutoff()
-    return StoredFile.objects.filter(tenant_id=actor.tenant_id, created_at__gte=cutoff
-                                     ).select_related("tenant").order_by("-id")
+    found = StoredFile.objects.filter(tenant_id=actor.tenant_id, created_at__gte=cutoff)
+    if not actor.can(Action.CONVERSATION_MANAGE_ALL):
+        found = found.filter(created_by=actor.subject)
+    return found.select_related("tenant").order_by("-id")
 
 
 def file_get(*, actor: Principal, file_id: str) -> StoredFile:

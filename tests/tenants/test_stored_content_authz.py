@@ -5,11 +5,7 @@ tenant's object (404, word for word the answer for a missing id, nothing changed
 another member's object where the rule is own-only (the same 404), and a role that may
 not read the kind at all (403 before any lookup, so no id is probed). The per-id
 cross-tenant answers of every route are in tests/governance/test_oracles.py; resumed
-streams and idempotent retries in tests/streaming/test_replay_authz.py.
-
-Tests marked xfail(strict=True) are holes found by the review, kept red-but-expected
-until the owner of the code fixes them (then strict xfail turns the suite red: remove
-the mark)."""
+streams and idempotent retries in tests/streaming/test_replay_authz.py."""
 
 from __future__ import annotations
 
@@ -220,13 +216,6 @@ def test_a_tenant_admin_reads_every_file_and_batch_of_the_tenant(alice: Org,
     assert {file_id, output_id} <= {f["id"] for f in admin.get("/v1/files").body["data"]}
 
 
-HOLE_FILES = ("HOLE: /v1/files is tenant-wide for every role with model.use "
-              "(streaming/files.py file_list filters on tenant only): a developer lists, "
-              "reads, downloads and deletes another developer's uploads and batch outputs, "
-              "the stored replies that a replay of theirs is refused (404)")
-
-
-@pytest.mark.xfail(strict=True, reason=HOLE_FILES)
 @pytest.mark.django_db
 def test_a_developer_reads_only_their_own_files(alice: Org, state_dir: Path) -> None:
     """Given a developer's uploaded file and batch output, when another developer of the
@@ -244,13 +233,6 @@ def test_a_developer_reads_only_their_own_files(alice: Org, state_dir: Path) -> 
     assert snapshot() == before
 
 
-HOLE_BATCHES = ("HOLE: /v1/batches is tenant-wide for every role with model.use "
-                "(streaming/batches.py batch_list filters on tenant only): a developer "
-                "lists, reads and cancels another developer's batches and starts a batch "
-                "on their input file")
-
-
-@pytest.mark.xfail(strict=True, reason=HOLE_BATCHES)
 @pytest.mark.django_db
 def test_a_developer_reads_only_their_own_batches(alice: Org, state_dir: Path) -> None:
     """Given a developer's finished batch and a running one, when another developer of
