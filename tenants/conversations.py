@@ -72,9 +72,12 @@ def conversation_delete(*, actor: Principal, public_id: str) -> None:
 @transaction.atomic
 def conversation_append(*, actor: Principal, public_id: str,
                         messages: list[dict[str, Any]]) -> None:
-    """Add a request's messages and the reply, in order (called after the response)."""
+    """Add a request's messages and the reply, in order (called after the response). A
+    NUL character, which a chat message may carry but PostgreSQL text cannot, is kept
+    as U+FFFD (as the audit log keeps it)."""
     conversation = conversation_get(actor=actor, public_id=public_id)
     ConversationMessage.objects.bulk_create([
         ConversationMessage(conversation=conversation, role=str(m["role"]),
-                            content=str(m.get("content") or "")) for m in messages])
+                            content=str(m.get("content") or "").replace("\x00", "\ufffd"))
+        for m in messages])
     Conversation.objects.filter(pk=conversation.pk).update(updated_at=timezone.now())

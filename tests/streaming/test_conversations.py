@@ -88,3 +88,19 @@ def test_conversation_stream_resumes_from_last_offset(live: Live) -> None:
         bad = http.post(url, json={**body, "stream": False, "last_offset": 2}, headers=auth)
     assert text == "pick up where I left " * 2
     assert bad.status_code == 400
+
+
+def test_a_nul_in_a_message_is_stored_not_a_500(live: Live) -> None:
+    """PostgreSQL text cannot hold NUL: the turn is kept with U+FFFD in its place."""
+    key = make_org("alice", [Role.DEVELOPER]).keys[Role.DEVELOPER]
+    import httpx
+
+    conversation = httpx.post(live.base_url.replace("/v1", "/api/v1") + "/conversations",
+                              json={}, headers={"Authorization": f"Bearer {key}"}).json()
+    client = openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=30)
+    reply = client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "a\x00b"}],
+        extra_body={"conversation_id": conversation["id"]})
+    assert reply.choices[0].message.content == "a\x00b"
+    stored = Conversation.objects.get(public_id=conversation["id"])
+    assert [m.content for m in stored.messages.order_by("id")] == ["a\ufffdb", "a\ufffdb"]
