@@ -307,7 +307,8 @@ def test_the_retention_task_deletes_conversations_and_batch_files_past_the_tenan
               output: StoredFile | None = None) -> Batch:
         return Batch.objects.create(tenant=tenant, public_id=f"batch_{source.public_id}",
                                     endpoint="/v1/chat/completions", input_file=source,
-                                    output_file=output, status=status, principal={},
+                                    output_file=output, status=status,
+                                    principal={"subject": ann.subject},
                                     expires_at=timezone.now())
 
     # given: alice keeps 7 days, bob 30; data 8 days old and new in each
