@@ -1,0 +1,74 @@
+"""The APIs the lean ASGI path serves beside Chat Completions and Embeddings (legacy
+Completions, Responses, Anthropic Messages), each a codec over the one gateway call.
+
+An `Api` is registered under its path in APIS. The lean app (streaming/asgi.py) does
+for every one of them what it does for chat: authenticates the credential the API
+names (`credential`), throttles wrong ones, reads the JSON body within the size and
+nesting limits, audits a call refused before admission, and sends any error in the
+API's own shape (`error`). `serve` does the rest: parse the body into the gateway's
+request (a 400 in the API's shape for anything wrong), `Gateway.chat`, encode the
+call's events, and set `ctx.call["model"]` once known and `ctx.call["admitted"]` once
+the gateway admitted the call (an admitted call is audited by its settlement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sluice.errors import ApiError
+
+if TYPE_CHECKING:
+    from streaming.asgi import LeanApp
+    from streaming.httpio import Receive, Send
+    from tenants.principal import Principal
+
+
+@dataclass
+class Context:
+    """One request to an Api: the app (its gateway and background tasks), the caller,
+    the parsed body, the headers, the ASGI channels, and the audit notes of the call."""
+
+    app: LeanApp
+    principal: Principal
+    data: dict[str, Any]
+    headers: dict[str, str]
+    receive: Receive
+    send: Send
+    call: dict[str, Any]
+
+
+class Api:
+    path: str = ""
+    action: str = ""  # the audit action of its calls
+
+    def credential(self, headers: dict[str, str]) -> str | None:
+        """The `Authorization` value to authenticate (`Bearer <key or token>`)."""
+        return headers.get("authorization")
+
+    def error(self, exc: ApiError) -> tuple[int, Any, dict[str, str] | None]:
+        """(status, body, headers) of an error in this API's shape (OpenAI's here)."""
+        return exc.status, exc.body(), exc.headers
+
+    async def serve(self, ctx: Context) -> None:
+        raise NotImplementedError
+
+
+APIS: dict[str, Api] = {}
+
+
+def register(api: Api) -> Api:
+    APIS[api.path] = api
+    return api
+
+
+def _load() -> None:
+    """Import the API modules (each registers itself)."""
+    import importlib
+
+    for name in _MODULES:
+        importlib.import_module(f"streaming.apis.{name}")
+
+
+_MODULES: list[str] = []
+_load()
