@@ -240,3 +240,37 @@ def celery_worker(transactional_db: None, tmp_path: Path) -> Iterator[None]:
     proc.terminate()
     proc.wait(20)
 
+
+def signed_in(org: Org, role: Role) -> Client:
+    """A Django test client signed in to the admin UI as `org`'s member of `role`."""
+    client = Client()
+    response = client.post("/ui/login", {"username": f"{org.tenant.slug}-{role}",
+                                          "password": PASSWORD})
+    assert response.status_code == 302, response.content
+    return client
+
+
+@contextlib.contextmanager
+def uvicorn_server() -> Iterator[int]:
+    """The ASGI application under uvicorn in a thread, on a free loopback port, until
+    the block ends: yields the port once it accepts connections."""
+    import threading
+
+    import uvicorn
+
+    from sluice.asgi import application
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port,
+                                           lifespan="off", log_level="warning"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        serving.join(10)

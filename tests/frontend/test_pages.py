@@ -15,17 +15,10 @@ from governance.models import BreakerPolicy, Quota, RateLimitPolicy, RateLimitSc
 from inference.models import Deployment
 from tenants.models import ApiKey, Member, Tenant
 from tenants.roles import Role
-from tests.conftest import PASSWORD, Org
+from tests.conftest import PASSWORD, Org, signed_in
 
 pytestmark = pytest.mark.django_db
 
-
-def signed_in(org: Org, role: Role) -> Client:
-    client = Client()
-    response = client.post("/ui/login", {"username": f"{org.tenant.slug}-{role}",
-                                          "password": PASSWORD})
-    assert response.status_code == 302, response.content
-    return client
 
 
 def test_sign_in_refuses_a_wrong_password_inline() -> None:

@@ -33,7 +33,7 @@ from streaming.models import Batch, StoredFile
 from tenants.conversations import conversation_create
 from tenants.models import ApiKey, Conversation, Member, Tenant
 from tenants.roles import Role
-from tests.conftest import PASSWORD, Org, principal_for
+from tests.conftest import Org, principal_for, signed_in
 
 pytestmark = pytest.mark.django_db
 
@@ -284,13 +284,6 @@ def ask(client: Client, case: Case, ids: Ids, token: str | None) -> Answer:
     text = TYPED_ID.sub(r'\1<id>"', CSRF.sub("csrf", text))
     return Answer(response.status_code, text, response.get("Location", ""))
 
-
-def signed_in(org: Org, role: Role) -> Client:
-    client = Client()
-    response = client.post("/ui/login", {"username": f"{org.tenant.slug}-{role}",
-                                          "password": PASSWORD})
-    assert response.status_code == 302, response.content
-    return client
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import redis
-import uvicorn
 from django.conf import settings
 
 from governance import audit
@@ -22,8 +21,8 @@ from inference.models import Deployment
 from inference.weights import MINILM
 from inference.worker import Worker
 from sluice.grpcserver import build
-from sluice.localinfra import free_port
 from tenants import cache as auth_cache
+from tests.conftest import uvicorn_server
 
 
 @dataclass
@@ -56,20 +55,8 @@ def live(transactional_db: None) -> Iterator[Live]:
         thread.start()
         workers[deployment.name] = worker
         threads.append(thread)
-    from sluice.asgi import application
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port,
-                                           lifespan="off", log_level="warning"))
-    serving = threading.Thread(target=server.run, daemon=True)
-    serving.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield Live(f"http://127.0.0.1:{port}/v1", workers)
-    server.should_exit = True
-    serving.join(10)
+    with uvicorn_server() as port:
+        yield Live(f"http://127.0.0.1:{port}/v1", workers)
     audit.drain()  # the audit stream's last events land before the tables go
     for worker in workers.values():
         worker.stopping.set()

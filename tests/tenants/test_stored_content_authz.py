@@ -41,6 +41,7 @@ from tests.conftest import (
     assert_openai_error,
     make_org,
     principal_for,
+    signed_in,
 )
 from tests.streaming import conftest as streaming_fixtures
 from tests.streaming.conftest import Live
@@ -138,13 +139,6 @@ def assert_role_refused(response: Response) -> None:
     error = assert_openai_error(response, 403)
     assert error["type"] == "permission_error" and SECRET not in json.dumps(response.body)
 
-
-def signed_in(org: Org, role: Role) -> Client:
-    client = Client()
-    answer = client.post("/ui/login", {"username": f"{org.tenant.slug}-{role}",
-                                        "password": PASSWORD})
-    assert answer.status_code == 302, answer.content
-    return client
 
 
 @pytest.fixture

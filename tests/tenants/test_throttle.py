@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from django.contrib.auth.hashers import MD5PasswordHasher
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -23,14 +21,13 @@ from django.test.utils import CaptureQueriesContext
 from governance import audit
 from governance.models import AuditEvent
 from sluice.errors import Unauthenticated
-from sluice.localinfra import free_port
 from sluice.redis import sync_redis
 from tenants import cache as auth_cache
 from tenants import throttle
 from tenants.models import Member
 from tenants.roles import Role
 from tenants.services import member_sign_in
-from tests.conftest import PASSWORD, Org, make_org
+from tests.conftest import PASSWORD, Org, make_org, uvicorn_server
 
 WRONG = "not-the-password-0xC0FFEE"
 
@@ -56,20 +53,8 @@ def server(transactional_db: None, settings: Any) -> Iterator[str]:
     settings.SLUICE_AUTH_SOURCE_FAILURES = 20
     settings.SLUICE_AUTH_BACKOFF_S = settings.SLUICE_AUTH_BACKOFF_MAX_S = 30
     forget_throttle()
-    from sluice.asgi import application
-
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port,
-                                       lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(10)
+    with uvicorn_server() as port:
+        yield f"http://127.0.0.1:{port}"
     audit.drain()
     forget_throttle()
 
