@@ -8,7 +8,7 @@ The servers take turns within each of --rounds rounds, in a rotated order, and t
 table gives each one's median and range: this VM's run-to-run noise is as large as the
 differences behind the pipeline, so one run each decides nothing. Each server
 must also serve every protocol the run command needs from it: an SSE stream and a
-chat over the /v1/realtime WebSocket are checked once per server. All three are
+chat over the /v1/chat/socket WebSocket are checked once per server. All three are
 dependencies.
 
     .venv/bin/python tests/bench/bench_servers.py [--rounds 3] [--connections 64] [--seconds 8]
@@ -46,7 +46,7 @@ def servers(app: str, port: int) -> dict[str, list[str]]:
 
 
 def protocols(url: str, key: str) -> str:
-    """"ok" when an SSE chat stream and a chat over the /v1/realtime WebSocket both
+    """"ok" when an SSE chat stream and a chat over the /v1/chat/socket WebSocket both
     complete on the server at `url`; otherwise what failed."""
     auth = {"Authorization": f"Bearer {key}"}
     chat = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
@@ -58,7 +58,7 @@ def protocols(url: str, key: str) -> str:
             return f"SSE failed: {response.status_code}"
 
         async def socket() -> str:
-            ws_url = url.replace("http://", "ws://") + "/v1/realtime"
+            ws_url = url.replace("http://", "ws://") + "/v1/chat/socket"
             async with websockets.connect(ws_url, additional_headers=auth) as ws:
                 await ws.send(json.dumps({"type": "chat.request", "id": "r1", "request": chat}))
                 while True:

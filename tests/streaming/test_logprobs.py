@@ -88,7 +88,7 @@ def test_every_token_has_its_logprob_whichever_way_the_reply_travels(
     assert all(not e.top_logprobs for e in grpc_streamed)  # top_logprobs not asked
 
     async def over_websocket() -> list[dict[str, Any]]:
-        url = live.base_url.replace("http://", "ws://") + "/realtime"
+        url = live.base_url.replace("http://", "ws://") + "/chat/socket"
         async with websockets.connect(url, additional_headers={
                 "Authorization": f"Bearer {key}"}) as ws:
             await ws.send(json.dumps({"type": "chat.request", "id": "r", "request": {

@@ -101,7 +101,7 @@ def test_a_streamed_reply_is_the_json_value_and_nothing_after_it(
 
 def test_over_the_websocket(live: Live, key: str, tiny: str) -> None:
     async def go() -> list[dict[str, Any]]:
-        url = live.base_url.replace("http://", "ws://") + "/realtime"
+        url = live.base_url.replace("http://", "ws://") + "/chat/socket"
         async with websockets.connect(url, additional_headers={
                 "Authorization": f"Bearer {key}"}) as ws:
             await ws.send(json.dumps({"type": "chat.request", "id": "r", "request": {

@@ -48,7 +48,7 @@ def socket(key: str | None = None, subprotocols: list[str] | None = None
     headers = [(b"host", b"127.0.0.1")]
     if key:
         headers.append((b"authorization", f"Bearer {key}".encode()))
-    return WebsocketCommunicator(application, "/v1/realtime", headers=headers,
+    return WebsocketCommunicator(application, "/v1/chat/socket", headers=headers,
                                  subprotocols=subprotocols)
 
 
@@ -167,7 +167,7 @@ def test_cancel_frame_and_disconnect_stop_the_generation(org: Org, live: Live) -
 
 
 def test_a_real_socket_over_the_live_server(live: Live, org: Org) -> None:
-    url = live.base_url.replace("http://", "ws://") + "/realtime"
+    url = live.base_url.replace("http://", "ws://") + "/chat/socket"
 
     async def go() -> list[dict[str, Any]]:
         async with websockets.connect(url, additional_headers={

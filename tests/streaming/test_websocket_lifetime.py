@@ -1,4 +1,4 @@
-"""How long a /v1/realtime socket lives, over real sockets to the live uvicorn server
+"""How long a chat socket (/v1/chat/socket) lives, over real sockets to the live uvicorn server
 (workers, Redis): idle for a minute, through a generation far longer than Redis's
 socket timeouts, and what its handshake answers (streaming/consumers.py)."""
 
@@ -47,7 +47,7 @@ def org(live: Live) -> Org:
 
 
 def _url(live: Live) -> str:
-    return live.base_url.replace("http://", "ws://") + "/realtime"
+    return live.base_url.replace("http://", "ws://") + "/chat/socket"
 
 
 def _chat(rid: str, text: str, model: str = "echo") -> str:
@@ -220,7 +220,7 @@ def test_an_unexpected_error_closes_the_socket_with_1011_and_is_logged(
 
     async def go() -> dict[str, Any]:
         try:
-            ws = WebsocketCommunicator(app, "/v1/realtime", headers=[
+            ws = WebsocketCommunicator(app, "/v1/chat/socket", headers=[
                 (b"authorization", f"Bearer {org.keys[Role.DEVELOPER]}".encode())])
             assert (await ws.connect())[0]
             await ws.send_to(text_data=_chat("x", "boom"))

@@ -351,7 +351,7 @@ def _streamed(response: httpx.Response) -> str:
 
 def _socket_error(live: Live, key: str, conversation_id: str) -> dict[str, Any]:
     """The error frame a chat naming `conversation_id` gets over the WebSocket."""
-    url = live.base_url.replace("http://", "ws://") + "/realtime"
+    url = live.base_url.replace("http://", "ws://") + "/chat/socket"
 
     async def go() -> dict[str, Any]:
         async with websockets.connect(url, additional_headers={
