@@ -1,4 +1,5 @@
-"""The OpenAI Files and Batch APIs (Django + ninja: these are not the hot path)."""
+"""The OpenAI Files and Batch APIs, and reading stored responses of the Responses API
+(Django + ninja: these are not the hot path; POST /v1/responses is streaming/apis)."""
 
 # No `from __future__ import annotations`: ninja reads File/Form parameters' types.
 
@@ -12,7 +13,7 @@ from ninja import File, Form, Router, Schema, UploadedFile
 from pydantic import Field, StringConstraints
 
 from sluice.schemas import Line, StrictSchema, Text
-from streaming import batches, files
+from streaming import batches, files, responses_store
 from streaming.models import Batch, StoredFile
 from tenants.api import actor_of
 
@@ -129,3 +130,36 @@ def batch_get(request: HttpRequest, batch_id: str) -> dict[str, Any]:
 @router.post("/batches/{batch_id}/cancel", response=dict[str, Any])
 def batch_cancel(request: HttpRequest, batch_id: str) -> dict[str, Any]:
     return _batch(batches.batch_cancel(actor=actor_of(request), batch_id=batch_id))
+
+
+@router.get("/responses/{response_id}", response=dict[str, Any], tags=["responses"])
+def response_get(request: HttpRequest, response_id: str) -> dict[str, Any]:
+    return responses_store.response_body(
+        responses_store.response_get(actor=actor_of(request), response_id=response_id))
+
+
+@router.delete("/responses/{response_id}", response=dict[str, Any], tags=["responses"])
+def response_delete(request: HttpRequest, response_id: str) -> dict[str, Any]:
+    deleted = responses_store.response_delete(actor=actor_of(request), response_id=response_id)
+    return {"id": deleted, "object": "response", "deleted": True}
+
+
+@router.get("/responses/{response_id}/input_items", response=ListOut, tags=["responses"])
+def response_input_items(request: HttpRequest, response_id: str,
+                         limit: Annotated[int, Field(ge=1, le=100)] = 20,
+                         order: Literal["asc", "desc"] = "desc",
+                         after: Annotated[Line, StringConstraints(max_length=64)] | None = None
+                         ) -> dict[str, Any]:
+    """OpenAI's cursor list of the response's own input items (`order` desc: the last
+    given first; `after`: an item id)."""
+    items = responses_store.response_input_items(actor=actor_of(request),
+                                                 response_id=response_id)
+    if order == "desc":
+        items.reverse()
+    if after:
+        ids = [item.get("id") for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}

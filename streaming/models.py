@@ -1,5 +1,6 @@
 """The OpenAI Files and Batch APIs: uploaded JSONL files and batches that run each line
-through the gateway pipeline (quotas and limits apply) in a Celery job."""
+through the gateway pipeline (quotas and limits apply) in a Celery job; and the stored
+responses of the Responses API (streaming/responses_store.py)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,35 @@ class Batch(models.Model):
 
     class Meta:
         ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+
+class StoredResponse(models.Model):
+    """A Responses API reply kept for `GET /v1/responses/{id}` and for the next call's
+    `previous_response_id` (what its input and output were). Text is stored redacted
+    per the tenant's policy; read by its creator and the tenant's admins only, within
+    the tenant's retention (streaming/responses_store.py)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="responses")
+    public_id = models.CharField(max_length=40, unique=True)  # resp_<hex>
+    created_by = models.CharField(max_length=300)  # the caller's subject
+    model = models.CharField(max_length=200)
+    status = models.CharField(max_length=16)
+    previous_response_id = models.CharField(max_length=40, blank=True, default="")
+    input_items = models.JSONField(default=list)  # this call's own input, as items
+    output_items = models.JSONField(default=list)
+    usage = models.JSONField(null=True, blank=True)
+    # The rest of the response object (instructions, tools, text, sampling, metadata,
+    # incomplete_details, error): what GET returns besides the above.
+    details = models.JSONField(default=dict)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["tenant", "created_by"]),
+                   models.Index(fields=["created_at"])]
 
     def __str__(self) -> str:
         return self.public_id

@@ -16,6 +16,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from sluice.errors import error_response_doc
+from streaming.apis.responses import ResponsesRequest
+from streaming.apis.responses_stream import ResponseObject
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 
 
@@ -83,7 +85,8 @@ def add_inference_routes(schema: dict[str, Any]) -> None:
     (whose components already hold `Error` and the `BearerAuth` scheme)."""
     _, top = models_json_schema(
         [(ChatCompletionRequest, "validation"), (EmbeddingRequest, "validation"),
-         (ChatCompletion, "serialization"), (EmbeddingList, "serialization")],
+         (ChatCompletion, "serialization"), (EmbeddingList, "serialization"),
+         (ResponsesRequest, "validation"), (ResponseObject, "serialization")],
         ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name, definition in top.get("$defs", {}).items():
@@ -99,6 +102,15 @@ def add_inference_routes(schema: dict[str, Any]) -> None:
     schema["paths"]["/v1/embeddings"] = {"post": _operation(
         "embeddings", "Create embeddings (OpenAI-compatible)", EmbeddingRequest,
         EmbeddingList, "One vector per input")}
+    schema["paths"]["/v1/responses"] = {"post": _operation(
+        "responses_create", "Create a response (OpenAI's Responses API)", ResponsesRequest,
+        ResponseObject, "The response, or its stream of events",
+        description="With `stream: true` the reply is Server-Sent Events: "
+                    "`response.created` ... `response.completed`, each numbered by "
+                    "`sequence_number`.",
+        also={"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}})}
 
 
 def _operation(operation_id: str, summary: str, request: type[BaseModel],

@@ -1,5 +1,5 @@
 """Celery tasks of the protocol edge: the Batch API's runner and the retention of batch
-files and batches."""
+files, batches and stored responses."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def run_batch(batch_id: int) -> str:
 
 @shared_task(acks_late=True, max_retries=3)
 def files_retention() -> dict[str, int]:
-    """Delete batches and batch files past their tenant's retention (beat, every
-    SLUICE_RETENTION_SWEEP_S). Idempotent: it deletes by age and state only."""
-    from streaming import files
+    """Delete batches, batch files and stored responses past their tenant's retention
+    (beat, every SLUICE_RETENTION_SWEEP_S). Idempotent: it deletes by age and state only."""
+    from streaming import files, responses_store
 
-    return files.retention_purge()
+    return {**files.retention_purge(), "responses": responses_store.responses_purge()}

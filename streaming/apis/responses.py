@@ -1,0 +1,397 @@
+"""The OpenAI Responses API: `POST /v1/responses`, a codec over the gateway's chat call.
+
+The request (`input` as text or items: messages, `function_call`,
+`function_call_output`; `instructions`; function `tools` in Responses' flat shape;
+`tool_choice`; `text.format`; sampling; `max_output_tokens`) becomes the gateway's
+ChatCompletionRequest, so it gets the same governance, quotas, audit (action
+"responses"), metrics and structured generation as chat. With `previous_response_id`
+the call starts from that stored response's chain (streaming/responses_store.py; its
+instructions are not carried over, as OpenAI does). With `store` (the default) the reply
+is stored, redacted per the tenant's policy, before the caller sees it: a next call can
+always find it. A streamed reply is encoded by streaming/apis/responses_stream.py.
+
+Everything the caller got wrong is a 400 in OpenAI's shape naming the Responses field
+(`input[2].call_id`, `text.format.schema`, `max_output_tokens`), never chat's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from secrets import token_hex
+from typing import Annotated, Any, Literal
+
+from django.conf import settings
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from sluice.db import async_db
+from sluice.errors import ApiError, BadRequest
+from streaming.apis import Api, Context, register
+from streaming.apis.responses_stream import EventStream, finished, output
+from streaming.gateway import Submitted, error_from_event
+from streaming.httpio import send_json
+from streaming.responses_store import response_context, response_save
+from streaming.schemas import ChatCompletionRequest, ModelName
+
+MAX_ITEMS = 4096
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Item(BaseModel):
+    # Items the SDKs send back are our own output items, with fields of ours (ids,
+    # status, annotations) and sometimes of theirs: only what a turn needs is read.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ResponsesFunctionTool(_Strict):
+    type: Literal["function"]
+    name: Name
+    description: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesFunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Strict):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesStreamOptions(_Strict):
+    include_obfuscation: bool | None = None  # nothing here is obfuscated either way
+
+
+class ResponsesRequest(_Strict):
+    model: ModelName
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
+    instructions: str | None = None
+    tools: Annotated[list[ResponsesFunctionTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ResponsesFunctionChoice | None = None
+    text: ResponsesText | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                             Annotated[str, StringConstraints(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    store: bool = True
+    previous_response_id: Annotated[str, StringConstraints(max_length=64)] | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    # Extra output to include: none is offered (no logprobs, no reasoning here).
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+    truncation: Literal["disabled"] | None = None
+    user: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+# -- input items -------------------------------------------------------------------------
+class _Message(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class _FunctionCall(_Item):
+    type: Literal["function_call"]
+    call_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    name: Name
+    arguments: str
+
+
+class _FunctionCallOutput(_Item):
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    output: str | list[dict[str, Any]]
+
+
+_ITEMS: dict[str, type[_Item]] = {"message": _Message, "function_call": _FunctionCall,
+                                  "function_call_output": _FunctionCallOutput}
+_TEXT_PARTS = ("input_text", "output_text")
+
+
+def _texts(parts: str | list[dict[str, Any]], where: str) -> list[str]:
+    """The text of a content list (input_text / output_text parts); anything else is a
+    400 naming the part."""
+    if isinstance(parts, str):
+        return [parts]
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type")
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise BadRequest(f"Content parts of type {str(kind)[:40]!r} are not supported; "
+                             "send input_text parts.", param=f"{where}[{j}]",
+                             code="unsupported_value")
+        texts.append(part["text"])
+    return texts
+
+
+def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input as stored items, each with an id of its own: messages with
+    text parts, function calls, function call outputs."""
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for i, raw in enumerate(given):
+        kind = raw.get("type", "message")
+        model = _ITEMS.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            raise BadRequest(f"Input items of type {str(kind)[:40]!r} are not supported.",
+                             param=f"input[{i}].type", code="unsupported_value")
+        try:
+            item = model.model_validate(raw)
+        except ValidationError as exc:
+            raise invalid(exc, f"input[{i}]") from None
+        if isinstance(item, _Message):
+            texts = _texts(item.content, f"input[{i}].content")
+            part = "output_text" if item.role == "assistant" else "input_text"
+            items.append({"id": f"msg_{token_hex(12)}", "type": "message", "role": item.role,
+                          "status": "completed", "content": [
+                              {"type": part, "text": t, **({"annotations": []}
+                                                           if item.role == "assistant" else {})}
+                              for t in texts]})
+        elif isinstance(item, _FunctionCall):
+            items.append({"id": f"fc_{token_hex(12)}", "type": "function_call",
+                          "status": "completed", "call_id": item.call_id, "name": item.name,
+                          "arguments": item.arguments})
+        elif isinstance(item, _FunctionCallOutput):
+            text = "".join(_texts(item.output, f"input[{i}].output"))
+            items.append({"id": f"fco_{token_hex(12)}", "type": "function_call_output",
+                          "status": "completed", "call_id": item.call_id, "output": text})
+    return items
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Items as chat messages: a function call joins the assistant message before it
+    (as chat's tool_calls), an output is a tool message."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        kind = item.get("type")
+        if kind == "message":
+            out.append({"role": item["role"],
+                        "content": "".join(p.get("text", "") for p in item["content"])})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": item["output"]})
+    return out
+
+
+# -- errors in the Responses API's names ---------------------------------------------------
+_TAG = re.compile(r"^[a-z]+\[|^[A-Z]|^(str|int|float|bool|dict|list|none)$")
+# Chat's parameter names, as the Responses API calls them (the first match wins).
+_RENAMES = [(re.compile(p), r) for p, r in (
+    (r"\bresponse_format\.json_schema\b", "text.format"),
+    (r"\bresponse_format\b", "text.format"),
+    (r"\b(tools\[\d+\])\.function\b", r"\1"),
+    (r"\bmax_completion_tokens\b|\bmax_tokens\b", "max_output_tokens"),
+    (r"\bmessages\b", "input"),
+)]
+
+
+def _param(loc: tuple[Any, ...], prefix: str = "") -> str:
+    out = prefix
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _TAG.match(str(part)):  # a union member's tag, not a field
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def invalid(exc: ValidationError, prefix: str = "") -> BadRequest:
+    """A validation error as OpenAI words it, naming the field."""
+    first = exc.errors()[0]
+    param = _param(tuple(first.get("loc", ())), prefix) or None
+    if first.get("type") == "extra_forbidden":
+        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param,
+                          code="unknown_parameter")
+    if first.get("type") == "missing":
+        return BadRequest(f"Missing required parameter: '{param}'.", param=param,
+                          code="missing_required_parameter")
+    return BadRequest(f"Invalid value for '{param}': {first.get('msg')}", param=param,
+                      code="invalid_value")
+
+
+def renamed(exc: ApiError) -> ApiError:
+    """An error about chat's parameters, about the Responses API's instead."""
+    for pattern, name in _RENAMES:
+        exc.message = pattern.sub(name, exc.message)
+        if exc.param:
+            exc.param = pattern.sub(name, exc.param)
+    return exc
+
+
+# -- the call -----------------------------------------------------------------------------
+def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    fmt = req.text.format if req.text else None
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "stream": req.stream,
+        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
+        "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls, "user": req.user,
+        "tools": [{"type": "function", "function": t.model_dump(exclude={"type"},
+                                                                  exclude_none=True)}
+                  for t in req.tools] if req.tools else None,
+        "tool_choice": {"type": "function", "function": {"name": req.tool_choice.name}}
+        if isinstance(req.tool_choice, ResponsesFunctionChoice) else req.tool_choice,
+        "response_format": None if fmt is None else {"type": fmt.type} if fmt.type != "json_schema"
+        else {"type": "json_schema", "json_schema": fmt.model_dump(
+            exclude={"type"}, exclude_none=True, by_alias=True)},
+    }
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:
+        raise renamed(invalid(exc)) from None
+
+
+def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
+    """The response object's fields that the request decides."""
+    fmt = req.text.format if req.text else None
+    choice = req.tool_choice
+    return {
+        "id": f"resp_{rid}", "object": "response", "created_at": int(time.time()),
+        "status": "in_progress", "background": False, "completed_at": None, "error": None,
+        "incomplete_details": None, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
+        "model": req.model, "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": None, "summary": None}, "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt
+                 else {"type": "text"}},
+        "tool_choice": choice.model_dump() if isinstance(choice, BaseModel)
+        else choice or "auto",
+        "tools": [t.model_dump() for t in req.tools or []],
+        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+        "usage": None, "user": req.user,
+    }
+
+
+class ResponsesApi(Api):
+    path = "/v1/responses"
+    action = "responses"
+
+    async def serve(self, ctx: Context) -> None:
+        try:
+            req = ResponsesRequest.model_validate(ctx.data)
+        except ValidationError as exc:
+            raise invalid(exc) from None
+        ctx.call["model"] = req.model
+        ctx.call["observed"].protocol = "sse" if req.stream else "rest"
+        items = input_items(req.input)
+        before = (await async_db(response_context)(actor=ctx.principal,
+                                                   response_id=req.previous_response_id)
+                  if req.previous_response_id else [])
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        chat = chat_request(req, system + chat_messages([*before, *items]))
+        try:
+            sub = await ctx.app.gateway.chat(ctx.principal, chat, protocol=ctx.call[
+                "observed"].protocol, stream=req.stream)
+        except ApiError as exc:
+            raise renamed(exc) from None
+        ctx.call["admitted"] = True
+        sub.admission.action = self.action
+        watcher = asyncio.create_task(ctx.app._watch_disconnect(ctx.receive, sub, False))
+        try:
+            if req.stream:
+                await self._stream(ctx, sub, req, items)
+            else:
+                await self._complete(ctx, sub, req, items)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _complete(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
+                        items: list[dict[str, Any]]) -> None:
+        parts: list[str] = []
+        final: dict[str, Any] = {}
+        async with contextlib.aclosing(sub.events()) as events:
+            async for event in events:
+                if event["t"] == "delta":
+                    parts.append(event["text"])
+                elif event["t"] == "error":
+                    raise error_from_event(event)
+                else:
+                    final = event
+        rid = sub.handle.rid
+        body = finished(head(req, rid), output(rid, "".join(parts), final), final)
+        if req.store:  # before the caller sees it: its next call must find it
+            await response_save(actor=ctx.principal, body=body, input_items=items)
+        await send_json(ctx.send, 200, body, sub.headers)
+
+    async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
+                      items: list[dict[str, Any]]) -> None:
+        from streaming.asgi import _KeepAlive  # asgi imports this module
+
+        rid = sub.handle.rid
+        async with contextlib.aclosing(sub.events()) as events:
+            first = await anext(events)  # an error before any output is a plain HTTP error
+            if first["t"] == "error":
+                raise error_from_event(first)
+            await ctx.send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                (b"x-request-id", rid.encode()),
+                *((k.lower().encode(), v.encode()) for k, v in sub.headers.items())]})
+            out = _KeepAlive(ctx.send, settings.SLUICE_SSE_HEARTBEAT_S)
+            stream = EventStream(out, head(req, rid), rid)
+            try:
+                await stream.start()
+                event: dict[str, Any] | None = first
+                while event is not None:
+                    if event["t"] == "delta" and event["text"]:
+                        await stream.text(event["text"])
+                    elif event["t"] == "error":
+                        await self._finish(ctx, stream, req, items,
+                                           error=error_from_event(event))
+                    elif event["t"] == "done":
+                        await self._finish(ctx, stream, req, items, final=event)
+                    event = await anext(events, None)
+            finally:
+                await out.close()
+        await ctx.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _finish(self, ctx: Context, stream: EventStream, req: ResponsesRequest,
+                      items: list[dict[str, Any]], *, final: dict[str, Any] | None = None,
+                      error: ApiError | None = None) -> None:
+        """The stream's last events: the output closed, the response stored (when asked),
+        then completed / incomplete / failed."""
+        body = await stream.end(final) if final is not None else \
+            await stream.fail(error or BadRequest("The generation failed."))
+        if req.store:
+            try:
+                await response_save(actor=ctx.principal, body=body, input_items=items)
+            except ApiError as exc:  # the database went away: the caller must not chain
+                body = {**body, "status": "failed", "completed_at": None,
+                        "error": {"code": "server_error", "message": exc.message}}
+        await stream.close(body)
+
+
+register(ResponsesApi())

@@ -1,0 +1,238 @@
+"""The Responses API's wire shapes: the response object, its output items and usage, and
+the SSE event stream of a streamed call (streaming/apis/responses.py parses requests).
+
+A stream is OpenAI's event sequence, every event numbered by `sequence_number` from 0:
+`response.created`, `response.in_progress`; for text, `response.output_item.added` (a
+message), `response.content_part.added`, `response.output_text.delta`..., then
+`response.output_text.done`, `response.content_part.done`, `response.output_item.done`;
+for each function call, `response.output_item.added`,
+`response.function_call_arguments.delta` / `.done`, `response.output_item.done`; last
+`response.completed`, `response.incomplete` (max_output_tokens reached) or
+`response.failed` (the generation failed after it began). Each is sent as
+`event: <type>` and `data: <json>`; no `[DONE]` follows (OpenAI sends none here).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+import orjson
+from pydantic import BaseModel
+
+from sluice.errors import ApiError
+from streaming import bodies
+
+if TYPE_CHECKING:  # streaming.asgi imports the APIs: theirs is a run-time import
+    from streaming.asgi import _KeepAlive
+
+
+# -- the response object ----------------------------------------------------------------
+def usage(final: dict[str, Any]) -> dict[str, Any]:
+    counted = bodies.usage(final)
+    return {"input_tokens": counted["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": counted["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": counted["total_tokens"]}
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [text_part(text)]}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call: dict[str, str], status: str = "completed",
+              arguments: str | None = None) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": status,
+            "call_id": call["id"], "name": call["name"],
+            "arguments": call["arguments"] if arguments is None else arguments}
+
+
+def _status(final: dict[str, Any]) -> str:
+    return "incomplete" if final.get("finish") == "length" else "completed"
+
+
+def output(rid: str, text: str, final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The output items of a finished call: its text as a message (also when it said
+    nothing and called nothing), then one item per function call."""
+    calls = final.get("tool_calls") or []
+    items = [message_item(f"msg_{rid}", text, _status(final))] if text or not calls else []
+    return items + [call_item(f"fc_{rid}_{k}", call) for k, call in enumerate(calls)]
+
+
+def finished(head: dict[str, Any], items: list[dict[str, Any]],
+             final: dict[str, Any]) -> dict[str, Any]:
+    """The response object once the call ended with `final` (a worker's done event)."""
+    status = _status(final)
+    return {**head, "status": status, "output": items, "usage": usage(final),
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete" else None}
+
+
+def failed(head: dict[str, Any], items: list[dict[str, Any]],
+           error: ApiError) -> dict[str, Any]:
+    """The response object of a call whose generation failed after it began."""
+    code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+    return {**head, "status": "failed", "output": items,
+            "error": {"code": code, "message": error.message}}
+
+
+# -- the event stream --------------------------------------------------------------------
+class EventStream:
+    """Encodes one call as the Responses API's events over a started SSE response.
+
+    `start` sends created / in_progress; `text` each delta (opening the message item
+    at the first); `end` closes the open items, sends the function calls, and returns
+    the final response object, which `close` then sends as completed / incomplete /
+    failed."""
+
+    def __init__(self, out: _KeepAlive, head: dict[str, Any], rid: str) -> None:
+        self.out, self.head, self.rid = out, head, rid
+        self.seq = 0
+        self.parts: list[str] = []
+        self.message_open = False
+        self.items: list[dict[str, Any]] = []
+        self.item_id = f"msg_{rid}"
+        # A text delta is most of a stream: its frame is fixed bytes around the
+        # sequence number and the encoded text, not a dict encoded afresh per token.
+        self._delta_head = (
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+            b'"item_id":"' + self.item_id.encode() + b'","output_index":0,'
+            b'"content_index":0,"logprobs":[],"sequence_number":')
+
+    async def emit(self, kind: str, payload: dict[str, Any]) -> None:
+        payload = {"type": kind, **payload, "sequence_number": self.seq}
+        self.seq += 1
+        await self.out.send(b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps(payload)))
+
+    async def start(self) -> None:
+        snapshot = {**self.head, "status": "in_progress"}
+        await self.emit("response.created", {"response": snapshot})
+        await self.emit("response.in_progress", {"response": snapshot})
+
+    async def text(self, delta: str) -> None:
+        if not self.message_open:
+            await self._open_message()
+        self.parts.append(delta)
+        frame = b"%s%d,\"delta\":%s}\n\n" % (self._delta_head, self.seq, orjson.dumps(delta))
+        self.seq += 1
+        await self.out.send(frame)
+
+    async def _open_message(self) -> None:
+        self.message_open = True
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        await self.emit("response.output_item.added", {
+            "output_index": 0, "item": {**message_item(self.item_id, "", "in_progress"),
+                                        "content": []}})
+        await self.emit("response.content_part.added", {**where, "part": text_part("")})
+
+    async def _close_message(self, status: str) -> None:
+        text = "".join(self.parts)
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        await self.emit("response.output_text.done", {**where, "text": text, "logprobs": []})
+        await self.emit("response.content_part.done", {**where, "part": text_part(text)})
+        item = message_item(self.item_id, text, status)
+        await self.emit("response.output_item.done", {"output_index": 0, "item": item})
+        self.items.append(item)
+        self.message_open = False
+
+    async def end(self, final: dict[str, Any]) -> dict[str, Any]:
+        """Close the call's output after its final event; the response object."""
+        calls = final.get("tool_calls") or []
+        if self.message_open or not calls:
+            if not self.message_open:
+                await self._open_message()
+            await self._close_message(_status(final))
+        for k, call in enumerate(calls):
+            index, item_id = len(self.items), f"fc_{self.rid}_{k}"
+            await self.emit("response.output_item.added", {
+                "output_index": index,
+                "item": call_item(item_id, call, "in_progress", arguments="")})
+            where = {"item_id": item_id, "output_index": index}
+            await self.emit("response.function_call_arguments.delta",
+                            {**where, "delta": call["arguments"]})
+            await self.emit("response.function_call_arguments.done",
+                            {**where, "name": call["name"], "arguments": call["arguments"]})
+            item = call_item(item_id, call)
+            await self.emit("response.output_item.done", {"output_index": index, "item": item})
+            self.items.append(item)
+        return finished(self.head, self.items, final)
+
+    async def fail(self, error: ApiError) -> dict[str, Any]:
+        """The generation failed after it began: the open message ends incomplete; the
+        failed response object."""
+        if self.message_open:
+            await self._close_message("incomplete")
+        return failed(self.head, self.items, error)
+
+    async def close(self, body: dict[str, Any]) -> None:
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+            body["status"], "response.failed")
+        await self.emit(kind, {"response": body})
+
+
+# -- the OpenAPI document's description of a response object -------------------------------
+class ResponsesOutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponsesOutputMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ResponsesOutputText]
+
+
+class ResponsesFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponsesUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    completed_at: int | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    model: str
+    output: list[ResponsesOutputMessage | ResponsesFunctionCall]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    store: bool
+    temperature: float
+    top_p: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    truncation: str
+    usage: ResponsesUsage | None
+    user: str | None
+    background: bool
+    reasoning: dict[str, Any]

@@ -1,0 +1,161 @@
+"""Stored responses of the Responses API: services and selectors.
+
+A response created with `store` (the default) is kept as a StoredResponse: its own input
+items, its output items, its usage and the rest of its response object. Its text (item
+text, function arguments and outputs, instructions, metadata) is redacted per the
+tenant's policy before it is written (governance/privacy.py), as conversation turns are.
+
+Who reads one: the same rule as conversations (tenants/conversations.py): its creator,
+or the tenant's admins (who manage every conversation); an auditor, who may not call
+models, none. Another tenant's response, another member's, one past the tenant's
+retention (tenants/privacy.py) or a malformed id are all the same NotFound. A new call's
+`previous_response_id` is looked up by the same rule; the chain behind it is followed
+as far as its links are readable (a deleted or expired response ends it). The retention
+task deletes what is past retention (`responses_purge`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from governance.privacy import Redactor, redact_json, redactor, redactor_now
+from sluice.db import async_db
+from sluice.errors import NotFound
+from streaming.models import StoredResponse
+from tenants.principal import Principal
+from tenants.privacy import policy_of, retention_groups
+from tenants.roles import Action
+from tenants.selectors import owned, require
+
+RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{24}$")
+MAX_CHAIN = 256  # responses followed back from a previous_response_id, at most
+# The response object's fields that have columns of their own; the rest is `details`.
+_COLUMNS = ("id", "object", "created_at", "status", "model", "output", "usage",
+            "previous_response_id", "store")
+
+
+def _scoped(actor: Principal) -> QuerySet[StoredResponse]:
+    """The responses the actor may read, within the tenant's retention."""
+    found = owned(actor, StoredResponse.objects.all(),
+                  manage_all=Action.CONVERSATION_MANAGE_ALL, manage_own=Action.MODEL_USE)
+    return found.filter(created_at__gte=policy_of(actor.tenant_id).cutoff())
+
+
+def _missing(param: str | None = None) -> NotFound:
+    if param == "previous_response_id":
+        return NotFound("Previous response not found.", code="previous_response_not_found",
+                        param=param)
+    return NotFound("No such response.", code="response_not_found")
+
+
+def response_get(*, actor: Principal, response_id: str) -> StoredResponse:
+    found = (_scoped(actor).filter(public_id=response_id).first()
+             if RESPONSE_ID.match(response_id) else None)
+    if found is None:
+        raise _missing()
+    return found
+
+
+def response_body(row: StoredResponse) -> dict[str, Any]:
+    """The stored response as the Responses API's response object."""
+    return {**row.details, "id": row.public_id, "object": "response",
+            "created_at": int(row.created_at.timestamp()), "status": row.status,
+            "model": row.model, "output": row.output_items, "usage": row.usage,
+            "previous_response_id": row.previous_response_id or None, "store": True}
+
+
+def response_input_items(*, actor: Principal, response_id: str) -> list[dict[str, Any]]:
+    """The response's own input items, in the order they were given."""
+    return list(response_get(actor=actor, response_id=response_id).input_items)
+
+
+@transaction.atomic
+def response_delete(*, actor: Principal, response_id: str) -> str:
+    response_get(actor=actor, response_id=response_id).delete()
+    return response_id
+
+
+def response_context(*, actor: Principal, response_id: str) -> list[dict[str, Any]]:
+    """The items a call continuing `response_id` starts from: every response of its chain,
+    oldest first, each its input then its output. NotFound (naming
+    previous_response_id) unless the actor may read `response_id` itself."""
+    scoped = _scoped(actor)
+    row = scoped.filter(public_id=response_id).first() \
+        if RESPONSE_ID.match(response_id) else None
+    if row is None:
+        raise _missing("previous_response_id")
+    chain = [row]
+    while chain[-1].previous_response_id and len(chain) < MAX_CHAIN:
+        before = scoped.filter(public_id=chain[-1].previous_response_id).first()
+        if before is None:
+            break
+        chain.append(before)
+    return [item for r in reversed(chain) for item in (*r.input_items, *r.output_items)]
+
+
+def _stored(clean: Redactor) -> Redactor:
+    # PostgreSQL's jsonb cannot hold a NUL (a 500 at the insert): kept as U+FFFD, as
+    # conversations keep it.
+    return lambda text: clean(text).replace("\x00", "\ufffd")
+
+
+def _clean_item(item: dict[str, Any], clean: Redactor) -> dict[str, Any]:
+    """An item's strings through `clean`; a function call's arguments as JSON when they
+    parse (redacting the serialized text could leave an unquoted placeholder)."""
+    cleaned = redact_json(item, clean)
+    if item.get("type") == "function_call":
+        try:
+            arguments = json.loads(item.get("arguments") or "")
+        except ValueError:
+            return cleaned
+        cleaned["arguments"] = json.dumps(redact_json(arguments, clean, keys=True))
+    return cleaned
+
+
+@transaction.atomic
+def response_create(*, actor: Principal, body: dict[str, Any],
+                    input_items: list[dict[str, Any]],
+                    clean: Redactor | None = None) -> StoredResponse:
+    """Store a response object `body` and the call's own `input_items`, redacted with
+    `clean` (default: the tenant's policy, read now)."""
+    require(actor, Action.MODEL_USE)
+    clean = _stored(clean or redactor_now(actor.tenant_id))
+    details = {k: v for k, v in body.items() if k not in _COLUMNS}
+    details["instructions"] = (clean(details["instructions"])
+                               if isinstance(details.get("instructions"), str) else None)
+    details["metadata"] = redact_json(details.get("metadata") or {}, clean, keys=True)
+    created = body.get("created_at")
+    return StoredResponse.objects.create(
+        tenant_id=actor.tenant_id, public_id=body["id"], created_by=actor.subject,
+        model=body["model"], status=body["status"],
+        previous_response_id=body.get("previous_response_id") or "",
+        input_items=[_clean_item(i, clean) for i in input_items],
+        output_items=[_clean_item(i, clean) for i in body.get("output") or []],
+        usage=body.get("usage"), details=details,
+        created_at=(datetime.fromtimestamp(created, tz=timezone.get_current_timezone())
+                    if isinstance(created, int | float) else timezone.now()))
+
+
+async def response_save(*, actor: Principal, body: dict[str, Any],
+                        input_items: list[dict[str, Any]]) -> None:
+    """`response_create` from async code, with the tenant's cached redaction policy."""
+    clean = await redactor(actor.tenant_id)
+    await async_db(response_create)(actor=actor, body=body, input_items=input_items,
+                                    clean=clean)
+
+
+def responses_purge(now: datetime | None = None) -> int:
+    """Delete stored responses older than their tenant's retention. Idempotent (by age
+    only)."""
+    deleted = 0
+    for group in retention_groups(now):
+        deleted += StoredResponse.objects.filter(
+            group.tenants(), created_at__lt=group.cutoff).delete()[0]
+    return deleted

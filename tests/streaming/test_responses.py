@@ -1,0 +1,549 @@
+"""The Responses API (POST /v1/responses; GET / DELETE /v1/responses/{id}, input_items)
+over the official clients (openai, openai-agents) against a live server. The "tiny"
+chat model has random weights: what its replies prove is the pipeline's doing (prompt
+sizes, constrained calls and formats), not the model's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+import redis
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from governance import audit, privacy
+from governance.models import AuditEvent, Quota, RateLimitPolicy
+from inference.models import Deployment
+from inference.worker import Worker
+from streaming.models import StoredResponse
+from streaming.responses_store import response_create, response_get, responses_purge
+from tenants.models import Member, Tenant
+from tenants.roles import Role
+from tenants.services import apikey_create
+from tests.conftest import (
+    PASSWORD,
+    Org,
+    eventually,
+    gateway_process,
+    make_org,
+    principal_for,
+    process_env,
+)
+from tests.streaming.conftest import Live
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city",
+           "parameters": {"type": "object",
+                          "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "unit": {"type": "string",
+                                                  "enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"]}}
+ORDER = {"type": "object", "additionalProperties": False, "required": ["item", "qty"],
+         "properties": {"item": {"type": "string", "maxLength": 12},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}
+
+
+@pytest.fixture
+def org(live: Live) -> Org:
+    return make_org("alice", [Role.TENANT_ADMIN, Role.DEVELOPER, Role.AUDITOR])
+
+
+def sdk(live: Live, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def client(live: Live, org: Org) -> openai.OpenAI:
+    return sdk(live, org.keys[Role.DEVELOPER])
+
+
+# -- create ---------------------------------------------------------------------------------
+def test_create_answers_a_response_the_sdk_parses(client: openai.OpenAI) -> None:
+    # Given the echo model, When a developer creates a response from a string
+    response = client.responses.create(model="echo", input="hello world!")
+    # Then the SDK parses it, and output_text is the reply
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "completed" and response.model == "echo"
+    assert response.output_text == "hello world!"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "output_text"
+    assert response.usage is not None
+    assert response.usage.input_tokens == len(b"hello world!")
+    assert response.usage.output_tokens == len(b"hello world!")
+    assert response.usage.total_tokens == 2 * len(b"hello world!")
+    assert response.store is True and response.previous_response_id is None
+
+
+def test_instructions_and_message_items_reach_the_model(client: openai.OpenAI,
+                                                       tiny: str) -> None:
+    # Given the same question under a short and a long instruction, as text and as items
+    question = "What is the capital of France?"
+    short = client.responses.create(model=tiny, instructions="Be terse.", input=question,
+                                    max_output_tokens=4)
+    long = client.responses.create(
+        model=tiny, instructions="Be terse. " + "You are a patient geography tutor. " * 4,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": question}]}],
+        max_output_tokens=4)
+    # Then the instructions were part of each prompt, and are echoed back
+    assert short.usage and long.usage
+    assert long.usage.input_tokens > short.usage.input_tokens + 20
+    assert short.instructions == "Be terse."
+    assert short.usage.output_tokens <= 4
+
+
+# -- streaming ------------------------------------------------------------------------------
+TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+               "response.content_part.added", "response.output_text.delta",
+               "response.output_text.done", "response.content_part.done",
+               "response.output_item.done", "response.completed"]
+
+
+def test_stream_sends_the_official_events_numbered_in_order(client: openai.OpenAI) -> None:
+    # When a developer streams a response
+    events = list(client.responses.create(model="echo", input="hello stream", stream=True))
+    # Then the events come in OpenAI's order, numbered 0, 1, 2, ...
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2
+    assert [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]] == TEXT_EVENTS
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(d.delta for d in deltas) == "hello stream"
+    done = events[-1]
+    assert done.type == "response.completed"
+    assert done.response.output_text == "hello stream" and done.response.usage is not None
+    assert {d.item_id for d in deltas} == {done.response.output[0].id}
+    # and it was stored before it completed
+    assert client.responses.retrieve(done.response.id).output_text == "hello stream"
+
+
+def test_stream_helper_accumulates_the_final_response(client: openai.OpenAI) -> None:
+    with client.responses.stream(model="echo", input="helper text") as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == "helper text" and final.output_text == "helper text"
+
+
+def test_stream_that_reaches_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model="echo", input="a long enough reply",
+                                          max_output_tokens=5, stream=True))
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.status == "incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.output_text == "a lon"
+
+
+# -- stored responses -----------------------------------------------------------------------
+def test_retrieve_input_items_and_delete(client: openai.OpenAI) -> None:
+    # Given a stored response made from three input items
+    created = client.responses.create(model="echo", metadata={"topic": "demo"}, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "assistant", "content": "Ask me anything."},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "first "}, {"type": "input_text", "text": "second"}]},
+    ])
+    assert created.output_text == "first second"
+    # When it is retrieved, Then it is the same response
+    got = client.responses.retrieve(created.id)
+    assert got.id == created.id and got.output_text == created.output_text
+    assert got.usage == created.usage and got.metadata == {"topic": "demo"}
+    # and its input items list newest first, a page at a time
+    page = client.responses.input_items.list(created.id, limit=2)
+    assert [i.role for i in page.data] == ["user", "assistant"] and page.has_more
+    everything = list(client.responses.input_items.list(created.id, limit=1))
+    assert [i.role for i in everything] == ["user", "assistant", "developer"]
+    ordered = client.responses.input_items.list(created.id, order="asc")
+    assert [i.role for i in ordered.data] == ["developer", "assistant", "user"]
+    assert [c.text for c in ordered.data[2].content] == ["first ", "second"]
+    # When it is deleted, Then it is gone
+    client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="echo", input="more", previous_response_id=created.id)
+
+
+def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="echo", input="forget me", store=False)
+    assert response.store is False and response.output_text == "forget me"
+    assert not StoredResponse.objects.filter(public_id=response.id).exists()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
+def test_previous_response_id_continues_the_chain(client: openai.OpenAI, tiny: str) -> None:
+    # Given a first turn
+    first = client.responses.create(model=tiny, input="My name is Ada.",
+                                    max_output_tokens=8, temperature=0)
+    # When the next turns continue it
+    second = client.responses.create(model=tiny, input="What is my name?",
+                                     previous_response_id=first.id, max_output_tokens=8,
+                                     temperature=0)
+    third = client.responses.create(model=tiny, input="And again?",
+                                    previous_response_id=second.id, max_output_tokens=8,
+                                    temperature=0)
+    alone = client.responses.create(model=tiny, input="What is my name?",
+                                    max_output_tokens=8, temperature=0)
+    # Then each prompt held the turns before it (their input and output)
+    assert first.usage and second.usage and third.usage and alone.usage
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens >= \
+        alone.usage.input_tokens + first.usage.output_tokens + 5
+    assert third.usage.input_tokens > second.usage.input_tokens + 4
+    # and a response's input items are its own
+    assert [i.content[0].text for i in client.responses.input_items.list(second.id)] == \
+        ["What is my name?"]
+
+
+# -- tools and structured output ------------------------------------------------------------
+def test_function_call_is_an_output_item_with_valid_arguments(client: openai.OpenAI,
+                                                              tiny: str) -> None:
+    response = client.responses.create(
+        model=tiny, input="What's the weather in Paris?", tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"})
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert response.output_text == ""
+    # The call and its result go back as items: the next turn's prompt holds both
+    follow = client.responses.create(model=tiny, previous_response_id=response.id,
+                                     tools=[WEATHER], tool_choice="none", max_output_tokens=4,
+                                     input=[{"type": "function_call_output",
+                                             "call_id": call.call_id,
+                                             "output": '{"temp_c": 18}'}])
+    alone = client.responses.create(model=tiny, input="What's the weather in Paris?",
+                                    max_output_tokens=4)
+    assert follow.usage and alone.usage
+    assert follow.usage.input_tokens > alone.usage.input_tokens + 10
+    assert not [item for item in follow.output if item.type == "function_call"]
+
+
+def test_streamed_function_call_sends_argument_events(client: openai.OpenAI,
+                                                      tiny: str) -> None:
+    events = list(client.responses.create(
+        model=tiny, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[4]
+    assert done.type == "response.function_call_arguments.done"
+    jsonschema.validate(json.loads(done.arguments), WEATHER["parameters"])
+    [call] = events[-1].response.output
+    assert call.type == "function_call" and call.arguments == done.arguments
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "name": "order", "schema": ORDER, "strict": True},
+    {"type": "json_object"},
+])
+def test_text_format_constrains_the_reply(client: openai.OpenAI, tiny: str,
+                                          fmt: dict[str, Any]) -> None:
+    response = client.responses.create(model=tiny, input="Order something.",
+                                       text={"format": fmt}, max_output_tokens=60)
+    value = json.loads(response.output_text)
+    if fmt["type"] == "json_schema":
+        jsonschema.validate(value, ORDER)
+        assert response.text and response.text.format and response.text.format.type == \
+            "json_schema"
+    else:
+        assert isinstance(value, dict)
+
+
+# -- the Agents SDK -------------------------------------------------------------------------
+@pytest.fixture
+def roomy(live: Live) -> Iterator[str]:
+    """The tiny model with room for an agent's prompt (its tool prompt, the call and the
+    result): 1,024 tokens of context."""
+    spec = Deployment.objects.create(name="tiny-roomy", runtime="tiny_causal_lm",
+                                     max_context=1024, max_batch_size=4).to_spec()
+    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
+    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
+    thread.start()
+    yield spec.name
+    worker.stopping.set()
+    thread.join(10)
+
+
+def test_agents_runner_calls_a_function_tool_and_gets_its_result_back(
+        live: Live, org: Org, roomy: str) -> None:
+    import agents
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    agents.set_tracing_disabled(True)  # nothing outside is reachable
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_time(zone: str) -> str:
+        """The time in a zone."""
+        calls.append(zone)
+        return "It is 12:00 there."
+
+    class Answer(pydantic.BaseModel):
+        time: str = pydantic.Field(max_length=8)
+
+    async def run() -> Any:
+        openai_client = openai.AsyncOpenAI(base_url=live.base_url, max_retries=0, timeout=60,
+                                           api_key=org.keys[Role.DEVELOPER])
+        # The answer is structured: a model with random weights ends a JSON value within
+        # its max_tokens (the grammar closes it), but rarely ends free text.
+        agent = agents.Agent(
+            name="clock", instructions="Tell the time.", tools=[get_time], output_type=Answer,
+            model=OpenAIResponsesModel(model=roomy, openai_client=openai_client),
+            model_settings=agents.ModelSettings(tool_choice="required", max_tokens=40,
+                                                temperature=0))
+        return await agents.Runner.run(agent, "What time is it in Paris?", max_turns=4)
+
+    result = asyncio.run(run())
+    # The tool was called once (the SDK resets tool_choice after a call), and its result
+    # came back to the model as the next turn's input
+    assert len(calls) == 1 and isinstance(result.final_output, Answer)
+    assert len(result.raw_responses) == 2
+    second = result.raw_responses[1].response_id
+    client = sdk(live, org.keys[Role.DEVELOPER])
+    items = list(client.responses.input_items.list(second, order="asc"))
+    outputs = [i for i in items if i.type == "function_call_output"]
+    assert [o.output for o in outputs] == ["It is 12:00 there."]
+    assert [i.name for i in items if i.type == "function_call"] == ["get_time"]
+
+
+# -- errors, in OpenAI's shape --------------------------------------------------------------
+def test_a_bad_key_is_a_401(live: Live, org: Org) -> None:
+    key = org.keys[Role.DEVELOPER]
+    wrong = key[:-4] + ("aaaa" if not key.endswith("aaaa") else "bbbb")
+    with pytest.raises(openai.AuthenticationError) as caught:
+        sdk(live, wrong).responses.create(model="echo", input="hi")
+    assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+
+
+def test_an_unknown_model_is_a_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model="no-such-model", input="hi")
+    assert caught.value.code == "model_not_found" and caught.value.param == "model"
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+    ({"input": "hi", "max_output_tokens": 10_000}, "max_output_tokens",
+     "max_tokens_too_large"),
+    ({"input": "hi", "frequency_penalty": 1}, "frequency_penalty", "unknown_parameter"),
+    ({}, "input", "missing_required_parameter"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type",
+     "unsupported_value"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]", "unsupported_value"),
+    ({"input": [{"type": "function_call_output", "output": "18"}]}, "input[0].call_id",
+     "missing_required_parameter"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "invalid_value"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "strict": True,
+                                "parameters": {"type": "object",
+                                               "properties": {"x": {"type": "string"}}}}]},
+     "tools[0].parameters", "invalid_function_parameters"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": ORDER}}},
+     "text.format.name", "missing_required_parameter"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                         "schema": {"type": "object", "not": {}}}}},
+     "text.format.schema", "invalid_response_format"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice", None),
+    ({"input": "hi", "previous_response_id": "resp_" + "0" * 24}, "previous_response_id",
+     "previous_response_not_found"),
+])
+def test_invalid_bodies_are_400s_naming_the_responses_field(
+        live: Live, org: Org, body: dict[str, Any], param: str, code: str | None) -> None:
+    response = httpx.post(f"{live.base_url}/responses", json={"model": "echo", **body},
+                          headers={"Authorization": f"Bearer {org.keys[Role.DEVELOPER]}"},
+                          timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == (404 if code == "previous_response_not_found" else 400)
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert str(error["param"]).startswith(param), error
+    if code is not None:
+        assert error["code"] == code, error
+    # the words are the Responses API's, not chat's
+    assert not any(word in error["message"] for word in ("messages", "response_format",
+                                                         "max_completion_tokens")), error
+
+
+def test_rate_limited_is_a_429_with_the_headers_the_sdk_reads(client: openai.OpenAI,
+                                                              org: Org) -> None:
+    RateLimitPolicy.objects.create(scope="tenant", tenant=org.tenant, requests_per_minute=60,
+                                   burst_requests=1)
+    raw = client.responses.with_raw_response.create(model="echo", input="hi")
+    assert raw.headers["x-ratelimit-limit-requests"] == "60"
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.responses.create(model="echo", input="hi")
+    assert caught.value.code == "rate_limit_requests"
+    assert 1 <= int(caught.value.response.headers["retry-after"]) <= 2
+    assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_an_exhausted_quota_is_a_429_insufficient_quota(client: openai.OpenAI,
+                                                        org: Org) -> None:
+    Quota.objects.create(tenant=org.tenant, model="echo", period="minute", max_requests=1)
+    client.responses.create(model="echo", input="hi")
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.responses.create(model="echo", input="hi", stream=True)
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["type"] == "insufficient_quota" and body["code"] == "quota_exceeded"
+
+
+# -- who may read a stored response ---------------------------------------------------------
+def colleague_key(org: Org) -> str:
+    """The key of a second developer in `org`'s tenant."""
+    user = get_user_model().objects.create_user(username=f"{org.tenant.slug}-dev2",
+                                                password=PASSWORD)
+    member = Member.objects.create(tenant=org.tenant, user=user, role=Role.DEVELOPER)
+    return apikey_create(actor=principal_for(member), name="dev2", role=Role.DEVELOPER).secret
+
+
+def test_another_tenants_or_members_response_is_a_404(live: Live, org: Org) -> None:
+    # Given a developer's stored response
+    mine = sdk(live, org.keys[Role.DEVELOPER]).responses.create(model="echo", input="mine")
+    bob = make_org("bob", [Role.TENANT_ADMIN, Role.DEVELOPER])
+    before = list(StoredResponse.objects.order_by("pk").values())
+    # When another tenant's admin or developer, or another developer of the same tenant,
+    # names it: Then it is the missing-id 404 on every route, and nothing changed
+    for key in (bob.keys[Role.TENANT_ADMIN], bob.keys[Role.DEVELOPER], colleague_key(org)):
+        outsider = sdk(live, key)
+        with pytest.raises(openai.NotFoundError):
+            outsider.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            outsider.responses.input_items.list(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            outsider.responses.delete(mine.id)
+        with pytest.raises(openai.NotFoundError) as caught:
+            outsider.responses.create(model="echo", input="x", previous_response_id=mine.id)
+        assert caught.value.param == "previous_response_id"
+    assert list(StoredResponse.objects.order_by("pk").values()) == before
+    # An auditor may not read responses at all; the tenant's admin may read it
+    with pytest.raises(openai.PermissionDeniedError):
+        sdk(live, org.keys[Role.AUDITOR]).responses.retrieve(mine.id)
+    admin = sdk(live, org.keys[Role.TENANT_ADMIN])
+    assert admin.responses.retrieve(mine.id).output_text == "mine"
+
+
+# -- personal data and retention -------------------------------------------------------------
+SSN = "536-42-7151"
+
+
+def test_personal_data_in_a_stored_response_is_redacted_in_the_database(
+        client: openai.OpenAI) -> None:
+    # Given the tenant's default policy (stored data redacted)
+    # When a response whose input, output, instructions and metadata hold an SSN is made
+    response = client.responses.create(
+        model="echo", instructions=f"The caller's SSN is {SSN}.", metadata={"ssn": SSN},
+        input=[{"role": "user", "content": f"My SSN is {SSN}\x00."},
+               {"type": "function_call", "call_id": "call_1", "name": "lookup",
+                "arguments": json.dumps({"ssn": SSN, "n": 536427151})},
+               {"type": "function_call_output", "call_id": "call_1", "output": f"ok {SSN}"},
+               {"role": "user", "content": f"Repeat: {SSN}"}])
+    # Then the caller got their own reply
+    assert response.output_text == f"Repeat: {SSN}"
+    # and the database keeps none of it raw (a NUL too is kept as U+FFFD)
+    row = StoredResponse.objects.values().get(public_id=response.id)
+    stored = json.dumps(row, default=str)
+    assert SSN not in stored and "[SSN]" in stored and "\\u0000" not in stored
+    call = next(i for i in row["input_items"] if i["type"] == "function_call")
+    assert json.loads(call["arguments"])["ssn"] == "[SSN]"  # still JSON
+    # and reading it back shows the redacted text
+    assert client.responses.retrieve(response.id).output_text == "Repeat: [SSN]"
+
+
+def test_a_tenant_that_turned_redaction_off_keeps_its_text(client: openai.OpenAI,
+                                                           org: Org) -> None:
+    Tenant.objects.filter(pk=org.tenant.pk).update(redact_stored=False)
+    privacy.clear()
+    response = client.responses.create(model="echo", input=f"My SSN is {SSN}")
+    assert SSN in json.dumps(StoredResponse.objects.values().get(public_id=response.id),
+                             default=str)
+
+
+def test_responses_past_retention_are_gone_and_purged(org: Org) -> None:
+    # Given two responses, one older than the tenant's retention (30 days by default)
+    dev = principal_for(org.members[Role.DEVELOPER])
+
+    def stored(rid: str) -> str:
+        body = {"id": f"resp_{rid * 24}", "object": "response", "status": "completed",
+                "model": "echo", "output": [], "usage": None, "created_at": 0}
+        return response_create(actor=dev, body=body, input_items=[]).public_id
+
+    old, new = stored("a"), stored("b")
+    StoredResponse.objects.filter(public_id=old).update(
+        created_at=timezone.now() - timedelta(days=31))
+    StoredResponse.objects.filter(public_id=new).update(created_at=timezone.now())
+    # Then the old one is NotFound at once, and the sweep deletes it alone
+    with pytest.raises(Exception, match="No such response"):
+        response_get(actor=dev, response_id=old)
+    assert response_get(actor=dev, response_id=new).public_id == new
+    assert responses_purge() == 1
+    assert list(StoredResponse.objects.values_list("public_id", flat=True)) == [new]
+
+
+# -- across gateway processes and restarts ---------------------------------------------------
+def test_previous_response_id_works_across_gateways_and_a_restart(live: Live, org: Org,
+                                                                  tiny: str) -> None:
+    env = process_env()
+    key = org.keys[Role.DEVELOPER]
+
+    def ask(base: str, text: str, previous: str | None = None) -> dict[str, Any]:
+        reply = httpx.post(f"{base}/v1/responses", timeout=60,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"model": tiny, "input": text, "max_output_tokens": 4,
+                                 "temperature": 0, "previous_response_id": previous})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    # Given a response made through one gateway process
+    with gateway_process(env) as (_a, first_base):
+        first = ask(first_base, "My name is Ada.")
+        alone = ask(first_base, "What is my name?")
+        # When another gateway process continues it, Then it finds it
+        with gateway_process(env) as (_b, second_base):
+            second = ask(second_base, "What is my name?", first["id"])
+    # And after both stopped, a new one continues the chain (it is in the database)
+    with gateway_process(env) as (_c, third_base):
+        third = ask(third_base, "Say it again.", second["id"])
+        items = httpx.get(f"{third_base}/v1/responses/{third['id']}/input_items",
+                          headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+    # Then each prompt held the turns before it
+    assert second["previous_response_id"] == first["id"]
+    assert second["usage"]["input_tokens"] >= \
+        alone["usage"]["input_tokens"] + first["usage"]["output_tokens"] + 5
+    assert third["usage"]["input_tokens"] > second["usage"]["input_tokens"] + 5
+    assert [i["content"][0]["text"] for i in items["data"]] == ["Say it again."]
+
+
+def test_calls_are_audited_as_responses(live: Live, org: Org,
+                                        client: openai.OpenAI) -> None:
+    # Given an answered call and a refused one
+    answered = client.responses.create(model="echo", input="audited")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="echo", input="x", max_output_tokens=0)
+
+    # Then each has its audit event under the API's own action
+    def events() -> list[tuple[str, int, int, str]]:
+        audit.drain()
+        return sorted(AuditEvent.objects.filter(tenant=org.tenant, action="responses")
+                      .values_list("action", "status", "prompt_tokens", "request_id"))
+
+    rid = answered.id.removeprefix("resp_")
+    assert eventually(lambda: events() == [("responses", 200, 7, rid),
+                                           ("responses", 400, 0, "")], 15), events()
