@@ -29,7 +29,8 @@ from governance.models import (
     RateLimitScope,
     RedactionPattern,
 )
-from streaming.models import Batch, StoredFile
+from streaming.models import Batch, StoredFile, StoredResponse
+from streaming.responses_store import response_create
 from tenants.conversations import conversation_create
 from tenants.models import ApiKey, Conversation, Member, Tenant
 from tenants.roles import Role
@@ -53,6 +54,7 @@ class Ids:
     conversation: str
     file: str
     batch: str
+    response: str
 
 
 def bobs_objects(bob: Org) -> Ids:
@@ -85,7 +87,10 @@ def bobs_objects(bob: Org) -> Ids:
                                                 pattern="x-\\d+").pk,
         event=AuditEvent.objects.filter(tenant_id=bob.tenant.pk).latest("id").pk,
         conversation=conversation_create(actor=admin, title="bob's").public_id,
-        file=file_id, batch=batch.body["id"])
+        file=file_id, batch=batch.body["id"],
+        response=response_create(actor=admin, input_items=[], body={
+            "id": f"resp_{'b' * 24}", "object": "response", "status": "completed",
+            "model": "echo", "output": [], "usage": None}).public_id)
 
 
 def missing_ids(theirs: Ids) -> Ids:
@@ -94,13 +99,13 @@ def missing_ids(theirs: Ids) -> Ids:
     return Ids(tenant=big + 1, member=big + 2, key=big + 3, limit=big + 4, quota=big + 5,
                export=big + 6, pattern=big + 7, event=big + 8,
                conversation=f"conv_{'0' * 24}", file=f"file-{'0' * 24}",
-               batch=f"batch_{'0' * 24}")
+               batch=f"batch_{'0' * 24}", response=f"resp_{'0' * 24}")
 
 
 SNAPSHOT: list[tuple[type[Model], list[str]]] = [
     (Tenant, []), (Member, []), (ApiKey, ["last_used_at"]), (Conversation, []),
     (RateLimitPolicy, []), (Quota, []), (AuditExport, []), (RedactionPattern, []),
-    (StoredFile, []), (Batch, []),
+    (StoredFile, []), (Batch, []), (StoredResponse, []),
 ]
 
 
@@ -210,6 +215,13 @@ CASES: dict[str, Case] = {
                       lambda i: f"/v1/batches/{i.batch}"),
     "batch cancel": Case("api", "POST", "v1/batches/<batch_id>/cancel",
                          lambda i: f"/v1/batches/{i.batch}/cancel"),
+    # -- OpenAI's stored responses --------------------------------------------------------------
+    "response get": Case("api", "GET", "v1/responses/<response_id>",
+                         lambda i: f"/v1/responses/{i.response}"),
+    "response delete": Case("api", "DELETE", "v1/responses/<response_id>",
+                            lambda i: f"/v1/responses/{i.response}"),
+    "response input items": Case("api", "GET", "v1/responses/<response_id>/input_items",
+                                 lambda i: f"/v1/responses/{i.response}/input_items"),
     # -- the admin UI -------------------------------------------------------------------------
     "ui limit edit page": Case("ui", "GET", "ui/limits/<int:policy_id>",
                                lambda i: f"/ui/limits/{i.limit}"),
@@ -279,7 +291,7 @@ def ask(client: Client, case: Case, ids: Ids, token: str | None) -> Answer:
         else response.content.decode()
     # The answers may name the id that was asked for (a public id in a message): that
     # is the caller's own input, not a fact about the object.
-    for own in {str(v) for v in (ids.conversation, ids.file, ids.batch)}:
+    for own in {str(v) for v in (ids.conversation, ids.file, ids.batch, ids.response)}:
         text = text.replace(own, "<id>")
     text = TYPED_ID.sub(r'\1<id>"', CSRF.sub("csrf", text))
     return Answer(response.status_code, text, response.get("Location", ""))

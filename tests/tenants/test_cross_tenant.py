@@ -9,6 +9,8 @@ import pytest
 from django.forms.models import model_to_dict
 
 from governance.models import Quota, RateLimitPolicy
+from streaming.models import StoredResponse
+from streaming.responses_store import response_create
 from tenants.conversations import conversation_create
 from tenants.models import ApiKey, Conversation, Member, Tenant
 from tenants.roles import Role
@@ -27,6 +29,7 @@ def snapshot() -> dict[str, list[dict[str, Any]]]:
                  for k in ApiKey.objects.order_by("pk")],
         "limits": [model_to_dict(r) for r in RateLimitPolicy.objects.order_by("pk")],
         "quotas": [model_to_dict(q) for q in Quota.objects.order_by("pk")],
+        "responses": [model_to_dict(r) for r in StoredResponse.objects.order_by("pk")],
     }
 
 
@@ -50,6 +53,9 @@ CASES: list[tuple[str, str, Target, Any]] = [
      {"requests_per_minute": 100_000}),
     ("DELETE", "rate limit", lambda b: f"/api/v1/governance/rate-limits/{_limit(b)}", None),
     ("GET", "quota", lambda b: f"/api/v1/governance/quotas/{_quota(b)}", None),
+    ("GET", "response", lambda b: f"/v1/responses/{_response(b)}", None),
+    ("GET", "response", lambda b: f"/v1/responses/{_response(b)}/input_items", None),
+    ("DELETE", "response", lambda b: f"/v1/responses/{_response(b)}", None),
 ]
 
 
@@ -63,6 +69,17 @@ def _limit(org: Org) -> int:
 def _quota(org: Org) -> int:
     row = Quota.objects.filter(tenant=org.tenant).first()
     return (row or Quota.objects.create(tenant=org.tenant, max_requests=5)).pk
+
+
+def _response(org: Org) -> str:
+    """Bob's admin's stored response (created once per test)."""
+    existing = StoredResponse.objects.filter(tenant=org.tenant).first()
+    if existing is not None:
+        return existing.public_id
+    body = {"id": f"resp_{'b' * 24}", "object": "response", "status": "completed",
+            "model": "echo", "output": [], "usage": None}
+    return response_create(actor=principal_for(org.members[Role.TENANT_ADMIN]), body=body,
+                           input_items=[]).public_id
 
 
 def _conversation(org: Org) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from secrets import token_hex
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from django.urls import get_resolver
 
 from governance.models import AuditExport, Quota, RateLimitPolicy, RedactionPattern
 from inference.models import Deployment
+from streaming.responses_store import response_create
 from tenants.conversations import conversation_create
 from tenants.models import Member
 from tenants.roles import Role
@@ -47,6 +49,13 @@ class Ctx:
 
     def fresh_conversation(self) -> str:
         return conversation_create(actor=principal_for(self.member)).public_id
+
+    def fresh_response(self) -> str:
+        """A stored response of the member's (the Responses API's)."""
+        body = {"id": f"resp_{token_hex(12)}", "object": "response", "status": "completed",
+                "model": "echo", "output": [], "usage": None}
+        return response_create(actor=principal_for(self.member), body=body,
+                               input_items=[]).public_id
 
     def fresh_key_id(self) -> int:
         return apikey_create(actor=principal_for(self.member), name="target").key.pk
@@ -158,6 +167,19 @@ MATRIX: dict[str, Row] = {
                                if c.role != AUD else "/api/v1/conversations/conv_x", None,
                                {PA: 204, TA: 204, DEV: 204, AUD: 403},
                                "api/v1/conversations/<conversation_id>"),
+    # Stored responses (OpenAI's Responses API): read as conversations are.
+    "response get": Row("GET", lambda c: f"/v1/responses/{c.fresh_response()}"
+                        if c.role != AUD else f"/v1/responses/resp_{'0' * 24}", None,
+                        {PA: 200, TA: 200, DEV: 200, AUD: 403},
+                        "v1/responses/<response_id>"),
+    "response delete": Row("DELETE", lambda c: f"/v1/responses/{c.fresh_response()}"
+                           if c.role != AUD else f"/v1/responses/resp_{'0' * 24}", None,
+                           {PA: 200, TA: 200, DEV: 200, AUD: 403},
+                           "v1/responses/<response_id>"),
+    "response input items": Row(
+        "GET", lambda c: f"/v1/responses/{c.fresh_response()}/input_items"
+        if c.role != AUD else f"/v1/responses/resp_{'0' * 24}/input_items", None,
+        {PA: 200, TA: 200, DEV: 200, AUD: 403}, "v1/responses/<response_id>/input_items"),
     "rate limit list": Row("GET", lambda c: "/api/v1/governance/rate-limits", None,
                            {PA: 200, TA: 200, DEV: 403, AUD: 403},
                            "api/v1/governance/rate-limits"),
@@ -265,7 +287,7 @@ def test_matrix_covers_every_route() -> None:
     for pattern in get_resolver().url_patterns:
         for sub in getattr(pattern, "url_patterns", []):
             route = str(sub.pattern)
-            if route.startswith("api/v1/"):
+            if route.startswith(("api/v1/", "v1/responses")):
                 routes.add(route)
     covered = {row.route for row in MATRIX.values()}
     assert routes == covered, f"routes without a matrix row: {routes - covered}"
