@@ -570,7 +570,10 @@ class Worker:
 
     def _prepare(self, runtime: ChatRuntime,
                  pending: Pending) -> tuple[Active, NewSequence] | None:
-        """The sequence to start, or None when nothing is left to generate."""
+        """The sequence to start, or None when nothing is left to generate. A body with
+        `prompt` (a legacy completion) is that text as the model's prompt, as is: no chat
+        template, no history; otherwise the prompt is its `messages` after its `history`
+        through the chat template (`_prompt`)."""
         body = pending.req.body
         try:
             params = SamplingParams(
@@ -586,8 +589,9 @@ class Worker:
                                  in (body.get("logit_bias") or {}).items()),
                 logprobs=None if body.get("logprobs") is None else int(body["logprobs"]),
             )
-            prompt = self._prompt(runtime, body["messages"], body.get("history") or [],
-                                  params.max_tokens)
+            prompt = (runtime.encode(body["prompt"]) if "prompt" in body else
+                      self._prompt(runtime, body["messages"], body.get("history") or [],
+                                   params.max_tokens))
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(400, "invalid_request", f"Malformed request: {exc}") from None
         if params.logit_bias and isinstance(runtime, TorchModel):

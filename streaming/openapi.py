@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from sluice.errors import error_response_doc
+from streaming.apis.completions import CompletionRequest, TextCompletion
 from streaming.apis.responses import ResponsesRequest
 from streaming.apis.responses_stream import ResponseObject
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
@@ -86,6 +87,7 @@ def add_inference_routes(schema: dict[str, Any]) -> None:
     _, top = models_json_schema(
         [(ChatCompletionRequest, "validation"), (EmbeddingRequest, "validation"),
          (ChatCompletion, "serialization"), (EmbeddingList, "serialization"),
+         (CompletionRequest, "validation"), (TextCompletion, "serialization"),
          (ResponsesRequest, "validation"), (ResponseObject, "serialization")],
         ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -102,6 +104,15 @@ def add_inference_routes(schema: dict[str, Any]) -> None:
     schema["paths"]["/v1/embeddings"] = {"post": _operation(
         "embeddings", "Create embeddings (OpenAI-compatible)", EmbeddingRequest,
         EmbeddingList, "One vector per input")}
+    schema["paths"]["/v1/completions"] = {"post": _operation(
+        "completions", "Create a completion (OpenAI's legacy Completions API)",
+        CompletionRequest, TextCompletion, "The completion, or its stream of chunks",
+        description="With `stream: true` the reply is Server-Sent Events: "
+                    "`text_completion` objects, then `data: [DONE]`.",
+        # OpenAPI 3.1: an event stream's `schema` describes each event.
+        also={"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}})}
     schema["paths"]["/v1/responses"] = {"post": _operation(
         "responses_create", "Create a response (OpenAI's Responses API)", ResponsesRequest,
         ResponseObject, "The response, or its stream of events",

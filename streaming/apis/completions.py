@@ -1,0 +1,371 @@
+"""Legacy Completions, `POST /v1/completions`: a codec over the gateway's chat call.
+
+Each prompt (`prompt` is a string or a list of them) is one gateway call whose single
+user message is the prompt, asking for `n` choices; prompt p's choice j is the reply's
+choice p * n + j, as OpenAI numbers them. The calls are admitted one after the other
+(each its own rate-limit admission and quota reservation: a list of k prompts counts as
+k requests); if one is refused, those already admitted are cancelled and the refusal is
+the reply. Defaults are OpenAI's: `max_tokens` 16, `temperature` 1.
+
+`echo` puts the prompt's text before each choice's completion (in a stream, as the
+choice's first chunk). `logprobs` k (0 to 5) gives OpenAI's legacy shape from the chat
+path's per-token entries: `tokens`, `token_logprobs`, `top_logprobs` (each a dict of
+the k likeliest tokens, plus the sampled one when it is not among them) and
+`text_offset` (each token's character offset in the choice's text). Refused with a 400
+naming the field: `suffix`, `best_of` > 1, `echo` with `logprobs` (the prompt's own
+tokens have no logprobs here), a prompt of token ids, an empty prompt, more than
+MAX_SEQUENCES choices in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import time
+from collections.abc import AsyncGenerator
+from typing import Annotated, Any, Literal
+
+import orjson
+from django.conf import settings
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from sluice.errors import BadRequest
+from streaming import bodies
+from streaming.apis import Api, Context, register
+from streaming.gateway import Submitted, error_from_event
+from streaming.httpio import Receive, Send, send_json
+from streaming.schemas import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    ModelName,
+    StreamOptions,
+    validation_error,
+)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's, for this API
+MAX_LOGPROBS = 5
+MAX_PROMPTS = 16
+MAX_SEQUENCES = 16  # prompts x n: each choice is a sequence in the running batch
+
+
+class CompletionRequest(BaseModel):
+    """The body of a legacy completion, as OpenAI's SDK sends it."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: ModelName
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+    suffix: str | None = None  # refused unless empty
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None  # refused above 1
+    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+                               Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=300)] | None = None
+    seed: int | None = None
+    user: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+# The reply, as the OpenAPI document describes it (streaming/openapi.py).
+class LegacyLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: LegacyLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class TextCompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: TextCompletionUsage
+
+
+class Completions(Api):
+    path = "/v1/completions"
+    action = "completions"
+
+    async def serve(self, ctx: Context) -> None:
+        req = parse(ctx.data)
+        ctx.call["model"] = req.model
+        ctx.call["observed"].protocol = "sse" if req.stream else "rest"
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        subs = await _admit(ctx, req, prompts)
+        ctx.call["admitted"] = True
+        watcher = asyncio.create_task(_cancel_on_disconnect(ctx.receive, subs))
+        try:
+            events = _events(subs, req.n or 1)
+            if req.stream:
+                await _stream(ctx.send, req, prompts, subs, events)
+            else:
+                body = await _completion(req, prompts, subs, events)
+                await send_json(ctx.send, 200, body, subs[-1].headers)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+
+def parse(data: dict[str, Any]) -> CompletionRequest:
+    """The request, or a 400 naming its field for what this API does not do."""
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and not all(isinstance(p, str) for p in prompt):
+        raise BadRequest("prompt must be a string or a list of strings; prompts of token "
+                         "ids are not supported.", param="prompt",
+                         code="unsupported_parameter")
+    try:
+        req = CompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if req.suffix:
+        raise BadRequest("suffix is not supported: this server does not insert text.",
+                         param="suffix", code="unsupported_parameter")
+    if req.best_of is not None and req.best_of > 1:
+        raise BadRequest("best_of > 1 is not supported; use n for several choices.",
+                         param="best_of", code="unsupported_parameter")
+    if req.echo and req.logprobs is not None:
+        raise BadRequest("echo cannot be combined with logprobs here (the prompt's tokens "
+                         "have no logprobs).", param="echo", code="unsupported_parameter")
+    if any(not p for p in prompts):
+        raise BadRequest("prompt must not be empty.", param="prompt", code="invalid_value")
+    if len(prompts) * (req.n or 1) > MAX_SEQUENCES:
+        raise BadRequest(f"{len(prompts)} prompts with n = {req.n} ask for more than "
+                         f"{MAX_SEQUENCES} choices.", param="n", code="invalid_value")
+    return req
+
+
+_CHAT_PARAMS = {"messages": "prompt", "top_logprobs": "logprobs", "max_completion_tokens":
+                "max_tokens"}
+
+
+def as_chat(req: CompletionRequest, prompt: str) -> ChatCompletionRequest:
+    """The gateway's request for one prompt: the prompt as the single user message."""
+    fields: dict[str, Any] = {
+        "model": req.model, "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": req.max_tokens or DEFAULT_MAX_TOKENS, "stream": req.stream,
+        **req.model_dump(include={"temperature", "top_p", "n", "stop", "seed", "user",
+                                  "presence_penalty", "frequency_penalty", "logit_bias"},
+                         exclude_none=True)}
+    if req.logprobs is not None:
+        fields.update(logprobs=True, top_logprobs=req.logprobs)
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:  # checked above already; named as this API names it
+        error = validation_error(exc)
+        param = (error.param or "").split(".")[0]
+        raise BadRequest(error.message, param=_CHAT_PARAMS.get(param, param or None),
+                         code=error.code) from None
+
+
+async def _admit(ctx: Context, req: CompletionRequest, prompts: list[str]) -> list[Submitted]:
+    """One admitted gateway call per prompt; all or none."""
+    subs: list[Submitted] = []
+    try:
+        for prompt in prompts:
+            sub = await ctx.app.gateway.chat(ctx.principal, as_chat(req, prompt),
+                                             protocol="sse" if req.stream else "rest")
+            sub.admission.action = Completions.action  # its audit event's, at settlement
+            subs.append(sub)
+    except BaseException:
+        for sub in subs:
+            task = asyncio.create_task(_abandon(sub))
+            ctx.app._background.add(task)
+            task.add_done_callback(ctx.app._background.discard)
+        raise
+    return subs
+
+
+async def _abandon(sub: Submitted) -> None:
+    """Cancel an admitted call nobody will read; reading its events to their end
+    settles it (billed what was made)."""
+    await sub.cancel()
+    with contextlib.suppress(Exception):
+        async for _event in sub.events():
+            pass
+
+
+async def _cancel_on_disconnect(receive: Receive, subs: list[Submitted]) -> None:
+    """A client that goes away cancels every prompt's generation."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    await asyncio.gather(*(sub.cancel() for sub in subs))
+
+
+async def _events(subs: list[Submitted], n: int) -> AsyncGenerator[dict[str, Any]]:
+    """Every call's events as they arrive, `"i"` set to the reply's choice index."""
+    if len(subs) == 1:
+        async with contextlib.aclosing(subs[0].events()) as events:
+            async for event in events:
+                yield event
+        return
+    queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+    async def pump(p: int, sub: Submitted) -> None:
+        try:
+            async with contextlib.aclosing(sub.events()) as events:
+                async for event in events:
+                    event["i"] = p * n + event.get("i", 0)
+                    queue.put_nowait(event)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)  # this prompt's calls have ended
+
+    # Closing a pump (an error, the client gone) closes its call's events: it settles.
+    pumps = [asyncio.create_task(pump(p, sub)) for p, sub in enumerate(subs)]
+    try:
+        running = len(pumps)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+class _Offsets:
+    """Character offsets of a choice's tokens in its text, from the tokens' bytes (a
+    token may hold part of a character: it starts where that character does)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at = start
+
+    def take(self, raw: bytes) -> int:
+        at = self._at
+        self._at += len(self._decoder.decode(raw))
+        return at
+
+
+def legacy_logprobs(entries: list[dict[str, Any]], offsets: _Offsets) -> dict[str, Any]:
+    """OpenAI's legacy `logprobs` object for chat `logprobs.content` entries."""
+    top: list[dict[str, float]] = []
+    for entry in entries:
+        likeliest = {alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}
+        likeliest.setdefault(entry["token"], entry["logprob"])
+        top.append(likeliest)
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": top,
+            "text_offset": [offsets.take(bytes(e["bytes"])) for e in entries]}
+
+
+def _base(req: CompletionRequest, subs: list[Submitted]) -> dict[str, Any]:
+    return {"id": f"cmpl-{subs[0].handle.rid}", "object": "text_completion",
+            "created": int(time.time()), "model": req.model, "system_fingerprint": None}
+
+
+async def _completion(req: CompletionRequest, prompts: list[str], subs: list[Submitted],
+                      events: AsyncGenerator[dict[str, Any]]) -> dict[str, Any]:
+    n = req.n or 1
+    count = len(prompts) * n
+    texts: list[list[str]] = [[prompts[i // n]] if req.echo else [] for i in range(count)]
+    entries: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+    finals: list[dict[str, Any]] = [{} for _ in range(count)]
+    async with contextlib.aclosing(events):
+        async for event in events:
+            i = event.get("i", 0)
+            if event["t"] == "delta":
+                texts[i].append(event["text"])
+                entries[i] += event.get("lp") or ()
+            elif event["t"] == "error":
+                raise error_from_event(event)
+            else:
+                finals[i] = event
+    return {**_base(req, subs), "choices": [
+        {"text": "".join(texts[i]), "index": i,
+         "logprobs": None if req.logprobs is None else legacy_logprobs(entries[i],
+                                                                       _Offsets()),
+         "finish_reason": bodies.finish_reason(finals[i])} for i in range(count)],
+        "usage": bodies.usage(*finals)}
+
+
+async def _stream(send: Send, req: CompletionRequest, prompts: list[str],
+                  subs: list[Submitted], events: AsyncGenerator[dict[str, Any]]) -> None:
+    """SSE chunks of `text_completion` objects (choice i's with `index` i), a last
+    usage chunk with `stream_options.include_usage`, then `data: [DONE]`."""
+    from streaming.asgi import _KeepAlive  # the lean app imports this module first
+
+    n = req.n or 1
+    base = _base(req, subs)
+    async with contextlib.aclosing(events):
+        first = await anext(events)  # an error before any output is a plain HTTP error
+        if first["t"] == "error":
+            raise error_from_event(first)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+            (b"x-request-id", subs[0].handle.rid.encode()),
+            *((k.encode(), v.encode()) for k, v in subs[-1].headers.items())]})
+        out = _KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
+
+        async def emit(payload: dict[str, Any]) -> None:
+            await out.send(b"data: %s\n\n" % orjson.dumps(payload))
+
+        def chunk(i: int, text: str, *, finish: str | None = None,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+            return {**base, "choices": [{"text": text, "index": i, "logprobs": logprobs,
+                                         "finish_reason": finish}]}
+
+        offsets = [_Offsets() for _ in range(len(prompts) * n)]
+        finals: list[dict[str, Any]] = []
+        try:
+            if req.echo:
+                for i in range(len(prompts) * n):
+                    await emit(chunk(i, prompts[i // n]))
+            event: dict[str, Any] | None = first
+            while event is not None:
+                i = event.get("i", 0)
+                if event["t"] == "delta" and (event["text"] or event.get("lp")):
+                    lp = None if req.logprobs is None else legacy_logprobs(
+                        event.get("lp") or [], offsets[i])
+                    await emit(chunk(i, event["text"], logprobs=lp))
+                elif event["t"] == "error":
+                    finals.append(event)
+                    await emit(error_from_event(event).body())
+                elif event["t"] == "done":
+                    finals.append(event)
+                    await emit(chunk(i, "", finish=bodies.finish_reason(event)))
+                event = await anext(events, None)
+            if req.stream_options is not None and req.stream_options.include_usage \
+                    and any(f["t"] == "done" for f in finals):
+                await emit({**base, "choices": [], "usage": bodies.usage(*finals)})
+        finally:
+            await out.close()
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                "more_body": False})
+
+
+register(Completions())
