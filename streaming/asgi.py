@@ -23,7 +23,7 @@ from governance.observe import served
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
 from sluice.telemetry import RequestScope
-from streaming import bodies, replay
+from streaming import bodies, choices, replay
 from streaming.gateway import Submitted, error_from_event, queue_unavailable, shared_gateway
 from streaming.nesting import check_depth
 from streaming.schemas import (
@@ -170,6 +170,7 @@ class LeanApp:
                                code="stream_not_found", param="conversation_id")
             resume = (rid, req.last_offset)
         if req.stream and resume is not None:
+            choices.check(req.n or 1, resume=True)
             call["action"] = "chat.completions.resume"
             await self._resume(principal, resume, req, send, conversation=conversation,
                                began=call["began"])
@@ -190,10 +191,12 @@ class LeanApp:
             await self.gateway.client.remember_stream(principal.tenant_slug,
                                                       submitted.conversation_id,
                                                       submitted.handle.rid)
-        watcher = asyncio.create_task(self._watch_disconnect(receive, submitted, req.stream))
+        watcher = asyncio.create_task(self._watch_disconnect(
+            receive, submitted, req.stream and submitted.n == 1))
         try:
             if req.stream:
-                await self._stream(submitted.handle.rid, submitted.events(), req, send,
+                await self._stream([h.rid for h in submitted.handles], submitted.events(),
+                                   req, send,
                                    before_done=lambda text: self.gateway.remember(submitted,
                                                                                    text),
                                    headers=submitted.headers)
@@ -212,10 +215,10 @@ class LeanApp:
             message = await receive()
             if message["type"] != "http.disconnect":
                 continue
-            handle = submitted.handle
             if not resumable:
-                await handle.cancel()
+                await submitted.cancel()
                 return
+            handle = submitted.handle
             task = asyncio.create_task(self.gateway.client.cancel_unless_resumed(
                 submitted.spec.name, handle.tenant, handle.rid,
                 settings.SLUICE_STREAM_RESUME_GRACE_S))
@@ -239,7 +242,7 @@ class LeanApp:
             principal, rid, model=req.model, after=after, protocol="sse", began=began))
         events = client.replay(tenant, rid, after_seq=after,
                                timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
-        await self._stream(rid, events, req, send, replay=True)
+        await self._stream([rid], events, req, send, replay=True)
 
     async def _complete(self, sub: Submitted, req: ChatCompletionRequest, send: Send) -> None:
         body = await bodies.chat_completion(sub, req)
@@ -247,13 +250,16 @@ class LeanApp:
         await self.gateway.remember(sub, body["choices"][0]["message"]["content"] or "")
         await _send_json(send, 200, body, sub.headers)
 
-    async def _stream(self, rid: str, events: AsyncIterator[dict[str, Any]],
+    async def _stream(self, rids: list[str], events: AsyncIterator[dict[str, Any]],
                       req: ChatCompletionRequest, send: Send, *, replay: bool = False,
                       before_done: Callable[[str], Awaitable[None]] | None = None,
                       headers: dict[str, str] | None = None) -> None:
-        """Send the events as SSE chunks; `before_done` gets the whole text before the
-        final `[DONE]` (so a conversation's next turn can already see it)."""
-        base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk",
+        """Send the events as SSE chunks, choice i's (`rids[i]`) with `index` i; every
+        event's id is its own request's `<rid>:<seq>`. `before_done` gets the first
+        choice's text before the final `[DONE]` (so a conversation's next turn can
+        already see it). With include_usage, one usage chunk ends the stream: every
+        choice's usage, summed."""
+        base = {"id": f"chatcmpl-{rids[0]}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": req.model, "system_fingerprint": None}
         first = await anext(events)  # errors before any output are still plain HTTP errors
         if first["t"] == "error":
@@ -261,53 +267,63 @@ class LeanApp:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-            (b"x-request-id", rid.encode()),
+            (b"x-request-id", rids[0].encode()),
             *((k.encode(), v.encode()) for k, v in (headers or {}).items())]})
         out = _KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
         # A text delta is most of a stream: its chunk is the call's fixed part around
-        # the encoded text, not a dict encoded afresh per token.
-        event_id = b"id: " + rid.encode() + b":"
-        text_head = orjson.dumps(base)[:-1] + b',"choices":[{"index":0,"delta":{"content":'
+        # the encoded text, not a dict encoded afresh per token (one per choice).
+        event_ids = [b"id: " + rid.encode() + b":" for rid in rids]
+        head = orjson.dumps(base)[:-1] + b',"choices":[{"index":'
+        text_heads = [head + b'%d,"delta":{"content":' % i for i in range(len(rids))]
         text_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-        async def emit(seq: int | str, payload: Any) -> None:
-            await out.send(b"%s%s\ndata: %s\n\n" % (event_id, str(seq).encode(),
+        async def emit(i: int, seq: int | str, payload: Any) -> None:
+            await out.send(b"%s%s\ndata: %s\n\n" % (event_ids[i], str(seq).encode(),
                                                      orjson.dumps(payload)))
 
-        def chunk(delta: dict[str, Any], finish: str | None = None,
+        def chunk(i: int, delta: dict[str, Any], finish: str | None = None,
                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+            return {**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish}]}
 
-        parts: list[str] = []
+        parts: list[str] = []  # the first choice's text
+        finals: list[dict[str, Any]] = []
         try:
             if not replay:
-                await emit("start", chunk({"role": "assistant", "content": ""}))
+                for i in range(len(rids)):
+                    await emit(i, "start", chunk(i, {"role": "assistant", "content": ""}))
             event: dict[str, Any] | None = first
             while event is not None:
+                i = event.get("i", 0)
                 if event["t"] == "delta" and req.logprobs:  # the slow path: a dict a chunk
-                    parts.append(event["text"])
+                    if i == 0:
+                        parts.append(event["text"])
                     if event["text"] or event.get("lp"):
-                        await emit(event["seq"], chunk(
-                            {"content": event["text"]},
+                        await emit(i, event["seq"], chunk(
+                            i, {"content": event["text"]},
                             logprobs=bodies.choice_logprobs(req, event.get("lp") or [])))
                 elif event["t"] == "delta" and event["text"]:
-                    parts.append(event["text"])
-                    await out.send(b"".join((event_id, b"%d" % event["seq"], b"\ndata: ",
-                                             text_head, orjson.dumps(event["text"]),
+                    if i == 0:
+                        parts.append(event["text"])
+                    await out.send(b"".join((event_ids[i], b"%d" % event["seq"], b"\ndata: ",
+                                             text_heads[i], orjson.dumps(event["text"]),
                                              text_tail)))
                 elif event["t"] == "error":
-                    await emit(event["seq"], error_from_event(event).body())
+                    finals.append(event)
+                    await emit(i, event["seq"], error_from_event(event).body())
                 elif event["t"] == "done":
+                    finals.append(event)
                     if event.get("tool_calls"):
-                        calls = [{"index": i, **call}
-                                 for i, call in enumerate(bodies.tool_calls(event["tool_calls"]))]
-                        await emit(event["seq"], chunk({"tool_calls": calls}))
-                    await emit(event["seq"], chunk({}, bodies.finish_reason(event)))
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        await emit(event["seq"],
-                                   {**base, "choices": [], "usage": bodies.usage(event)})
+                        calls = [{"index": k, **call}
+                                 for k, call in enumerate(bodies.tool_calls(event["tool_calls"]))]
+                        await emit(i, event["seq"], chunk(i, {"tool_calls": calls}))
+                    await emit(i, event["seq"], chunk(i, {}, bodies.finish_reason(event)))
+                last = event
                 event = await anext(events, None)
+            if req.stream_options is not None and req.stream_options.include_usage \
+                    and any(f["t"] == "done" for f in finals):
+                await emit(last.get("i", 0), last["seq"],
+                           {**base, "choices": [], "usage": bodies.usage(*finals)})
         finally:
             await out.close()
         if before_done is not None:

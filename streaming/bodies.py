@@ -4,6 +4,7 @@ adapter and the Batch API alike."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import struct
 import time
 from typing import Any
@@ -27,37 +28,50 @@ def choice_logprobs(req: ChatCompletionRequest,
     return {"content": content, "refusal": None} if req.logprobs else None
 
 
-def usage(final: dict[str, Any]) -> dict[str, int]:
-    reported = final.get("usage", {})
-    prompt = reported.get("prompt_tokens", 0)
-    completion = reported.get("completion_tokens", 0)
+def usage(*finals: dict[str, Any]) -> dict[str, int]:
+    """OpenAI's `usage` of final events: one call's, or its choices' summed."""
+    prompt = completion = 0
+    for final in finals:
+        reported = final.get("usage", {})
+        prompt += reported.get("prompt_tokens", 0)
+        completion += reported.get("completion_tokens", 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
 
-async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
-    """A `chat.completion` from the call's events; a worker error raises its ApiError."""
-    parts: list[str] = []
-    logprobs: list[dict[str, Any]] = []
-    final: dict[str, Any] = {}
-    async for event in sub.events():
-        if event["t"] == "delta":
-            parts.append(event["text"])
-            logprobs += event.get("lp") or ()
-        elif event["t"] == "error":
-            raise error_from_event(event)
-        else:
-            final = event
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
+def message(text: str, final: dict[str, Any]) -> dict[str, Any]:
+    """A choice's assistant message: its tool calls when it made some, else its text."""
     if final.get("tool_calls"):
-        message = {"role": "assistant", "content": None,
-                   "tool_calls": tool_calls(final["tool_calls"])}
+        return {"role": "assistant", "content": None,
+                "tool_calls": tool_calls(final["tool_calls"])}
+    return {"role": "assistant", "content": text}
+
+
+async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
+    """A `chat.completion` from the call's events, one choice per sequence (`sub.n`);
+    a worker error (of any choice) raises its ApiError."""
+    parts: list[list[str]] = [[] for _ in range(sub.n)]
+    logprobs: list[list[dict[str, Any]]] = [[] for _ in range(sub.n)]
+    finals: list[dict[str, Any]] = [{}] * sub.n
+    # Closed on an error too: with n > 1 that cancels the other choices at once.
+    async with contextlib.aclosing(sub.events()) as events:
+        async for event in events:
+            i = event.get("i", 0)
+            if event["t"] == "delta":
+                parts[i].append(event["text"])
+                logprobs[i] += event.get("lp") or ()
+            elif event["t"] == "error":
+                raise error_from_event(event)
+            else:
+                finals[i] = event
     body: dict[str, Any] = {
         "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
         "created": int(time.time()), "model": req.model, "system_fingerprint": None,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(final),
-                     "logprobs": choice_logprobs(req, logprobs)}],
-        "usage": usage(final),
+        "choices": [{"index": i, "message": message("".join(parts[i]), final),
+                     "finish_reason": finish_reason(final),
+                     "logprobs": choice_logprobs(req, logprobs[i])}
+                    for i, final in enumerate(finals)],
+        "usage": usage(*finals),
     }
     if sub.conversation_id is not None:
         body["conversation_id"] = sub.conversation_id

@@ -19,9 +19,11 @@ Frames are JSON objects. Client -> server:
     {"type": "embeddings.request", "id": "e1", "request": {<embeddings body>}}
     {"type": "cancel", "id": "r1"}
 Server -> client:
-    {"type": "chat.delta", "id": "r1", "delta": "..."}
-    {"type": "chat.done", "id": "r1", "finish_reason": "...", "usage": {...},
+    {"type": "chat.delta", "id": "r1", "index": 0, "delta": "..."}
+    {"type": "chat.done", "id": "r1", "index": 0, "finish_reason": "...", "usage": {...},
      "tool_calls": [...]}                       (tool_calls only when there are some)
+`index` is the choice's; a request with `n` > 1 gets one chat.done per choice, and only
+its last carries `usage` (every choice's, summed).
     {"type": "embeddings.result", "id": "e1", "body": {<OpenAI embeddings body>}}
     {"type": "error", "id": "r1" | null, "error": {<OpenAI error>}}
 Every bad frame gets an error frame and the socket stays open: one that is not a JSON
@@ -65,6 +67,7 @@ from streaming.nesting import MAX_JSON_DEPTH, check_depth
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
 from tenants.principal import Principal
 from tenants.roles import Action
+from tenants.throttle import asgi_source
 
 logger = logging.getLogger("sluice.streaming")
 
@@ -103,6 +106,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                    for k, v in self.scope.get("headers", [])}
         offered = list(self.scope.get("subprotocols", []))
         self.authorization = headers.get("authorization")
+        self.source = asgi_source(self.scope, headers)  # where wrong keys count
         for protocol in offered:
             if protocol.startswith(SUBPROTOCOL_PREFIX):
                 self.authorization = f"Bearer {protocol[len(SUBPROTOCOL_PREFIX):]}"
@@ -225,7 +229,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         except asyncio.CancelledError:
             if sub is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(sub.handle.cancel())
+                    await asyncio.shield(sub.cancel())
             raise
         except RedisError:
             # Redis failing under a call (a restart, a failover) is retriable, as on REST.
@@ -241,27 +245,37 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         """The socket's credential as a REST call would find it now (the cached path):
         raises Unauthenticated for one revoked, expired or demoted since the socket
         opened, PermissionDenied for a role that may not call models."""
-        principal = await self.gateway.authenticate(self.authorization)
+        principal = await self.gateway.authenticate(self.authorization, source=self.source)
         if not principal.can(Action.MODEL_USE):
             raise PermissionDenied(f"Your role ({principal.role}) may not call models.")
         return principal
 
     async def _stream(self, rid: str, sub: Submitted) -> None:
-        parts: list[str] = []
-        async for event in sub.events():
-            if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                parts.append(event["text"])
-                extra = {"logprobs": event["lp"]} if "lp" in event else {}
-                await self._send(rid, "chat.delta", delta=event["text"], **extra)
-            elif event["t"] == "error":
-                raise error_from_event(event)
-            elif event["t"] == "done":
-                done: dict[str, Any] = {"finish_reason": bodies.finish_reason(event),
-                                        "usage": bodies.usage(event)}
-                if event.get("tool_calls"):
-                    done["tool_calls"] = bodies.tool_calls(event["tool_calls"])
-                await self.gateway.remember(sub, "".join(parts))
-                await self._send(rid, "chat.done", **done)
+        """The call's frames, each with its choice's `index`. A call's last `chat.done`
+        carries its usage (with n > 1, every choice's summed; the others carry none)."""
+        parts: list[str] = []  # the first choice's text, for its conversation
+        finals: list[dict[str, Any]] = []
+        # Closed on an error too: with n > 1 that cancels the other choices at once.
+        async with contextlib.aclosing(sub.events()) as events:
+            async for event in events:
+                i = event.get("i", 0)
+                if event["t"] == "delta" and (event["text"] or event.get("lp")):
+                    if i == 0:
+                        parts.append(event["text"])
+                    extra = {"logprobs": event["lp"]} if "lp" in event else {}
+                    await self._send(rid, "chat.delta", index=i, delta=event["text"], **extra)
+                elif event["t"] == "error":
+                    raise error_from_event(event)
+                elif event["t"] == "done":
+                    finals.append(event)
+                    done: dict[str, Any] = {"index": i,
+                                            "finish_reason": bodies.finish_reason(event)}
+                    if event.get("tool_calls"):
+                        done["tool_calls"] = bodies.tool_calls(event["tool_calls"])
+                    if len(finals) == sub.n:  # the call's last frame
+                        done["usage"] = bodies.usage(*finals)
+                        await self.gateway.remember(sub, "".join(parts))
+                    await self._send(rid, "chat.done", **done)
 
     async def _send(self, rid: str | None, kind: str, **fields: Any) -> None:
         await self.send(text_data=json.dumps({"type": kind, "id": rid, **fields}))

@@ -6,19 +6,21 @@
     -> events back (Submitted.events) -> governance settlement (real usage) and the
     call's audit event
 
-Every adapter (REST, SSE, the Batch API; gRPC and WebSocket next) goes through here, so
-each gets limits, quotas, breakers and audit at once.
+Every adapter (REST, SSE, the WebSocket, gRPC, the Batch API) goes through here, so
+each gets limits, quotas, breakers and audit at once; a chat call's `n` choices are
+fanned out here too (streaming/choices.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from opentelemetry.trace import Status, StatusCode
@@ -44,7 +46,7 @@ from sluice.errors import (
     Unauthenticated,
     Unavailable,
 )
-from streaming import replay
+from streaming import choices, replay
 from streaming.schemas import (
     ChatCompletionRequest,
     EmbeddingRequest,
@@ -60,12 +62,16 @@ _MESSAGE_OVERHEAD = 8  # chat-template tokens around one message, generously
 
 @dataclass
 class Submitted:
+    """An admitted call: its queued request (`handle`; the first choice's when the call
+    asks for n > 1, the others' in `more`), its admission and what settles it."""
+
     principal: Principal
     spec: DeploymentSpec
     handle: RequestHandle
     admission: Admission
     conversation_id: str | None = None
     messages: list[dict[str, str]] | None = None
+    more: list[RequestHandle] = field(default_factory=list)
     # The request's trace context and start, for the wait span and time to first token.
     trace_context: Any = field(default_factory=telemetry.current_context)
     began: float = field(default_factory=lambda: _began())
@@ -75,38 +81,59 @@ class Submitted:
         """Response headers the pipeline adds (x-ratelimit-*, degradation notes)."""
         return self.admission.headers
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    @property
+    def handles(self) -> list[RequestHandle]:
+        return [self.handle, *self.more]
+
+    @property
+    def n(self) -> int:
+        return 1 + len(self.more)
+
+    async def cancel(self) -> None:
+        """Stop the call's generation on the worker, every choice of it."""
+        await asyncio.gather(*(handle.cancel() for handle in self.handles))
+
+    async def events(self) -> AsyncGenerator[dict[str, Any]]:
         """The call's events; settles its admission when they end (or, when the consumer
-        stops early, once the worker's final event arrives)."""
-        final: dict[str, Any] | None = None
+        stops early, once the worker's final events arrive). With n > 1 choices: every
+        choice's events as they arrive, each tagged with its index (`"i"`; absent means
+        0), ending after the last choice's final event (streaming/choices.py)."""
+        finals: list[dict[str, Any]] = []
         self.admission.request_id = self.handle.rid
         # Not the current span: a generator's consumer may resume it in another context.
         span = telemetry.child_span("sluice.wait", self.trace_context,
                                     {"sluice.request_id": self.handle.rid})
         first: float | None = None
+        source = (choices.merged(self.handles) if self.more
+                  else cast("AsyncGenerator[dict[str, Any]]", self.handle.events()))
         try:
-            async for event in self.handle.events():
-                if event["t"] in FINAL_EVENTS:
-                    final = event
-                elif event["t"] == "delta":
-                    if first is None:
-                        first = time.perf_counter()
-                        span.add_event("first_token")
-                    self.admission.note_reply(event.get("text", ""))
-                yield event
+            async with contextlib.aclosing(source) as events:
+                async for event in events:
+                    if event["t"] in FINAL_EVENTS:
+                        finals.append(event)
+                    elif event["t"] == "delta":
+                        if first is None:
+                            first = time.perf_counter()
+                            span.add_event("first_token")
+                        if event.get("i", 0) == 0:  # the audit's excerpt: the first choice
+                            self.admission.note_reply(event.get("text", ""))
+                    yield event
         except BaseException as exc:
-            self.admission.governor.finish_later(self.admission, final, exc, self.handle.rid,
-                                                 self.handle.deadline_ms,
-                                                 charge=not self.handle.replayed)
-            self._observed(span, final, first, exc)
+            if self.more:
+                choices.settle_later(self.admission, self.handles, finals, exc)
+            else:
+                self.admission.governor.finish_later(
+                    self.admission, finals[0] if finals else None, exc, self.handle.rid,
+                    self.handle.deadline_ms, charge=not self.handle.replayed)
+            self._observed(span, choices.combined(finals), first, exc)
             raise
         # Settlement, the audit event and the metrics (~0.15 ms of CPU, nothing awaited)
         # run at the loop's next turn: by then the adapter has written the reply, which
         # no longer waits for them.
         # Their durations end here, not when they run.
-        asyncio.get_running_loop().call_soon(self._settle, span, final, first,
-                                             (time.perf_counter(), time.time_ns()),
-                                             time.monotonic())
+        asyncio.get_running_loop().call_soon(
+            self._settle, span, choices.combined(finals), first,
+            (time.perf_counter(), time.time_ns()), time.monotonic())
 
     def _settle(self, span: Any, final: dict[str, Any] | None, first: float | None,
                 ended: tuple[float, int], ended_monotonic: float) -> None:
@@ -239,13 +266,15 @@ class Gateway:
         state = self._per_loop.pop(asyncio.get_running_loop(), None)
         if state is not None:
             client, governor = state
+            await choices.close()
             await governor.close()
             await client.close()
 
     async def _submit(self, principal: Principal, spec: DeploymentSpec,
-                      body: dict[str, Any], admission: Admission,
-                      timeout_s: float | None = None, **kw: Any) -> RequestHandle:
-        """Enqueue; the deadline is the server's timeout, or the caller's if sooner."""
+                      entries: list[dict[str, Any]], admission: Admission,
+                      timeout_s: float | None = None, **kw: Any) -> list[RequestHandle]:
+        """Enqueue each of `entries` (a call's choices; all or none); the deadline is the
+        server's timeout, or the caller's if sooner."""
         limit = float(settings.SLUICE_REQUEST_TIMEOUT_S)
         if timeout_s is not None:
             if timeout_s <= 0:
@@ -254,12 +283,15 @@ class Gateway:
             limit = min(limit, timeout_s)
         try:
             with telemetry.stage("sluice.enqueue", **{"sluice.deployment": spec.name}) as span:
-                handle = await self.client.submit(
-                    spec, tenant=principal.tenant_slug, body=body, timeout_s=limit,
-                    priority=principal.priority, traceparent=telemetry.traceparent_of(span),
-                    **kw)
+                def submit(body: dict[str, Any]) -> Awaitable[RequestHandle]:
+                    return self.client.submit(
+                        spec, tenant=principal.tenant_slug, body=body, timeout_s=limit,
+                        priority=principal.priority,
+                        traceparent=telemetry.traceparent_of(span), **kw)
+                handles = ([await submit(entries[0])] if len(entries) == 1
+                           else await choices.submit_all(submit, entries))
                 if span.is_recording():
-                    span.set_attribute("sluice.request_id", handle.rid)
+                    span.set_attribute("sluice.request_id", handles[0].rid)
         except BaseException as exc:
             await admission.release()
             if isinstance(exc, RedisError):
@@ -267,8 +299,8 @@ class Gateway:
             raise
         scope = telemetry.current_scope()
         if scope is not None:
-            scope.request_id = handle.rid
-        return handle
+            scope.request_id = handles[0].rid
+        return handles
 
     def refused(self, principal: Principal, exc: ApiError, *, action: str, model: str,
                 protocol: str, began: float) -> None:
@@ -322,11 +354,14 @@ class Gateway:
                    idempotency_key: str | None = None,
                    conversation_id: str | None = None, protocol: str = "rest",
                    timeout_s: float | None = None, stream: bool | None = None) -> Submitted:
-        """Admit and enqueue one chat call. `stream`: whether the caller consumes the
-        reply token by token (default: the request's own `stream`); when it does not,
-        the worker sends the reply in one piece at the end (no per-token events)."""
+        """Admit and enqueue one chat call (`req.n` choices: streaming/choices.py).
+        `stream`: whether the caller consumes the reply token by token (default: the
+        request's own `stream`); when it does not, the worker sends the reply in one
+        piece at the end (no per-token events)."""
         spec = await self._model(principal, req.model, Kind.CHAT)
         conversation_id = req.conversation_id or conversation_id
+        n = req.n or 1
+        choices.check(n, idempotency_key=idempotency_key, conversation_id=conversation_id)
         history = (await async_db(conversation_history)(actor=principal,
                                                         public_id=conversation_id)
                    if conversation_id else [])
@@ -347,8 +382,9 @@ class Gateway:
             messages[:0] = tool_prompt(req.tools, parallel=structured["parallel_tool_calls"])
         max_tokens = max_tokens or min(1024, spec.max_context // 2)
         texts = [m["content"] for m in messages] + [m.get("content", "") for m in history]
+        # One admission for every choice: one request, n times the tokens.
         admission = await self.governor.admit(
-            principal, spec, tokens=prompt_bound(texts, spec) + max_tokens)
+            principal, spec, tokens=n * (prompt_bound(texts, spec) + max_tokens))
         admission.protocol = protocol
         admission.request_text = next((m["content"] for m in reversed(messages)
                                        if m["role"] == "user"), "")
@@ -370,13 +406,12 @@ class Gateway:
             # token counts with the model's own tokenizer).
             "history": history,
         }
-        handle = await self._submit(
-            principal, spec, body, admission, timeout_s=timeout_s, idempotency_key=key,
-            fingerprint=fingerprint,
+        handle, *more = await self._submit(
+            principal, spec, choices.bodies(body, n), admission, timeout_s=timeout_s,
+            idempotency_key=key, fingerprint=fingerprint,
             owner=replay.ownership(principal, req.model, conversation_id)
-            if body["stream"] else None)
-        return Submitted(principal, spec, handle, admission, conversation_id,
-                         turn)
+            if body["stream"] and n == 1 else None)
+        return Submitted(principal, spec, handle, admission, conversation_id, turn, more)
 
     async def remember(self, sub: Submitted, reply: str) -> None:
         """Append the request's messages and the reply to its conversation."""
@@ -399,8 +434,8 @@ class Gateway:
             principal, spec, tokens=sum(prompt_bound([t], spec) for t in inputs))
         admission.action, admission.protocol = "embeddings", protocol
         admission.request_text = inputs[0]
-        handle = await self._submit(principal, spec, {"input": inputs}, admission,
-                                    timeout_s=timeout_s)
+        [handle] = await self._submit(principal, spec, [{"input": inputs}], admission,
+                                      timeout_s=timeout_s)
         return Submitted(principal, spec, handle, admission)
 
 

@@ -37,6 +37,7 @@ from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
 from tenants.principal import Principal
+from tenants.throttle import grpc_source
 
 T = TypeVar("T")
 SERVICE = "sluice.v1.Inference"
@@ -72,7 +73,7 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
     if msg.logprobs:
         data["logprobs"] = True
     for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty",
-                 "frequency_penalty", "top_logprobs"):
+                 "frequency_penalty", "top_logprobs", "n"):
         if msg.HasField(name):
             data[name] = getattr(msg, name)
     if msg.stop:
@@ -120,6 +121,16 @@ def _usage(usage: dict[str, int]) -> pb.Usage:
                     total_tokens=usage["total_tokens"])
 
 
+def _choice(choice: dict[str, Any]) -> pb.ChatChoice:
+    """One choice of a `chat.completion` body."""
+    message, logprobs = choice["message"], choice["logprobs"]
+    return pb.ChatChoice(
+        index=choice["index"], finish_reason=choice["finish_reason"],
+        logprobs=_logprobs(logprobs["content"] if logprobs else []),
+        message=pb.ChatMessage(role="assistant", content=message["content"] or "",
+                               tool_calls=_tool_calls(message.get("tool_calls") or [])))
+
+
 def _tool_calls(calls: list[dict[str, Any]]) -> list[pb.ToolCall]:
     return [pb.ToolCall(id=c["id"], type="function", index=i, function=pb.FunctionCall(
         name=c["function"]["name"], arguments=c["function"]["arguments"]))
@@ -135,8 +146,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
         metadata = {k.lower(): v for k, v in context.invocation_metadata() or ()}
-        value = metadata.get("authorization")
-        return await self.gateway.authenticate(value if isinstance(value, str) else None)
+        value, forwarded = metadata.get("authorization"), metadata.get("x-forwarded-for")
+        return await self.gateway.authenticate(
+            value if isinstance(value, str) else None,
+            source=grpc_source(context.peer(),
+                               forwarded if isinstance(forwarded, str) else None))
 
     @staticmethod
     def _timeout(context: grpc.aio.ServicerContext) -> float | None:
@@ -173,16 +187,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             except asyncio.CancelledError:
                 await _cancel(sub)
                 raise
-            message = body["choices"][0]["message"]
-            await self.gateway.remember(sub, message["content"] or "")
-            logprobs = body["choices"][0]["logprobs"]
+            answers = [_choice(choice) for choice in body["choices"]]
+            await self.gateway.remember(sub, answers[0].message.content)
             return pb.ChatResponse(
-                logprobs=_logprobs(logprobs["content"] if logprobs else []),
-                id=body["id"], model=body["model"], finish_reason=body["choices"][0][
-                    "finish_reason"], usage=_usage(body["usage"]),
-                conversation_id=body.get("conversation_id") or "",
-                message=pb.ChatMessage(role="assistant", content=message["content"] or "",
-                                       tool_calls=_tool_calls(message.get("tool_calls") or [])))
+                id=body["id"], model=body["model"], message=answers[0].message,
+                finish_reason=answers[0].finish_reason, logprobs=answers[0].logprobs,
+                usage=_usage(body["usage"]), choices=answers,
+                conversation_id=body.get("conversation_id") or "")
         return await self._guard(context, "chat.completions", request.model, run)
 
     async def ChatStream(self, request: pb.ChatRequest,
@@ -196,21 +207,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             req = _chat_request(request)
             sub = await self.gateway.chat(principal, req, protocol="grpc",
                                           timeout_s=self._timeout(context), stream=True)
-            rid, parts = f"chatcmpl-{sub.handle.rid}", []
-            async for event in sub.events():
-                if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                    parts.append(event["text"])
-                    yield pb.ChatChunk(id=rid, delta=event["text"],
-                                       logprobs=_logprobs(event.get("lp") or []))
-                elif event["t"] == "error":
-                    ended = True
-                    raise error_from_event(event)
-                elif event["t"] == "done":
-                    ended = True
-                    yield pb.ChatChunk(
-                        id=rid, finish_reason=bodies.finish_reason(event),
-                        tool_calls=_tool_calls(bodies.tool_calls(event.get("tool_calls") or [])),
-                        usage=_usage(bodies.usage(event)))
+            rid, parts, finals = f"chatcmpl-{sub.handle.rid}", [], []
+            async with contextlib.aclosing(sub.events()) as events:
+                async for event in events:
+                    i = event.get("i", 0)
+                    if event["t"] == "delta" and (event["text"] or event.get("lp")):
+                        if i == 0:
+                            parts.append(event["text"])
+                        yield pb.ChatChunk(id=rid, index=i, delta=event["text"],
+                                           logprobs=_logprobs(event.get("lp") or []))
+                    elif event["t"] == "error":
+                        ended = True
+                        raise error_from_event(event)
+                    elif event["t"] == "done":
+                        finals.append(event)
+                        ended = len(finals) == sub.n
+                        yield pb.ChatChunk(
+                            id=rid, index=i, finish_reason=bodies.finish_reason(event),
+                            tool_calls=_tool_calls(bodies.tool_calls(event.get("tool_calls")
+                                                                     or [])),
+                            # The stream's last chunk: every choice's usage.
+                            usage=_usage(bodies.usage(*finals)) if ended else None)
             await self.gateway.remember(sub, "".join(parts))
         except ApiError as exc:
             if principal is not None and sub is None:
@@ -342,7 +359,7 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 async def _cancel(sub: Submitted) -> None:
     """The client went away: stop the generation (billed what was made)."""
     with contextlib.suppress(Exception):
-        await asyncio.shield(sub.handle.cancel())
+        await asyncio.shield(sub.cancel())
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: ApiError) -> None:

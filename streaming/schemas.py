@@ -14,6 +14,7 @@ ConversationId = Annotated[str, StringConstraints(pattern=r"^conv_[0-9a-f]{24}$"
 # A model name: any printable text (OpenAI's and tenants' names vary: "org/model:tag"),
 # no control characters (a NUL cannot even be looked up in PostgreSQL).
 ModelName = Annotated[Line, StringConstraints(min_length=1, max_length=200)]
+MAX_CHOICES = 8  # a chat call's `n`: each choice is a sequence in the running batch
 
 
 class _Strict(BaseModel):
@@ -73,7 +74,8 @@ class ChatCompletionRequest(_Strict):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    # Choices, each its own sequence (streaming/choices.py).
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None

@@ -69,7 +69,9 @@ async def _answer(ws: Any, frame: str) -> list[dict[str, Any]]:
     while True:
         reply = json.loads(await asyncio.wait_for(ws.recv(), 15))
         out.append(reply)
-        if reply["type"] in FINAL and reply.get("id") == (rid if valid_id else None):
+        # A chat request's last frame is the chat.done with its usage (one per choice).
+        if reply["type"] in FINAL and reply.get("id") == (rid if valid_id else None) \
+                and (reply["type"] != "chat.done" or "usage" in reply):
             return out
 
 

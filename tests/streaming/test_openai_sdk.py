@@ -171,7 +171,7 @@ def test_bad_input_is_a_clear_4xx_and_queues_nothing(live: Live, keys: dict[Role
         ({"model": "echo", "messages": "hi"}, 400),
         ({"model": "echo", "messages": [{"role": "wizard", "content": "x"}]}, 400),
         ({"model": 7, "messages": [{"role": "user", "content": "x"}]}, 400),
-        ({"model": "echo", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400),
+        ({"model": "echo", "messages": [{"role": "user", "content": "x"}], "n": 9}, 400),
         ({"model": "echo", "messages": [{"role": "user", "content": "x"}],
           "temperature": "hot"}, 400),
         ({"messages": [{"role": "user", "content": "x"}]}, 400),
