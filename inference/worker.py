@@ -110,6 +110,7 @@ class Active:
     sent_text: str = ""  # the part of it already streamed
     seq: int = 0
     detok: Detokenizer | None = None
+    stopped_by: str = ""  # the stop string that ended the reply, if one did
 
     @property
     def req(self) -> q.QueuedRequest:
@@ -594,6 +595,11 @@ class Worker:
                                    params.max_tokens))
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(400, "invalid_request", f"Malformed request: {exc}") from None
+        if body.get("count_only"):
+            # A token count (Anthropic's count_tokens): the prompt as this runtime
+            # encodes it, template and all, whatever its length; nothing generated.
+            self._final(pending, 0, "stop", prompt_tokens=len(prompt), completion_tokens=0)
+            return None
         if params.logit_bias and isinstance(runtime, TorchModel):
             size = int(runtime.model.config.vocab_size)
             unknown = [token for token, _ in params.logit_bias if not 0 <= token < size]
@@ -821,9 +827,10 @@ class Worker:
         if not active.stop:
             return False
         start = max(0, len(active.sent_text) - max(map(len, active.stop)))
-        hits = [i for i in (active.text.find(s, start) for s in active.stop) if i >= 0]
+        hits = [(i, s) for s in active.stop if (i := active.text.find(s, start)) >= 0]
         if hits:
-            active.text = active.text[:min(hits)]
+            cut, active.stopped_by = min(hits)
+            active.text = active.text[:cut]
         return bool(hits)
 
     def _emit_text(self, active: Active, *, final: bool) -> None:
@@ -882,7 +889,7 @@ class Worker:
                         seq=active.seq, usage=(active.prompt_tokens, len(active.ids)))
             return
         self._final(active.pending, active.seq, reason, prompt_tokens=active.prompt_tokens,
-                    completion_tokens=len(active.ids))
+                    completion_tokens=len(active.ids), stop_sequence=active.stopped_by)
 
     def _embed(self, chosen: list[Pending]) -> None:
         runtime = self.runtime
@@ -916,13 +923,18 @@ class Worker:
         self._outbox.append((req, event))
 
     def _final(self, pending: Pending, seq: int, reason: str, *, prompt_tokens: int,
-               completion_tokens: int, tool_calls: list[dict[str, str]] | None = None) -> None:
+               completion_tokens: int, tool_calls: list[dict[str, str]] | None = None,
+               stop_sequence: str = "") -> None:
+        """`stop_sequence`: the stop string that ended the reply (Anthropic's Messages
+        API names it; finish stays "stop")."""
         event: dict[str, Any] = {
             "t": "done", "seq": seq, "finish": reason,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
         }
         if tool_calls:
             event["tool_calls"] = tool_calls
+        if stop_sequence:
+            event["stop_sequence"] = stop_sequence
         self._event(pending.req, event)
         self._acks.append(pending)
         self._served(pending.req.rid)

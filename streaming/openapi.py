@@ -17,6 +17,8 @@ from pydantic.json_schema import models_json_schema
 
 from sluice.errors import error_response_doc
 from streaming.apis.completions import CompletionRequest, TextCompletion
+from streaming.apis.messages import OPENAPI_MODELS as MESSAGES_MODELS
+from streaming.apis.messages import openapi_paths as messages_paths
 from streaming.apis.responses import ResponsesRequest
 from streaming.apis.responses_stream import ResponseObject
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
@@ -88,7 +90,8 @@ def add_inference_routes(schema: dict[str, Any]) -> None:
         [(ChatCompletionRequest, "validation"), (EmbeddingRequest, "validation"),
          (ChatCompletion, "serialization"), (EmbeddingList, "serialization"),
          (CompletionRequest, "validation"), (TextCompletion, "serialization"),
-         (ResponsesRequest, "validation"), (ResponseObject, "serialization")],
+         (ResponsesRequest, "validation"), (ResponseObject, "serialization"),
+         *MESSAGES_MODELS],
         ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name, definition in top.get("$defs", {}).items():
@@ -122,6 +125,7 @@ def add_inference_routes(schema: dict[str, Any]) -> None:
         also={"text/event-stream": {"schema": {
             "type": "object", "required": ["data"],
             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}})}
+    schema["paths"].update(messages_paths())  # Anthropic's shapes, errors included
 
 
 def _operation(operation_id: str, summary: str, request: type[BaseModel],

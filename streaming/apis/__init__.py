@@ -70,5 +70,5 @@ def _load() -> None:
         importlib.import_module(f"streaming.apis.{name}")
 
 
-_MODULES: list[str] = ["completions", "responses"]
+_MODULES: list[str] = ["completions", "messages", "responses"]
 _load()

@@ -1,0 +1,371 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`,
+a codec over the gateway's chat call.
+
+The request (validated here, so a 400 names Anthropic's field, in Anthropic's words)
+becomes a `ChatCompletionRequest`: `system` a system message; text blocks the message's
+text; an assistant's `tool_use` blocks its `tool_calls` and a user's `tool_result`
+blocks `tool` messages, which the gateway writes for the model as it writes chat's
+(streaming/gateway.py `_message`); `tools` functions with `input_schema` as parameters;
+`tool_choice` auto / any (required) / tool (named) / none, with
+`disable_parallel_tool_use`; `output_config.format` (a JSON schema) the response format;
+`stop_sequences` stop; `metadata.user_id` the user. What the engine cannot do is refused
+by name (`top_k`, `thinking`, image and document blocks); `cache_control` hints,
+`output_config.effort` and `service_tier` are accepted without effect (no prompt cache,
+one tier, one effort here).
+
+Authentication: `x-api-key` (Anthropic's header) or `Authorization: Bearer`; any
+`anthropic-version` is accepted. Every error, also those raised before `serve` runs
+(authentication, body limits), is Anthropic's envelope (messages_stream.error_body).
+
+count_tokens answers the prompt's exact token count as the deployment's worker counts
+it (its own tokenizer and chat template, the tool prompt included): a `count_only` job
+on the model's queue, which the worker answers after encoding, without a forward pass.
+The gateway has no tokenizer (no torch, and a deployment's weights may live on other
+hosts), and `prompt_bound` is an upper bound, not a count. A count is rate-limited,
+audited and free: no tokens are charged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
+
+from inference.queue import FINAL_EVENTS
+from inference.spec import Kind
+from sluice.errors import ApiError, BadRequest
+from sluice.schemas import Line
+from streaming.apis import Api, Context, register
+from streaming.apis import messages_stream as encode
+from streaming.gateway import _message, error_from_event
+from streaming.httpio import send_json
+from streaming.schemas import ChatCompletionRequest
+from streaming.structured import structured_body, tool_prompt
+
+_CHAT_DESCRIPTION_MAX = 4096  # chat's (OpenAI's) cap on a function's description
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+CacheControl = dict[str, Any] | None  # a prompt-caching hint: accepted, ignored
+
+
+class AnthropicTextBlockParam(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl = None
+    citations: list[dict[str, Any]] | None = None
+
+
+class AnthropicToolUseBlockParam(_Strict):
+    type: Literal["tool_use"]
+    id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,256}$")]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+    # What the SDKs echo back from a reply's block (its calling context): no effect here.
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
+
+
+class AnthropicToolResultBlockParam(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,256}$")]
+    content: str | list[AnthropicTextBlockParam] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl = None
+    toolset_name: str | None = None
+
+
+ContentBlock = Annotated[
+    AnthropicTextBlockParam | AnthropicToolUseBlockParam | AnthropicToolResultBlockParam,
+    Field(discriminator="type")]
+
+
+class AnthropicMessageParam(_Strict):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+
+class AnthropicTool(_Strict):
+    type: Literal["custom"] | None = None
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Annotated[str, StringConstraints(max_length=65536)] | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = None
+    cache_control: CacheControl = None
+    # Hints for Anthropic's own models and streaming: accepted, without effect here.
+    eager_input_streaming: bool | None = None
+    input_examples: list[dict[str, Any]] | None = None
+
+
+class AnthropicToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicMetadata(_Strict):
+    user_id: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+class AnthropicJsonFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(_Strict):
+    format: AnthropicJsonFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # no effect
+
+
+class AnthropicCountTokensRequest(_Strict):
+    model: Annotated[Line, StringConstraints(min_length=1, max_length=200)]
+    messages: Annotated[list[AnthropicMessageParam], Field(min_length=1, max_length=4096)]
+    system: str | list[AnthropicTextBlockParam] | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    output_config: AnthropicOutputConfig | None = None
+    cache_control: CacheControl = None
+    # Refused unless disabled: this engine has no extended thinking.
+    thinking: dict[str, Any] | None = None
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # refused: no top-k sampling here
+    metadata: AnthropicMetadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier: ignored
+
+
+_Request = TypeVar("_Request", bound=AnthropicCountTokensRequest)
+
+
+def parse(model: type[_Request], data: dict[str, Any]) -> _Request:
+    """`data` as `model`, or a 400 naming the field as Anthropic does ("max_tokens:
+    Field required")."""
+    try:
+        req = model.model_validate(data)
+    except ValidationError as exc:
+        # A union reports every branch; the deepest error is the one that explains.
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
+        where = ".".join(str(p) for p in first.get("loc", ())
+                         if not (isinstance(p, str) and ("[" in p or p == "str")))
+        raise BadRequest(f"{where}: {first.get('msg')}", param=where or None,
+                         code="invalid_request") from None
+    if getattr(req, "top_k", None) is not None:
+        raise BadRequest("top_k: not supported by this server; use temperature or top_p.",
+                         param="top_k", code="unsupported_parameter")
+    if req.thinking is not None and req.thinking.get("type") != "disabled":
+        raise BadRequest("thinking: extended thinking is not supported by this server.",
+                         param="thinking", code="unsupported_parameter")
+    return req
+
+
+def _text(content: str | list[AnthropicTextBlockParam] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(block.text for block in content)
+
+
+def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as chat messages: tool_use blocks as an assistant's tool_calls,
+    tool_result blocks as tool messages (in their place among the user's text)."""
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system)})
+    for i, message in enumerate(req.messages):
+        blocks = ([AnthropicTextBlockParam(type="text", text=message.content)]
+                  if isinstance(message.content, str) else message.content)
+        text: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(blocks):
+            if isinstance(block, AnthropicTextBlockParam):
+                text.append(block.text)
+            elif message.role == "assistant" and isinstance(block, AnthropicToolUseBlockParam):
+                calls.append({"id": block.id, "type": "function", "function": {
+                    "name": block.name, "arguments": json.dumps(block.input)}})
+            elif message.role == "user" and isinstance(block, AnthropicToolResultBlockParam):
+                if text:
+                    out.append({"role": "user", "content": "\n".join(text)})
+                    text = []
+                result = _text(block.content)
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": f"Error: {result}" if block.is_error else result})
+            else:
+                where = f"messages.{i}.content.{j}"
+                raise BadRequest(f"{where}: {block.type} blocks belong in "
+                                 f"{'assistant' if block.type == 'tool_use' else 'user'} "
+                                 "messages.", param=where, code="invalid_request")
+        if text or calls or not blocks:
+            out.append({"role": message.role, "content": "\n".join(text),
+                        **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def to_chat(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
+    """The gateway's request for `req`. Every field was checked against Anthropic's
+    rules already; a rule of chat's that is stricter still answers in Anthropic's
+    words (its field name where the two differ)."""
+    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req)}
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, "parameters": t.input_schema, "strict": t.strict}}
+            for t in req.tools]
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": fmt.schema_, "strict": True}}
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise BadRequest("tool_choice.name: Field required", param="tool_choice.name",
+                             code="invalid_request")
+        body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
+                               if choice.type == "tool" else
+                               {"any": "required"}.get(choice.type, choice.type))
+        if choice.disable_parallel_tool_use is not None:
+            body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    if isinstance(req, AnthropicMessagesRequest):
+        body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    stop=req.stop_sequences or None, stream=req.stream,
+                    user=req.metadata.user_id if req.metadata else None)
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = {"stop": "stop_sequences", "user": "metadata.user_id"}.get(
+            str(first["loc"][0]), str(first["loc"][0]))
+        raise BadRequest(f"{field}: {first.get('msg')}", param=field,
+                         code="invalid_request") from None
+    # Chat keeps OpenAI's cap on a description; Anthropic's tools (Claude Code's among
+    # them) carry longer ones, which only the tool prompt reads.
+    for tool, param in zip(chat.tools or [], req.tools or [], strict=True):
+        tool.function.description = param.description
+    return chat
+
+
+class Messages(Api):
+    path = "/v1/messages"
+    action = "messages"
+
+    def credential(self, headers: dict[str, str]) -> str | None:
+        key = headers.get("x-api-key", "").strip()
+        return f"Bearer {key}" if key else headers.get("authorization")
+
+    def error(self, exc: ApiError) -> tuple[int, Any, dict[str, str] | None]:
+        return exc.status, encode.error_body(exc), exc.headers
+
+    async def serve(self, ctx: Context) -> None:
+        req = parse(AnthropicMessagesRequest, ctx.data)
+        ctx.call["model"] = req.model
+        ctx.call["observed"].protocol = "sse" if req.stream else "rest"
+        chat = to_chat(req)
+        app = ctx.app
+        sub = await app.gateway.chat(ctx.principal, chat,
+                                     idempotency_key=ctx.headers.get("idempotency-key"),
+                                     protocol=ctx.call["observed"].protocol)
+        ctx.call["admitted"] = True
+        sub.admission.action = self.action
+        headers = {**sub.headers, "request-id": sub.handle.rid}
+        watcher = asyncio.create_task(app._watch_disconnect(ctx.receive, sub, False))
+        try:
+            if req.stream:
+                await encode.stream(sub, req.model, ctx.send, headers)
+            else:
+                await send_json(ctx.send, 200, await encode.message_body(sub, req.model),
+                                headers)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+
+class CountTokens(Messages):
+    path = "/v1/messages/count_tokens"
+    action = "messages.count_tokens"
+
+    async def serve(self, ctx: Context) -> None:
+        req = parse(AnthropicCountTokensRequest, ctx.data)
+        ctx.call["model"] = req.model
+        tokens = await self.count(ctx, to_chat(req))
+        await send_json(ctx.send, 200, {"input_tokens": tokens})
+
+    async def count(self, ctx: Context, chat: ChatCompletionRequest) -> int:
+        """The prompt's tokens as the worker counts them: the messages `Gateway.chat`
+        would send, tool prompt included, in a count-only job. Admitted as a call
+        (role, model access, rate limits, shedding), settled without charge."""
+        gateway, principal = ctx.app.gateway, ctx.principal
+        spec = await gateway._model(principal, chat.model, Kind.CHAT)
+        structured = structured_body(chat)
+        messages = [_message(m) for m in chat.messages]
+        if structured.get("tools") and chat.tools:
+            messages[:0] = tool_prompt(chat.tools,
+                                       parallel=structured["parallel_tool_calls"])
+        admission = await gateway.governor.admit(principal, spec, tokens=0)
+        admission.action, admission.protocol = self.action, "rest"
+        admission.request_text = next((m["content"] for m in reversed(messages)
+                                       if m["role"] == "user"), "")
+        # max_tokens 1: a worker that predates count_only still reports the exact
+        # prompt count, after generating a single token.
+        [handle] = await gateway._submit(principal, spec, [{
+            "messages": messages, "max_tokens": 1, "stream": False, "count_only": True}],
+            admission)
+        ctx.call["admitted"] = True
+        admission.request_id = handle.rid
+        final: dict[str, Any] | None = None
+        try:
+            async for event in handle.events():
+                if event["t"] in FINAL_EVENTS:
+                    final = event
+        except BaseException as exc:
+            await handle.cancel()
+            admission.finish_now(None, error=exc, charge=False)
+            raise
+        admission.finish_now(final, charge=False)
+        if final is None or final["t"] == "error":
+            raise error_from_event(final or {"message": "The count ended without a result."})
+        return int(final["usage"]["prompt_tokens"])
+
+
+register(Messages())
+register(CountTokens())
+
+
+# The routes in the OpenAPI document (streaming/openapi.py adds them).
+OPENAPI_MODELS: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+    (AnthropicMessagesRequest, "validation"), (AnthropicCountTokensRequest, "validation"),
+    (encode.AnthropicMessage, "serialization"), (encode.AnthropicTokenCount, "serialization"),
+    (encode.AnthropicError, "serialization")]
+
+
+def openapi_paths() -> dict[str, Any]:
+    auth = (" Authenticate with `x-api-key: <key>` (Anthropic's header) or "
+            "`Authorization: Bearer <key>`; any `anthropic-version` is accepted.")
+    return {
+        Messages.path: {"post": encode.openapi_operation(
+            "messages_create", "Create a message (Anthropic's Messages API)",
+            AnthropicMessagesRequest, encode.AnthropicMessage, stream=True,
+            description="With `stream: true` the reply is Server-Sent Events: "
+                        "`message_start` ... `message_stop`." + auth)},
+        CountTokens.path: {"post": encode.openapi_operation(
+            "messages_count_tokens", "Count a message's input tokens (Anthropic's API)",
+            AnthropicCountTokensRequest, encode.AnthropicTokenCount,
+            description="The exact count the model's worker makes (its tokenizer and "
+                        "chat template), without generating." + auth)},
+    }

@@ -1,0 +1,267 @@
+"""Anthropic Messages replies from a call's events: the message body, its SSE stream,
+the error envelope, and their description in the OpenAPI document.
+
+A stream is Anthropic's event sequence: `message_start`, then per content block
+`content_block_start` / `content_block_delta` (text as `text_delta`, a tool call's input
+as `input_json_delta`) / `content_block_stop`, one `ping` after the first block's start,
+`message_delta` (stop_reason, stop_sequence, usage), `message_stop`. The text block opens
+at the first text; tool calls arrive whole with the final event, so each tool_use block
+carries its input in one `input_json_delta`. The prompt's token count is known only at
+the end: `message_start` says 0 input tokens and `message_delta` the real figures (the
+SDK's accumulated message takes them). A worker error after the stream began is an
+`error` event, and the stream ends without `message_stop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Literal
+
+import orjson
+from django.conf import settings
+from pydantic import BaseModel
+
+from sluice.errors import ApiError
+from streaming.gateway import Submitted, error_from_event
+
+if TYPE_CHECKING:
+    from streaming.httpio import Send
+
+# Anthropic's error types by status (their API's error page); others by class.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                402: "billing_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status) or ("api_error" if status >= 500
+                                        else "invalid_request_error")
+
+
+def error_body(exc: ApiError) -> dict[str, Any]:
+    """Anthropic's envelope: {"type": "error", "error": {"type", "message", "details"}}.
+    Our stable code rides in `details.error_code`, where the SDK reads a cause's code
+    (`APIStatusError.error_code`), beside any machine-readable extras (a quota's)."""
+    openai = exc.body()["error"]  # the message redacted, as every error is
+    details = {k: v for k, v in openai.items() if k not in ("message", "type", "param",
+                                                            "code")}
+    if exc.code:
+        details = {"error_code": exc.code, **details}
+    error: dict[str, Any] = {"type": error_type(exc.status), "message": openai["message"]}
+    if details:
+        error["details"] = details
+    return {"type": "error", "error": error}
+
+
+def stop_reason(final: dict[str, Any]) -> str:
+    finish = final.get("finish")
+    if finish == "length":
+        return "max_tokens"
+    if finish == "tool_calls":
+        return "tool_use"
+    return "stop_sequence" if final.get("stop_sequence") else "end_turn"
+
+
+def tool_uses(final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The final event's tool calls as tool_use blocks (input an object)."""
+    return [{"type": "tool_use", "id": _tool_id(call["id"]), "name": call["name"],
+             "input": orjson.loads(call["arguments"] or "{}")}
+            for call in final.get("tool_calls") or ()]
+
+
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def usage(final: dict[str, Any]) -> dict[str, int]:
+    reported = final.get("usage") or {}
+    return {"input_tokens": int(reported.get("prompt_tokens", 0)),
+            "output_tokens": int(reported.get("completion_tokens", 0))}
+
+
+async def message_body(sub: Submitted, model: str) -> dict[str, Any]:
+    """The reply as one `message`; a worker error raises its ApiError."""
+    parts: list[str] = []
+    final: dict[str, Any] = {}
+    async with contextlib.aclosing(sub.events()) as events:
+        async for event in events:
+            if event["t"] == "delta":
+                parts.append(event["text"])
+            elif event["t"] == "error":
+                raise error_from_event(event)
+            else:
+                final = event
+    text = "".join(parts)
+    content = [{"type": "text", "text": text}] if text else []
+    return {"id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
+            "model": model, "content": content + tool_uses(final),
+            "stop_reason": stop_reason(final), "stop_sequence": final.get("stop_sequence"),
+            "usage": usage(final)}
+
+
+def _sse(name: str, payload: dict[str, Any]) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (name.encode(), orjson.dumps(payload))
+
+
+async def stream(sub: Submitted, model: str, send: Send,
+                 headers: dict[str, str]) -> None:
+    """Send the call's events as Anthropic's SSE events. An error before any output is
+    raised (a plain HTTP error in the API's shape); `headers` go with the 200."""
+    # asgi.py imports the API registry, which imports this module: imported late.
+    from streaming.asgi import _KeepAlive
+
+    async with contextlib.aclosing(sub.events()) as events:
+        first = await anext(events)
+        if first["t"] == "error":
+            raise error_from_event(first)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+            *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
+        out = _KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
+        blocks = _Blocks(out.send)
+        try:
+            await out.send(_sse("message_start", {"type": "message_start", "message": {
+                "id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
+                "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0}}}))
+            event: dict[str, Any] | None = first
+            while event is not None:
+                if event["t"] == "delta" and event["text"]:
+                    await blocks.text(event["text"])
+                elif event["t"] == "error":
+                    await out.send(_sse("error", error_body(error_from_event(event))))
+                    break
+                elif event["t"] == "done":
+                    await blocks.finish(event)
+                event = await anext(events, None)
+        finally:
+            await out.close()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Blocks:
+    """The content blocks of one streamed message, in order."""
+
+    _TEXT_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+                   b'"index":%d,"delta":{"type":"text_delta","text":%s}}\n\n')
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._count = 0
+        self._text_open = False
+
+    async def _start(self, block: dict[str, Any]) -> None:
+        await self._send(_sse("content_block_start", {
+            "type": "content_block_start", "index": self._count, "content_block": block}))
+        if self._count == 0:
+            await self._send(_sse("ping", {"type": "ping"}))
+
+    async def _stop(self) -> None:
+        await self._send(_sse("content_block_stop",
+                              {"type": "content_block_stop", "index": self._count}))
+        self._count += 1
+
+    async def text(self, text: str) -> None:
+        if not self._text_open:
+            await self._start({"type": "text", "text": ""})
+            self._text_open = True
+        # Most of a stream: the event's fixed bytes around the encoded text.
+        await self._send(self._TEXT_DELTA % (self._count, orjson.dumps(text)))
+
+    async def finish(self, final: dict[str, Any]) -> None:
+        if self._text_open:
+            await self._stop()
+            self._text_open = False
+        for use in tool_uses(final):
+            await self._start({**use, "input": {}})
+            await self._send(_sse("content_block_delta", {
+                "type": "content_block_delta", "index": self._count,
+                "delta": {"type": "input_json_delta",
+                          "partial_json": orjson.dumps(use["input"]).decode()}}))
+            await self._stop()
+        if self._count == 0:
+            await self._send(_sse("ping", {"type": "ping"}))
+        await self._send(_sse("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(final),
+                      "stop_sequence": final.get("stop_sequence")},
+            "usage": usage(final)}))
+        await self._send(_sse("message_stop", {"type": "message_stop"}))
+
+
+# -- what the OpenAPI document says the routes answer --------------------------------
+class AnthropicTextBlock(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicToolUseBlock(BaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicTextBlock | AnthropicToolUseBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicTokenCount(BaseModel):
+    input_tokens: int
+
+
+class AnthropicErrorObject(BaseModel):
+    type: str
+    message: str
+    details: dict[str, Any] | None = None
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorObject
+
+
+def openapi_operation(operation_id: str, summary: str, request: type[BaseModel],
+                      response: type[BaseModel], *, description: str,
+                      stream: bool = False) -> dict[str, Any]:
+    """One Anthropic route's POST: its errors in Anthropic's envelope."""
+    def ref(model: type[BaseModel]) -> dict[str, str]:
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    def error(text: str) -> dict[str, Any]:
+        return {"description": text, "content": {"application/json": {
+            "schema": ref(AnthropicError)}}}
+
+    content: dict[str, Any] = {"application/json": {"schema": ref(response)}}
+    if stream:  # OpenAPI 3.1: an event stream's schema describes each event
+        content["text/event-stream"] = {"schema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
+    return {
+        "operationId": operation_id, "tags": ["inference"], "summary": summary,
+        "description": description,
+        "security": [{"BearerAuth": []}],
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": ref(request)}}},
+        "responses": {
+            "200": {"description": "The reply", "content": content},
+            "4XX": error("Refused, in Anthropic's error envelope (bad input, credentials, "
+                         "role, unknown model, rate limit, quota, overload)."),
+            "503": error("Overloaded or a dependency is away: retry after Retry-After"),
+            "504": error("The deadline passed"),
+        },
+    }
