@@ -21,11 +21,12 @@ from redis.exceptions import RedisError
 
 from governance.observe import served
 from sluice.db import async_db
-from sluice.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServerError
+from sluice.errors import ApiError, BadRequest, NotFound, ServerError
 from sluice.telemetry import RequestScope
-from streaming import bodies, choices, replay
+from streaming import apis, bodies, choices, replay
 from streaming.gateway import Submitted, error_from_event, queue_unavailable, shared_gateway
-from streaming.nesting import check_depth
+from streaming.httpio import ClientGone, Receive, Scope, Send, read_json
+from streaming.httpio import send_json as _send_json
 from streaming.schemas import (
     ChatCompletionRequest,
     ConversationId,
@@ -37,42 +38,10 @@ from tenants.principal import Principal
 from tenants.throttle import asgi_source
 
 logger = logging.getLogger("sluice.streaming")
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-_JSON = [(b"content-type", b"application/json")]
-
-
-class ClientGone(Exception):
-    pass
-
-
-async def _send_json(send: Send, status: int, body: Any,
-                     headers: dict[str, str] | None = None) -> None:
-    encoded = orjson.dumps(body)
-    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": [
-        *_JSON, (b"content-length", b"%d" % len(encoded)), *raw]})
-    await send({"type": "http.response.body", "body": encoded})
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 class LeanApp:
-    ROUTES = {"/v1/chat/completions", "/v1/embeddings"}
+    ROUTES = {"/v1/chat/completions", "/v1/embeddings", *apis.APIS}
 
     def __init__(self) -> None:
         self.gateway = shared_gateway()
@@ -112,12 +81,18 @@ class LeanApp:
                                      model=str(call.get("model", "")),
                                      protocol=observed.protocol, began=call["began"])
             if not started:
-                await _send_json(tracked_send, exc.status, exc.body(), exc.headers)
+                api = apis.APIS.get(scope["path"].rstrip("/"))
+                status, body, extra = api.error(exc) if api else (exc.status, exc.body(),
+                                                                  exc.headers)
+                await _send_json(tracked_send, status, body, extra)
         except Exception:
             logger.exception("unhandled error on %s", scope.get("path"))
             if not started:
                 error = ServerError("The server had an error processing your request.")
-                await _send_json(tracked_send, error.status, error.body())
+                api = apis.APIS.get(scope["path"].rstrip("/"))
+                status, body, extra = api.error(error) if api else (error.status,
+                                                                    error.body(), None)
+                await _send_json(tracked_send, status, body, extra)
 
     async def _dispatch(self, scope: Scope, headers: dict[str, str], receive: Receive,
                         send: Send, call: dict[str, Any]) -> None:
@@ -126,23 +101,17 @@ class LeanApp:
         if scope["method"] != "POST":
             raise BadRequest(f"{scope['method']} is not allowed on {path}; use POST.",
                              code="method_not_allowed")
-        principal = await self.gateway.authenticate(headers.get("authorization"),
+        api = apis.APIS.get(path)
+        credential = api.credential(headers) if api else headers.get("authorization")
+        principal = await self.gateway.authenticate(credential,
                                                     source=asgi_source(scope, headers))
         call["principal"] = principal
-        call["action"] = "embeddings" if path == "/v1/embeddings" else "chat.completions"
-        length = headers.get("content-length")
-        limit = settings.SLUICE_MAX_INFERENCE_BODY_BYTES
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit}.")
-        raw = await _read_body(receive, limit)
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise BadRequest("We could not parse the JSON body of your request.",
-                             code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise BadRequest("The request body must be a JSON object.", code="invalid_json")
-        check_depth(data)
+        call["action"] = api.action if api else (
+            "embeddings" if path == "/v1/embeddings" else "chat.completions")
+        data = await read_json(headers, receive)
+        if api is not None:
+            await api.serve(apis.Context(self, principal, data, headers, receive, send, call))
+            return
         try:
             if path == "/v1/embeddings":
                 emb = EmbeddingRequest.model_validate(data)
