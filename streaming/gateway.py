@@ -353,11 +353,14 @@ class Gateway:
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
                    idempotency_key: str | None = None,
                    conversation_id: str | None = None, protocol: str = "rest",
-                   timeout_s: float | None = None, stream: bool | None = None) -> Submitted:
+                   timeout_s: float | None = None, stream: bool | None = None,
+                   action: str = "chat.completions", raw_prompt: bool = False) -> Submitted:
         """Admit and enqueue one chat call (`req.n` choices: streaming/choices.py).
         `stream`: whether the caller consumes the reply token by token (default: the
         request's own `stream`); when it does not, the worker sends the reply in one
-        piece at the end (no per-token events)."""
+        piece at the end (no per-token events). `action`: the API's name in the call's
+        audit event. `raw_prompt` (a legacy completion): the last message's text is
+        the model's prompt as it is, without the chat template or any history."""
         spec = await self._model(principal, req.model, Kind.CHAT)
         conversation_id = req.conversation_id or conversation_id
         n = req.n or 1
@@ -385,7 +388,7 @@ class Gateway:
         # One admission for every choice: one request, n times the tokens.
         admission = await self.governor.admit(
             principal, spec, tokens=n * (prompt_bound(texts, spec) + max_tokens))
-        admission.protocol = protocol
+        admission.action, admission.protocol = action, protocol
         admission.request_text = next((m["content"] for m in reversed(messages)
                                        if m["role"] == "user"), "")
         if admission.max_tokens_cap is not None:
@@ -406,6 +409,9 @@ class Gateway:
             # token counts with the model's own tokenizer).
             "history": history,
         }
+        if raw_prompt:  # the worker encodes `prompt` as it is (Worker._prepare)
+            body["prompt"] = body.pop("messages")[-1]["content"]
+            del body["history"]
         handle, *more = await self._submit(
             principal, spec, choices.bodies(body, n), admission, timeout_s=timeout_s,
             idempotency_key=key, fingerprint=fingerprint,

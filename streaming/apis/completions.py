@@ -189,8 +189,8 @@ async def _admit(ctx: Context, req: CompletionRequest, prompts: list[str]) -> li
     try:
         for prompt in prompts:
             sub = await ctx.app.gateway.chat(ctx.principal, as_chat(req, prompt),
-                                             protocol="sse" if req.stream else "rest")
-            sub.admission.action = Completions.action  # its audit event's, at settlement
+                                             protocol="sse" if req.stream else "rest",
+                                             action=Completions.action, raw_prompt=True)
             subs.append(sub)
     except BaseException:
         for sub in subs:

@@ -279,9 +279,9 @@ class Messages(Api):
         app = ctx.app
         sub = await app.gateway.chat(ctx.principal, chat,
                                      idempotency_key=ctx.headers.get("idempotency-key"),
-                                     protocol=ctx.call["observed"].protocol)
+                                     protocol=ctx.call["observed"].protocol,
+                                     action=self.action)
         ctx.call["admitted"] = True
-        sub.admission.action = self.action
         headers = {**sub.headers, "request-id": sub.handle.rid}
         watcher = asyncio.create_task(app._watch_disconnect(ctx.receive, sub, False))
         try:

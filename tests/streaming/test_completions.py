@@ -96,8 +96,6 @@ def test_the_prompt_reaches_a_model_as_is_without_the_worker_chat_template(
     assert final["usage"]["prompt_tokens"] == tokens_of(prompt)
 
 
-@pytest.mark.xfail(strict=True, reason="Gateway.chat cannot yet send a raw prompt "
-                   "(raw_prompt=True): the prompt is wrapped in the chat template")
 def test_a_completion_prompt_is_not_wrapped_in_the_chat_template(
         client: openai.OpenAI, tiny: str) -> None:
     prompt = "The capital of France is"
