@@ -35,7 +35,7 @@ EXAMPLES = int(os.environ.get("SLUICE_FUZZ_EXAMPLES", "4"))
 # passed, e.g. on a model no worker serves: a platform admin's generated POST
 # /api/v1/deployments makes such models). Both are documented, typed and retriable.
 RETRIABLE_ON = ("/v1/chat/completions", "/v1/embeddings", "/v1/completions",
-                "/v1/messages", "/v1/messages/count_tokens")
+                "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
 
 
 @schemathesis.check

@@ -49,7 +49,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather fo
                           "properties": {"city": {"type": "string", "maxLength": 20},
                                          "unit": {"type": "string",
                                                   "enum": ["celsius", "fahrenheit"]}},
-                          "required": ["city", "unit"]}}
+                          "required": ["city", "unit"], "additionalProperties": False}}
 ORDER = {"type": "object", "additionalProperties": False, "required": ["item", "qty"],
          "properties": {"item": {"type": "string", "maxLength": 12},
                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}
@@ -67,6 +67,20 @@ def sdk(live: Live, key: str) -> openai.OpenAI:
 @pytest.fixture
 def client(live: Live, org: Org) -> openai.OpenAI:
     return sdk(live, org.keys[Role.DEVELOPER])
+
+
+@pytest.fixture
+def roomy(live: Live) -> Iterator[str]:
+    """The tiny model with room for a tool prompt, a call and its result: 1,024 tokens of
+    context (in "tiny"'s 256, a tool prompt leaves a call ~49 tokens)."""
+    spec = Deployment.objects.create(name="tiny-roomy", runtime="tiny_causal_lm",
+                                     max_context=1024, max_batch_size=4).to_spec()
+    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
+    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
+    thread.start()
+    yield spec.name
+    worker.stopping.set()
+    thread.join(10)
 
 
 # -- create ---------------------------------------------------------------------------------
@@ -210,21 +224,21 @@ def test_previous_response_id_continues_the_chain(client: openai.OpenAI, tiny: s
 
 # -- tools and structured output ------------------------------------------------------------
 def test_function_call_is_an_output_item_with_valid_arguments(client: openai.OpenAI,
-                                                              tiny: str) -> None:
+                                                              roomy: str) -> None:
     response = client.responses.create(
-        model=tiny, input="What's the weather in Paris?", tools=[WEATHER],
+        model=roomy, input="What's the weather in Paris?", tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"})
     [call] = [item for item in response.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     assert response.output_text == ""
     # The call and its result go back as items: the next turn's prompt holds both
-    follow = client.responses.create(model=tiny, previous_response_id=response.id,
+    follow = client.responses.create(model=roomy, previous_response_id=response.id,
                                      tools=[WEATHER], tool_choice="none", max_output_tokens=4,
                                      input=[{"type": "function_call_output",
                                              "call_id": call.call_id,
                                              "output": '{"temp_c": 18}'}])
-    alone = client.responses.create(model=tiny, input="What's the weather in Paris?",
+    alone = client.responses.create(model=roomy, input="What's the weather in Paris?",
                                     max_output_tokens=4)
     assert follow.usage and alone.usage
     assert follow.usage.input_tokens > alone.usage.input_tokens + 10
@@ -232,9 +246,9 @@ def test_function_call_is_an_output_item_with_valid_arguments(client: openai.Ope
 
 
 def test_streamed_function_call_sends_argument_events(client: openai.OpenAI,
-                                                      tiny: str) -> None:
+                                                      roomy: str) -> None:
     events = list(client.responses.create(
-        model=tiny, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+        model=roomy, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
         parallel_tool_calls=False, stream=True))
     kinds = [e.type for e in events]
     assert kinds == ["response.created", "response.in_progress",
@@ -267,20 +281,6 @@ def test_text_format_constrains_the_reply(client: openai.OpenAI, tiny: str,
 
 
 # -- the Agents SDK -------------------------------------------------------------------------
-@pytest.fixture
-def roomy(live: Live) -> Iterator[str]:
-    """The tiny model with room for an agent's prompt (its tool prompt, the call and the
-    result): 1,024 tokens of context."""
-    spec = Deployment.objects.create(name="tiny-roomy", runtime="tiny_causal_lm",
-                                     max_context=1024, max_batch_size=4).to_spec()
-    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
-    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
-    thread.start()
-    yield spec.name
-    worker.stopping.set()
-    thread.join(10)
-
-
 def test_agents_runner_calls_a_function_tool_and_gets_its_result_back(
         live: Live, org: Org, roomy: str) -> None:
     import agents
@@ -547,3 +547,20 @@ def test_calls_are_audited_as_responses(live: Live, org: Org,
     rid = answered.id.removeprefix("resp_")
     assert eventually(lambda: events() == [("responses", 200, 7, rid),
                                            ("responses", 400, 0, "")], 15), events()
+
+
+def test_the_openapi_document_describes_the_route_and_its_replies(
+        live: Live, client: openai.OpenAI, roomy: str) -> None:
+    document = httpx.get(live.base_url.removesuffix("/v1") + "/api/openapi.json",
+                         timeout=30).json()
+    assert {"/v1/responses", "/v1/responses/{response_id}",
+            "/v1/responses/{response_id}/input_items"} <= set(document["paths"])
+    schema = {"$ref": "#/components/schemas/ResponseObject",
+              "components": document["components"]}
+    replies = [client.responses.create(model="echo", input="described"),
+               client.responses.create(model=roomy, input="Weather?", tools=[WEATHER],
+                                       tool_choice="required")]
+    for reply in replies:
+        jsonschema.validate(reply.model_dump(mode="json", exclude_unset=True), schema)
+    assert {item.type for reply in replies for item in reply.output} == \
+        {"message", "function_call"}
