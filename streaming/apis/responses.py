@@ -312,11 +312,10 @@ class ResponsesApi(Api):
         chat = chat_request(req, system + chat_messages([*before, *items]))
         try:
             sub = await ctx.app.gateway.chat(ctx.principal, chat, protocol=ctx.call[
-                "observed"].protocol, stream=req.stream)
+                "observed"].protocol, stream=req.stream, action=self.action)
         except ApiError as exc:
             raise renamed(exc) from None
         ctx.call["admitted"] = True
-        sub.admission.action = self.action
         watcher = asyncio.create_task(ctx.app._watch_disconnect(ctx.receive, sub, False))
         try:
             if req.stream:
