@@ -73,7 +73,7 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
     if msg.logprobs:
         data["logprobs"] = True
     for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty",
-                 "frequency_penalty", "top_logprobs", "n"):
+                 "frequency_penalty", "top_logprobs", "n", "parallel_tool_calls"):
         if msg.HasField(name):
             data[name] = getattr(msg, name)
     if msg.stop:
@@ -84,7 +84,8 @@ def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
         data["tools"] = [{"type": t.type or "function", "function": {
             "name": t.function.name, "description": t.function.description or None,
             "parameters": MessageToDict(t.function.parameters)
-            if t.function.HasField("parameters") else None}} for t in msg.tools]
+            if t.function.HasField("parameters") else None,
+            **({"strict": True} if t.function.strict else {})}} for t in msg.tools]
     if msg.tool_choice in ("auto", "none", "required"):
         data["tool_choice"] = msg.tool_choice
     elif msg.tool_choice:

@@ -225,3 +225,31 @@ def test_health_follows_redis(transactional_db: None) -> None:
         proc.terminate()
         proc.wait(15)
         private.stop()
+
+
+def test_parallel_tool_calls_and_strict_over_grpc(grpc_target: str, org: Org,
+                                                   tiny: str) -> None:
+    """The proto carries parallel_tool_calls (false: exactly one call) and a function's
+    strict flag (a schema that breaks OpenAI's strict rules is INVALID_ARGUMENT)."""
+    from google.protobuf.struct_pb2 import Struct
+
+    params = Struct()
+    params.update({"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                   "required": ["zone"], "additionalProperties": False})
+    tool = pb.Tool(type="function", function=pb.FunctionDef(name="get_time",
+                                                             parameters=params, strict=True))
+    request = chat("time?", model=tiny, max_tokens=120, tool_choice="required",
+                   tools=[tool], parallel_tool_calls=False, temperature=1.0, seed=1)
+    reply = call(grpc_target, "Chat", request, key=org.keys[Role.DEVELOPER])
+    assert reply.finish_reason == "tool_calls"
+    (tool_call,) = reply.message.tool_calls
+    assert json.loads(tool_call.function.arguments)["zone"] in ("UTC", "CET")
+    loose = Struct()
+    loose.update({"type": "object", "properties": {"zone": {"type": "string"}}})
+    bad = chat("time?", model=tiny, tool_choice="required", tools=[pb.Tool(
+        type="function", function=pb.FunctionDef(name="get_time", parameters=loose,
+                                                 strict=True))])
+    with pytest.raises(grpc.RpcError) as caught:
+        call(grpc_target, "Chat", bad, key=org.keys[Role.DEVELOPER])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "additionalProperties" in (caught.value.details() or "")
