@@ -100,10 +100,14 @@ def response_context(*, actor: Principal, response_id: str) -> list[dict[str, An
     return [item for r in reversed(chain) for item in (*r.input_items, *r.output_items)]
 
 
+def _no_nul(text: str) -> str:
+    return text.replace("\x00", "\ufffd")
+
+
 def _stored(clean: Redactor) -> Redactor:
     # PostgreSQL's jsonb cannot hold a NUL (a 500 at the insert): kept as U+FFFD, as
     # conversations keep it.
-    return lambda text: clean(text).replace("\x00", "\ufffd")
+    return lambda text: _no_nul(clean(text))
 
 
 def _clean_item(item: dict[str, Any], clean: Redactor) -> dict[str, Any]:
@@ -127,7 +131,8 @@ def response_create(*, actor: Principal, body: dict[str, Any],
     own (on the hot path, BEGIN and COMMIT would be two more round trips)."""
     require(actor, Action.MODEL_USE)
     clean = _stored(clean or redactor_now(actor.tenant_id))
-    details = {k: v for k, v in body.items() if k not in _COLUMNS}
+    details = redact_json({k: v for k, v in body.items() if k not in _COLUMNS}, _no_nul,
+                          keys=True)
     details["instructions"] = (clean(details["instructions"])
                                if isinstance(details.get("instructions"), str) else None)
     details["metadata"] = redact_json(details.get("metadata") or {}, clean, keys=True)

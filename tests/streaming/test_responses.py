@@ -450,6 +450,7 @@ def test_personal_data_in_a_stored_response_is_redacted_in_the_database(
     # When a response whose input, output, instructions and metadata hold an SSN is made
     response = client.responses.create(
         model="echo", instructions=f"The caller's SSN is {SSN}.", metadata={"ssn": SSN},
+        user="end-user\x00",
         input=[{"role": "user", "content": f"My SSN is {SSN}\x00."},
                {"type": "function_call", "call_id": "call_1", "name": "lookup",
                 "arguments": json.dumps({"ssn": SSN, "n": 536427151})},
