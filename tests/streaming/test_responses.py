@@ -160,6 +160,22 @@ def test_stream_that_reaches_max_output_tokens_is_incomplete(client: openai.Open
     assert last.response.output_text == "a lon"
 
 
+def test_a_generation_that_fails_midway_ends_the_stream_failed(client: openai.OpenAI,
+                                                              settings: Any) -> None:
+    # Given a deadline (3 s) far shorter than the slow model's reply (200 tokens, 10 s)
+    settings.SLUICE_REQUEST_TIMEOUT_S = 3
+    # When the stream has begun and the deadline passes
+    events = list(client.responses.create(model="slow-echo", input="x" * 200, stream=True))
+    # Then the open message ends incomplete and the response failed, saying why
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert last.response.error is not None and "deadline" in last.response.error.message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done and done[0].item.status == "incomplete"
+    assert StoredResponse.objects.get(public_id=last.response.id).status == "failed"
+
+
 # -- stored responses -----------------------------------------------------------------------
 def test_retrieve_input_items_and_delete(client: openai.OpenAI) -> None:
     # Given a stored response made from three input items
