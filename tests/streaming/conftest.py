@@ -64,17 +64,29 @@ def live(transactional_db: None) -> Iterator[Live]:
         thread.join(10)
 
 
-@pytest.fixture
-def tiny(live: Live) -> Iterator[str]:
-    """A small-context chat model (toy weights) whose prompt counts show the history."""
-    spec = Deployment.objects.create(name="tiny", runtime="tiny_causal_lm", max_context=256,
-                                     max_batch_size=4).to_spec()
+def _tiny_worker(name: str, max_context: int) -> Iterator[str]:
+    """The toy-weights chat model deployed as `name`, served by a worker thread."""
+    spec = Deployment.objects.create(name=name, runtime="tiny_causal_lm",
+                                     max_context=max_context, max_batch_size=4).to_spec()
     worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
     thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
     thread.start()
-    yield "tiny"
+    yield name
     worker.stopping.set()
     thread.join(10)
+
+
+@pytest.fixture
+def tiny(live: Live) -> Iterator[str]:
+    """A small-context chat model (toy weights) whose prompt counts show the history."""
+    yield from _tiny_worker("tiny", 256)
+
+
+@pytest.fixture
+def roomy(live: Live) -> Iterator[str]:
+    """The tiny model with room for a tool prompt, a call and its result: 1,024 tokens of
+    context (in "tiny"'s 256, a tool prompt leaves a call ~49 tokens)."""
+    yield from _tiny_worker("tiny-roomy", 1024)
 
 
 @pytest.fixture

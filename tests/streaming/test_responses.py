@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -17,15 +15,11 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-import redis
-from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from governance import audit, privacy
 from governance.models import AuditEvent, Quota, RateLimitPolicy
-from inference.models import Deployment
-from inference.worker import Worker
 from streaming.models import StoredResponse
 from streaming.responses_store import response_create, response_get, responses_purge
 from tenants.models import Member, Tenant
@@ -67,20 +61,6 @@ def sdk(live: Live, key: str) -> openai.OpenAI:
 @pytest.fixture
 def client(live: Live, org: Org) -> openai.OpenAI:
     return sdk(live, org.keys[Role.DEVELOPER])
-
-
-@pytest.fixture
-def roomy(live: Live) -> Iterator[str]:
-    """The tiny model with room for a tool prompt, a call and its result: 1,024 tokens of
-    context (in "tiny"'s 256, a tool prompt leaves a call ~49 tokens)."""
-    spec = Deployment.objects.create(name="tiny-roomy", runtime="tiny_causal_lm",
-                                     max_context=1024, max_batch_size=4).to_spec()
-    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
-    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
-    thread.start()
-    yield spec.name
-    worker.stopping.set()
-    thread.join(10)
 
 
 # -- create ---------------------------------------------------------------------------------

@@ -62,6 +62,12 @@ def json_schema(schema: dict[str, Any], name: str = "reply", *,
                                                    "strict": strict}}
 
 
+
+@pytest.fixture
+def tiny(roomy: str) -> str:
+    """The toy model with room for the tool prompt and a whole call (1,024 tokens)."""
+    return roomy
+
 @pytest.fixture
 def key(live: Live) -> str:
     return make_org("alice", [Role.DEVELOPER]).keys[Role.DEVELOPER]

@@ -36,6 +36,12 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
+
+@pytest.fixture
+def tiny(roomy: str) -> str:
+    """The toy model with room for the tool prompt and a whole call (1,024 tokens)."""
+    return roomy
+
 @pytest.fixture
 def client(live: Live, tiny: str) -> openai.OpenAI:
     key = make_org("alice", [Role.DEVELOPER]).keys[Role.DEVELOPER]
