@@ -25,7 +25,7 @@ from sluice.errors import ApiError, BadRequest, NotFound, ServerError
 from sluice.telemetry import RequestScope
 from streaming import apis, bodies, choices, replay
 from streaming.gateway import Submitted, error_from_event, queue_unavailable, shared_gateway
-from streaming.httpio import ClientGone, Receive, Scope, Send, read_json
+from streaming.httpio import ClientGone, KeepAlive, Receive, Scope, Send, read_json
 from streaming.httpio import send_json as _send_json
 from streaming.schemas import (
     ChatCompletionRequest,
@@ -160,7 +160,7 @@ class LeanApp:
             await self.gateway.client.remember_stream(principal.tenant_slug,
                                                       submitted.conversation_id,
                                                       submitted.handle.rid)
-        watcher = asyncio.create_task(self._watch_disconnect(
+        watcher = asyncio.create_task(self.watch_disconnect(
             receive, submitted, req.stream and submitted.n == 1))
         try:
             if req.stream:
@@ -176,7 +176,7 @@ class LeanApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
 
-    async def _watch_disconnect(self, receive: Receive, submitted: Submitted,
+    async def watch_disconnect(self, receive: Receive, submitted: Submitted,
                                 resumable: bool) -> None:
         """A client that goes away cancels its generation (billed what was made). A
         stream gets a grace period first, for a reconnect with Last-Event-ID."""
@@ -238,7 +238,7 @@ class LeanApp:
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
             (b"x-request-id", rids[0].encode()),
             *((k.encode(), v.encode()) for k, v in (headers or {}).items())]})
-        out = _KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
+        out = KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
         # A text delta is most of a stream: its chunk is the call's fixed part around
         # the encoded text, not a dict encoded afresh per token (one per choice).
         event_ids = [b"id: " + rid.encode() + b":" for rid in rids]
@@ -302,55 +302,3 @@ class LeanApp:
 
     async def _embeddings(self, sub: Submitted, req: EmbeddingRequest, send: Send) -> None:
         await _send_json(send, 200, await bodies.embeddings(sub, req), sub.headers)
-
-
-class _KeepAlive:
-    """Sends a stream's chunks, and an SSE comment line whenever `interval` passes with
-    nothing sent (proxies close a silent stream). One timer per stream, rearmed only
-    when it fires: a chunk costs a time stamp, not a timeout of its own."""
-
-    def __init__(self, send: Send, interval: float) -> None:
-        self._send, self._interval = send, interval
-        self._loop = asyncio.get_running_loop()
-        self._last = self._loop.time()
-        self._sending = False
-        self._beat: asyncio.Task[None] | None = None
-        self._timer = self._loop.call_later(interval, self._due)
-
-    async def send(self, body: bytes) -> None:
-        if self._beat is not None:  # a keep-alive line is being sent: after it
-            await asyncio.shield(self._beat)
-        self._sending = True
-        try:
-            await self._send({"type": "http.response.body", "body": body, "more_body": True})
-        finally:
-            self._sending = False
-            self._last = self._loop.time()
-
-    def _due(self) -> None:
-        idle = self._loop.time() - self._last
-        if idle < self._interval:
-            self._timer = self._loop.call_later(self._interval - idle, self._due)
-            return
-        # Idle, unless a chunk is still being sent (a slow reader): no line then.
-        if not self._sending and self._beat is None:
-            self._beat = asyncio.create_task(self._keep_alive())
-        self._timer = self._loop.call_later(self._interval, self._due)
-
-    async def _keep_alive(self) -> None:
-        try:
-            # A failed line means the client left: the stream's own next send says so.
-            with contextlib.suppress(Exception):
-                await self._send({"type": "http.response.body",
-                                  "body": b": keep-alive\n\n", "more_body": True})
-        finally:
-            self._last = self._loop.time()
-            self._beat = None
-
-    async def close(self) -> None:
-        """Stop the keep-alive lines (before the stream's last message)."""
-        self._timer.cancel()
-        if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat

@@ -1,8 +1,11 @@
 """The lean ASGI path's plumbing, shared by every API it serves: the ASGI types, reading
-a request's JSON body (within the size and nesting limits), sending a JSON reply."""
+a request's JSON body (within the size and nesting limits), sending a JSON reply, and
+an SSE stream's keep-alive."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -63,3 +66,55 @@ async def read_json(headers: dict[str, str], receive: Receive) -> dict[str, Any]
         raise BadRequest("The request body must be a JSON object.", code="invalid_json")
     check_depth(data)
     return data
+
+
+class KeepAlive:
+    """Sends a stream's chunks, and an SSE comment line whenever `interval` passes with
+    nothing sent (proxies close a silent stream). One timer per stream, rearmed only
+    when it fires: a chunk costs a time stamp, not a timeout of its own."""
+
+    def __init__(self, send: Send, interval: float) -> None:
+        self._send, self._interval = send, interval
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._sending = False
+        self._beat: asyncio.Task[None] | None = None
+        self._timer = self._loop.call_later(interval, self._due)
+
+    async def send(self, body: bytes) -> None:
+        if self._beat is not None:  # a keep-alive line is being sent: after it
+            await asyncio.shield(self._beat)
+        self._sending = True
+        try:
+            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+        finally:
+            self._sending = False
+            self._last = self._loop.time()
+
+    def _due(self) -> None:
+        idle = self._loop.time() - self._last
+        if idle < self._interval:
+            self._timer = self._loop.call_later(self._interval - idle, self._due)
+            return
+        # Idle, unless a chunk is still being sent (a slow reader): no line then.
+        if not self._sending and self._beat is None:
+            self._beat = asyncio.create_task(self._keep_alive())
+        self._timer = self._loop.call_later(self._interval, self._due)
+
+    async def _keep_alive(self) -> None:
+        try:
+            # A failed line means the client left: the stream's own next send says so.
+            with contextlib.suppress(Exception):
+                await self._send({"type": "http.response.body",
+                                  "body": b": keep-alive\n\n", "more_body": True})
+        finally:
+            self._last = self._loop.time()
+            self._beat = None
+
+    async def close(self) -> None:
+        """Stop the keep-alive lines (before the stream's last message)."""
+        self._timer.cancel()
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat

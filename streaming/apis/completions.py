@@ -34,7 +34,7 @@ from sluice.errors import BadRequest
 from streaming import bodies
 from streaming.apis import Api, Context, register
 from streaming.gateway import Submitted, error_from_event
-from streaming.httpio import Receive, Send, send_json
+from streaming.httpio import KeepAlive, Receive, Send, send_json
 from streaming.schemas import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -316,7 +316,6 @@ async def _stream(send: Send, req: CompletionRequest, prompts: list[str],
                   subs: list[Submitted], events: AsyncGenerator[dict[str, Any]]) -> None:
     """SSE chunks of `text_completion` objects (choice i's with `index` i), a last
     usage chunk with `stream_options.include_usage`, then `data: [DONE]`."""
-    from streaming.asgi import _KeepAlive  # the lean app imports this module first
 
     n = req.n or 1
     base = _base(req, subs)
@@ -329,7 +328,7 @@ async def _stream(send: Send, req: CompletionRequest, prompts: list[str],
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
             (b"x-request-id", subs[0].handle.rid.encode()),
             *((k.encode(), v.encode()) for k, v in subs[-1].headers.items())]})
-        out = _KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
+        out = KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
 
         async def emit(payload: dict[str, Any]) -> None:
             await out.send(b"data: %s\n\n" % orjson.dumps(payload))

@@ -283,7 +283,7 @@ class Messages(Api):
                                      action=self.action)
         ctx.call["admitted"] = True
         headers = {**sub.headers, "request-id": sub.handle.rid}
-        watcher = asyncio.create_task(app._watch_disconnect(ctx.receive, sub, False))
+        watcher = asyncio.create_task(app.watch_disconnect(ctx.receive, sub, False))
         try:
             if req.stream:
                 await encode.stream(sub, req.model, ctx.send, headers)

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from sluice.errors import ApiError
 from streaming.gateway import Submitted, error_from_event
+from streaming.httpio import KeepAlive
 
 if TYPE_CHECKING:
     from streaming.httpio import Send
@@ -109,7 +110,6 @@ async def stream(sub: Submitted, model: str, send: Send,
     """Send the call's events as Anthropic's SSE events. An error before any output is
     raised (a plain HTTP error in the API's shape); `headers` go with the 200."""
     # asgi.py imports the API registry, which imports this module: imported late.
-    from streaming.asgi import _KeepAlive
 
     async with contextlib.aclosing(sub.events()) as events:
         first = await anext(events)
@@ -119,7 +119,7 @@ async def stream(sub: Submitted, model: str, send: Send,
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
             *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
-        out = _KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
+        out = KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
         blocks = _Blocks(out.send)
         try:
             await out.send(_sse("message_start", {"type": "message_start", "message": {

@@ -31,7 +31,7 @@ from sluice.errors import ApiError, BadRequest
 from streaming.apis import Api, Context, register
 from streaming.apis.responses_stream import EventStream, finished, output
 from streaming.gateway import Submitted, error_from_event
-from streaming.httpio import send_json
+from streaming.httpio import KeepAlive, send_json
 from streaming.responses_store import response_context, response_save
 from streaming.schemas import ChatCompletionRequest, ModelName
 
@@ -316,7 +316,7 @@ class ResponsesApi(Api):
         except ApiError as exc:
             raise renamed(exc) from None
         ctx.call["admitted"] = True
-        watcher = asyncio.create_task(ctx.app._watch_disconnect(ctx.receive, sub, False))
+        watcher = asyncio.create_task(ctx.app.watch_disconnect(ctx.receive, sub, False))
         try:
             if req.stream:
                 await self._stream(ctx, sub, req, items)
@@ -347,7 +347,6 @@ class ResponsesApi(Api):
 
     async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
                       items: list[dict[str, Any]]) -> None:
-        from streaming.asgi import _KeepAlive  # asgi imports this module
 
         rid = sub.handle.rid
         async with contextlib.aclosing(sub.events()) as events:
@@ -359,7 +358,7 @@ class ResponsesApi(Api):
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
                 (b"x-request-id", rid.encode()),
                 *((k.lower().encode(), v.encode()) for k, v in sub.headers.items())]})
-            out = _KeepAlive(ctx.send, settings.SLUICE_SSE_HEARTBEAT_S)
+            out = KeepAlive(ctx.send, settings.SLUICE_SSE_HEARTBEAT_S)
             stream = EventStream(out, head(req, rid), rid)
             try:
                 await stream.start()

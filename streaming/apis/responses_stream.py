@@ -24,7 +24,7 @@ from sluice.errors import ApiError
 from streaming import bodies
 
 if TYPE_CHECKING:  # streaming.asgi imports the APIs: theirs is a run-time import
-    from streaming.asgi import _KeepAlive
+    from streaming.httpio import KeepAlive
 
 
 # -- the response object ----------------------------------------------------------------
@@ -92,7 +92,7 @@ class EventStream:
     the final response object, which `close` then sends as completed / incomplete /
     failed."""
 
-    def __init__(self, out: _KeepAlive, head: dict[str, Any], rid: str) -> None:
+    def __init__(self, out: KeepAlive, head: dict[str, Any], rid: str) -> None:
         self.out, self.head, self.rid = out, head, rid
         self.seq = 0
         self.parts: list[str] = []
