@@ -1,6 +1,7 @@
 """A batch's grammar masks: computed by llguidance's thread pool into one bitmask (one
 bit per token, 32 to an int32 word) while the model's forward pass runs, then applied
-to the logits by torch (no per-row Python loop over the vocabulary).
+to the logits in place: by numpy for CPU logits, by torch on a GPU (no per-row Python
+loop over the vocabulary either way).
 
 `start(constraints)` takes a snapshot of which rows mask and begins computing; it must
 be called after the previous step's tokens were advanced into the constraints and
@@ -43,7 +44,7 @@ class Masks:
             # On the CPU, numpy unpacks the bits and writes -inf where they are 0 in
             # place: the tensor path below (int32 shifts over 32 x the vocabulary, then
             # a gather and a scatter of the rows) was 5.3 ms at batch 32 over SmolLM2's
-            # 49,152 tokens, this is 0.7 ms (docs/BENCHMARKS.md, structured generation).
+            # 49,152 tokens, this is ~1 ms (docs/BENCHMARKS.md, structured generation).
             denied = np.unpackbits((~self.bits).view(np.uint8), axis=-1,
                                    bitorder="little")[:, :width].view(np.bool_)
             values = logits.numpy()
