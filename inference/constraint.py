@@ -34,12 +34,13 @@ _CLOSERS = frozenset('"}],')
 def plan_for(body: dict[str, Any]) -> Plan | None:
     """The plan of a queued chat request's `tools`, `tool_choice`,
     `parallel_tool_calls` and `response_format` (ValueError when they cannot be
-    enforced). Plans are cached: an agent sends the same tools with every turn."""
+    enforced). Plans are cached: an agent sends the same tools with every turn (the key
+    keeps the schemas' own key order: llguidance writes properties in that order)."""
     try:
         return _cached_plan(json.dumps([body.get("tools") or [],
                                         body.get("tool_choice", "auto"),
                                         body.get("parallel_tool_calls", True),
-                                        body.get("response_format")], sort_keys=True))
+                                        body.get("response_format")]))
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"malformed tools or response_format ({exc})") from None
 
@@ -68,6 +69,18 @@ class Vocabulary:
         self.closer_ids = [int(i) for i in np.flatnonzero(closers)]
         self.eos = eos
         self.executor = LLExecutor()
+        self._templates: dict[str, LLMatcher] = {}
+
+    def matcher(self, grammar: str) -> LLMatcher:
+        """A fresh matcher of `grammar`: a copy of one compiled once per grammar (a copy
+        costs microseconds, a compile about a millisecond)."""
+        template = self._templates.get(grammar)
+        if template is None:
+            if len(self._templates) >= 256:
+                self._templates.clear()
+            template = self._templates[grammar] = LLMatcher(self.tokenizer, grammar,
+                                                             log_level=0)
+        return template.deep_copy()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode_str(ids)
@@ -76,7 +89,7 @@ class Vocabulary:
 class Constraint:
     def __init__(self, vocab: Vocabulary, plan: Plan, *, budget: int) -> None:
         self.vocab, self.plan = vocab, plan
-        self.matcher = LLMatcher(vocab.tokenizer, plan.grammar, log_level=0)
+        self.matcher = vocab.matcher(plan.grammar)
         self.watching = plan.watch_marker
         self.emitted: list[int] = []
         self.done = self.complete = self.free = False

@@ -261,3 +261,17 @@ def test_smollm2_answers_a_weather_question_with_a_call_and_others_in_text() -> 
             assert "paris" in json.loads(arguments)["city"].lower()
             jsonschema.validate(json.loads(arguments), weather)
     assert list(kinds.values()) == ["calls", "text"], kinds
+
+
+def test_properties_are_written_in_the_schemas_own_order(vocab: Vocabulary) -> None:
+    """The worker's plan keeps each schema's key order (llguidance writes properties in
+    it): a schema listing zeta before alpha gets zeta first."""
+    from inference.constraint import plan_for
+
+    ordered = {"type": "object", "properties": {"zeta": {"const": 1}, "alpha": {"const": 2}},
+               "required": ["zeta", "alpha"], "additionalProperties": False}
+    found = plan_for({"tools": [{"name": "w", "parameters": ordered}], "tool_choice": "w"})
+    assert found is not None
+    constraint = Constraint(vocab, found, budget=BUDGET)
+    forced = constraint.matcher.compute_ff_bytes().decode()
+    assert forced.startswith('{"name": "w", "arguments": {"zeta": 1, "alpha": 2}'), forced
