@@ -257,13 +257,14 @@ class LeanApp:
 
         parts: list[str] = []  # the first choice's text
         finals: list[dict[str, Any]] = []
+        several = len(rids) > 1  # events carry their choice's index only then
         try:
             if not replay:
                 for i in range(len(rids)):
                     await emit(i, "start", chunk(i, {"role": "assistant", "content": ""}))
             event: dict[str, Any] | None = first
             while event is not None:
-                i = event.get("i", 0)
+                i = event["i"] if several else 0
                 if event["t"] == "delta" and req.logprobs:  # the slow path: a dict a chunk
                     if i == 0:
                         parts.append(event["text"])

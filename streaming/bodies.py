@@ -4,7 +4,6 @@ adapter and the Batch API alike."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import struct
 import time
 from typing import Any
@@ -50,28 +49,34 @@ def message(text: str, final: dict[str, Any]) -> dict[str, Any]:
 async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
     """A `chat.completion` from the call's events, one choice per sequence (`sub.n`);
     a worker error (of any choice) raises its ApiError."""
-    parts: list[list[str]] = [[] for _ in range(sub.n)]
-    logprobs: list[list[dict[str, Any]]] = [[] for _ in range(sub.n)]
-    finals: list[dict[str, Any]] = [{}] * sub.n
-    # Closed on an error too: with n > 1 that cancels the other choices at once.
-    async with contextlib.aclosing(sub.events()) as events:
-        async for event in events:
-            i = event.get("i", 0)
-            if event["t"] == "delta":
-                parts[i].append(event["text"])
-                logprobs[i] += event.get("lp") or ()
-            elif event["t"] == "error":
-                raise error_from_event(event)
-            else:
-                finals[i] = event
+    # Plain loops, not comprehensions: this runs for every call, nearly all of them n = 1.
+    parts: list[list[str]] = []
+    logprobs: list[list[dict[str, Any]]] = []
+    finals: list[dict[str, Any]] = []
+    for _ in sub.handles:
+        parts.append([])
+        logprobs.append([])
+        finals.append({})
+    events = sub.events()
+    async for event in events:
+        i = event.get("i", 0)
+        if event["t"] == "delta":
+            parts[i].append(event["text"])
+            logprobs[i] += event.get("lp") or ()
+        elif event["t"] == "error":
+            await events.aclose()  # with n > 1, the other choices are cancelled now
+            raise error_from_event(event)
+        else:
+            finals[i] = event
+    choices = []
+    for i, final in enumerate(finals):
+        choices.append({"index": i, "message": message("".join(parts[i]), final),
+                        "finish_reason": finish_reason(final),
+                        "logprobs": choice_logprobs(req, logprobs[i])})
     body: dict[str, Any] = {
         "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
         "created": int(time.time()), "model": req.model, "system_fingerprint": None,
-        "choices": [{"index": i, "message": message("".join(parts[i]), final),
-                     "finish_reason": finish_reason(final),
-                     "logprobs": choice_logprobs(req, logprobs[i])}
-                    for i, final in enumerate(finals)],
-        "usage": usage(*finals),
+        "choices": choices, "usage": usage(*finals),
     }
     if sub.conversation_id is not None:
         body["conversation_id"] = sub.conversation_id

@@ -255,27 +255,27 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         carries its usage (with n > 1, every choice's summed; the others carry none)."""
         parts: list[str] = []  # the first choice's text, for its conversation
         finals: list[dict[str, Any]] = []
-        # Closed on an error too: with n > 1 that cancels the other choices at once.
-        async with contextlib.aclosing(sub.events()) as events:
-            async for event in events:
-                i = event.get("i", 0)
-                if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                    if i == 0:
-                        parts.append(event["text"])
-                    extra = {"logprobs": event["lp"]} if "lp" in event else {}
-                    await self._send(rid, "chat.delta", index=i, delta=event["text"], **extra)
-                elif event["t"] == "error":
-                    raise error_from_event(event)
-                elif event["t"] == "done":
-                    finals.append(event)
-                    done: dict[str, Any] = {"index": i,
-                                            "finish_reason": bodies.finish_reason(event)}
-                    if event.get("tool_calls"):
-                        done["tool_calls"] = bodies.tool_calls(event["tool_calls"])
-                    if len(finals) == sub.n:  # the call's last frame
-                        done["usage"] = bodies.usage(*finals)
-                        await self.gateway.remember(sub, "".join(parts))
-                    await self._send(rid, "chat.done", **done)
+        events = sub.events()
+        async for event in events:
+            i = event.get("i", 0)
+            if event["t"] == "delta" and (event["text"] or event.get("lp")):
+                if i == 0:
+                    parts.append(event["text"])
+                extra = {"logprobs": event["lp"]} if "lp" in event else {}
+                await self._send(rid, "chat.delta", index=i, delta=event["text"], **extra)
+            elif event["t"] == "error":
+                await events.aclose()  # with n > 1, the other choices are cancelled now
+                raise error_from_event(event)
+            elif event["t"] == "done":
+                finals.append(event)
+                done: dict[str, Any] = {"index": i,
+                                        "finish_reason": bodies.finish_reason(event)}
+                if event.get("tool_calls"):
+                    done["tool_calls"] = bodies.tool_calls(event["tool_calls"])
+                if len(finals) == sub.n:  # the call's last frame
+                    done["usage"] = bodies.usage(*finals)
+                    await self.gateway.remember(sub, "".join(parts))
+                await self._send(rid, "chat.done", **done)
 
     async def _send(self, rid: str | None, kind: str, **fields: Any) -> None:
         await self.send(text_data=json.dumps({"type": kind, "id": rid, **fields}))

@@ -209,26 +209,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             sub = await self.gateway.chat(principal, req, protocol="grpc",
                                           timeout_s=self._timeout(context), stream=True)
             rid, parts, finals = f"chatcmpl-{sub.handle.rid}", [], []
-            async with contextlib.aclosing(sub.events()) as events:
-                async for event in events:
-                    i = event.get("i", 0)
-                    if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                        if i == 0:
-                            parts.append(event["text"])
-                        yield pb.ChatChunk(id=rid, index=i, delta=event["text"],
-                                           logprobs=_logprobs(event.get("lp") or []))
-                    elif event["t"] == "error":
-                        ended = True
-                        raise error_from_event(event)
-                    elif event["t"] == "done":
-                        finals.append(event)
-                        ended = len(finals) == sub.n
-                        yield pb.ChatChunk(
-                            id=rid, index=i, finish_reason=bodies.finish_reason(event),
-                            tool_calls=_tool_calls(bodies.tool_calls(event.get("tool_calls")
-                                                                     or [])),
-                            # The stream's last chunk: every choice's usage.
-                            usage=_usage(bodies.usage(*finals)) if ended else None)
+            events = sub.events()
+            async for event in events:
+                i = event.get("i", 0)
+                if event["t"] == "delta" and (event["text"] or event.get("lp")):
+                    if i == 0:
+                        parts.append(event["text"])
+                    yield pb.ChatChunk(id=rid, index=i, delta=event["text"],
+                                       logprobs=_logprobs(event.get("lp") or []))
+                elif event["t"] == "error":
+                    ended = True
+                    await events.aclose()  # with n > 1, the other choices are cancelled now
+                    raise error_from_event(event)
+                elif event["t"] == "done":
+                    finals.append(event)
+                    ended = len(finals) == sub.n
+                    yield pb.ChatChunk(
+                        id=rid, index=i, finish_reason=bodies.finish_reason(event),
+                        tool_calls=_tool_calls(bodies.tool_calls(event.get("tool_calls") or [])),
+                        # The stream's last chunk: every choice's usage.
+                        usage=_usage(bodies.usage(*finals)) if ended else None)
             await self.gateway.remember(sub, "".join(parts))
         except ApiError as exc:
             if principal is not None and sub is None:

@@ -162,6 +162,7 @@ def test_n_out_of_range_or_with_what_it_cannot_have_is_a_400_naming_n(
 
 
 def test_a_client_that_leaves_cancels_every_choice(live: Live, org: Org) -> None:
+    quota = Quota.objects.create(tenant=org.tenant, model="slow-echo", max_tokens=100_000)
     client = sdk(live, org)
     stream = client.chat.completions.create(
         model="slow-echo", messages=[{"role": "user", "content": "x" * 300}], n=3,
@@ -179,6 +180,9 @@ def test_a_client_that_leaves_cancels_every_choice(live: Live, org: Org) -> None
               for _i, f in rds.xrange(key) if b'"done"' in f[b"e"]]
     assert len(finals) == 3 and all(b'"cancelled"' in e for e in finals)
     assert int(rds.get(q.depth_key("slow-echo")) or 0) == 0
+    # and the call settled once, billed what the three made
+    settled = wait_for(lambda: (u := live_state.quota_use(quota)).open_reservations == 0 and u)
+    assert settled and settled.requests == 1 and 3 * 300 < settled.tokens < 3 * 600
 
 
 def test_quota_is_reserved_once_for_every_choice_and_settled_with_their_sum(
