@@ -337,9 +337,9 @@ def test_the_retention_task_deletes_conversations_and_batch_files_past_the_tenan
 
     # when: the beat tasks run (twice: idempotent)
     assert conversations_retention() == {"messages": 4, "conversations": 1}
-    assert files_retention() == {"batches": 1, "files": 2, "stray": 1}
+    assert files_retention() == {"batches": 1, "files": 2, "stray": 1, "responses": 0}
     assert conversations_retention() == {"messages": 0, "conversations": 0}
-    assert files_retention() == {"batches": 0, "files": 0, "stray": 0}
+    assert files_retention() == {"batches": 0, "files": 0, "stray": 0, "responses": 0}
 
     # then: alice's old data is gone, rows and bytes; a running batch keeps its input
     assert not Conversation.objects.filter(public_id=stale).exists()

@@ -26,7 +26,10 @@ pytestmark = pytest.mark.django_db
 # longer than Python's int() takes from text (4,300 digits); negative.
 BAD_NUMBERS = ["99999999999999999999", "9223372036854775808", "\u00b2", "9" * 4301, "-1"]
 # The OpenAI inference routes' bodies are the model's input, not stored management data.
-INFERENCE_BODIES = {"/v1/chat/completions", "/v1/embeddings"}
+# Prompts, not management data: a model's input may hold any character (what is stored
+# from them is redacted and NUL-safe where it is stored).
+INFERENCE_BODIES = {"/v1/chat/completions", "/v1/embeddings", "/v1/completions",
+                    "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
 # A password is hashed, never stored as text; the UI takes any character but NUL too.
 NOT_TEXT = {"password"}
 
