@@ -4,6 +4,7 @@ adapter and the Batch API alike."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import struct
 import time
 from typing import Any
@@ -44,6 +45,22 @@ def message(text: str, final: dict[str, Any]) -> dict[str, Any]:
         return {"role": "assistant", "content": None,
                 "tool_calls": tool_calls(final["tool_calls"])}
     return {"role": "assistant", "content": text}
+
+
+async def whole_reply(sub: Submitted) -> tuple[str, dict[str, Any]]:
+    """A one-choice call's whole text and its final event; a worker error raises its
+    ApiError (the codecs that answer in one piece share this)."""
+    parts: list[str] = []
+    final: dict[str, Any] = {}
+    async with contextlib.aclosing(sub.events()) as events:
+        async for event in events:
+            if event["t"] == "delta":
+                parts.append(event["text"])
+            elif event["t"] == "error":
+                raise error_from_event(event)
+            else:
+                final = event
+    return "".join(parts), final
 
 
 async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:

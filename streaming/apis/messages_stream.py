@@ -22,6 +22,7 @@ from django.conf import settings
 from pydantic import BaseModel
 
 from sluice.errors import ApiError
+from streaming import bodies
 from streaming.gateway import Submitted, error_from_event
 from streaming.httpio import KeepAlive
 
@@ -83,17 +84,7 @@ def usage(final: dict[str, Any]) -> dict[str, int]:
 
 async def message_body(sub: Submitted, model: str) -> dict[str, Any]:
     """The reply as one `message`; a worker error raises its ApiError."""
-    parts: list[str] = []
-    final: dict[str, Any] = {}
-    async with contextlib.aclosing(sub.events()) as events:
-        async for event in events:
-            if event["t"] == "delta":
-                parts.append(event["text"])
-            elif event["t"] == "error":
-                raise error_from_event(event)
-            else:
-                final = event
-    text = "".join(parts)
+    text, final = await bodies.whole_reply(sub)
     content = [{"type": "text", "text": text}] if text else []
     return {"id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
             "model": model, "content": content + tool_uses(final),

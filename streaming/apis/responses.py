@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
+from streaming import bodies
 from streaming.apis import Api, Context, register
 from streaming.apis.responses_stream import EventStream, finished, output
 from streaming.gateway import Submitted, error_from_event
@@ -329,18 +330,9 @@ class ResponsesApi(Api):
 
     async def _complete(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
                         items: list[dict[str, Any]]) -> None:
-        parts: list[str] = []
-        final: dict[str, Any] = {}
-        async with contextlib.aclosing(sub.events()) as events:
-            async for event in events:
-                if event["t"] == "delta":
-                    parts.append(event["text"])
-                elif event["t"] == "error":
-                    raise error_from_event(event)
-                else:
-                    final = event
+        text, final = await bodies.whole_reply(sub)
         rid = sub.handle.rid
-        body = finished(head(req, rid), output(rid, "".join(parts), final), final)
+        body = finished(head(req, rid), output(rid, text, final), final)
         if req.store:  # before the caller sees it: its next call must find it
             await response_save(actor=ctx.principal, body=body, input_items=items)
         await send_json(ctx.send, 200, body, sub.headers)
