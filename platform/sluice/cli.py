@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,14 @@ from sluice.localinfra import Started, ensure_postgres, ensure_redis
 from sluice.private_files import DIR_MODE, FILE_MODE, narrow
 from sluice.processes import ProcessGroup
 from sluice.servers import DEFAULT as DEFAULT_SERVER
-from sluice.servers import MAX_DEFAULT_WORKERS, SERVERS, default_workers, http_command
+from sluice.servers import (
+    MAX_DEFAULT_WORKERS,
+    SERVERS,
+    Tls,
+    choose,
+    default_workers,
+    http_command,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -41,9 +49,13 @@ def _say(message: str) -> None:
 
 def _wait_ready(url: str, timeout_s: float, group: ProcessGroup) -> None:
     deadline = time.monotonic() + timeout_s
+    # Our own child on the address we gave it: whether it is up, not who it is.
+    unverified = ssl.create_default_context()
+    unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - loopback
+            with urllib.request.urlopen(url, timeout=1,  # noqa: S310 - loopback
+                                        context=unverified) as response:
                 if response.status == 200:
                     return
         except OSError:
@@ -73,7 +85,8 @@ def private_state(state_dir: Path, database: Mapping[str, Any]) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sluice.settings.base")
-    base = f"http://{args.host}:{args.port}"
+    scheme = "https" if os.environ.get("SLUICE_TLS_CERT_FILE", "").strip() else "http"
+    base = f"{scheme}://{args.host}:{args.port}"
     os.environ.setdefault("SLUICE_PUBLIC_URL", base)
     started: list[Started] = []
     group = ProcessGroup()
@@ -107,11 +120,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         deployments = [d for d in deployment_seed_defaults() if d.enabled]
         publish_guards()  # workers read the memory guard's thresholds from Redis
 
+        tls = (Tls(settings.SLUICE_TLS_CERT_FILE, settings.SLUICE_TLS_KEY_FILE)
+               if settings.SLUICE_TLS_CERT_FILE else None)
+        server = choose(args.server, tls=tls is not None, http=settings.SLUICE_HTTP_VERSION)
+        try:
+            if tls is not None:
+                tls.check()
+            serving = http_command(server, "sluice.asgi:application", host=args.host,
+                                   port=args.port, tls=tls, http=settings.SLUICE_HTTP_VERSION,
+                                   workers=args.workers or default_workers(server))
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
         group.env = dict(os.environ)
-        group.start("http", http_command(args.server, "sluice.asgi:application",
-                                         host=args.host, port=args.port,
-                                         workers=args.workers
-                                         or default_workers(args.server)))
+        group.start("http", serving)
         grpc_address = f"{args.host}:{args.grpc_port}"
         group.start("grpc", [sys.executable, str(REPO / "manage.py"), "rungrpc",
                              "--address", grpc_address])
@@ -128,7 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         group.start("autoscaler", [sys.executable, str(REPO / "manage.py"), "autoscale"])
         _wait_ready(f"{base}/readyz", 60, group)
         print(_banner(base, redis_url, redis_started, creds, [d.name for d in deployments],
-                      grpc_address), flush=True)
+                      grpc_address, server), flush=True)
 
         def restarted(name: str, code: int, delay: float) -> None:
             _say(f"process {name!r} exited with code {code}; restarting it in {delay:.0f}s")
@@ -152,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _banner(base: str, redis_url: str, redis_started: Started | None, creds: object,
-            models: list[str], grpc_address: str) -> str:
+            models: list[str], grpc_address: str, server: str) -> str:
     key = getattr(creds, "api_key", "")
     user, password = getattr(creds, "username", ""), getattr(creds, "password", "")
     tenant = getattr(creds, "tenant", "")
@@ -160,10 +181,13 @@ def _banner(base: str, redis_url: str, redis_started: Started | None, creds: obj
     from django.conf import settings
 
     db = settings.DATABASES["default"]
+    grpc_cert = settings.SLUICE_GRPC_TLS_CERT_FILE
+    grpc_note = f"TLS: grpcurl -cacert {grpc_cert}" if grpc_cert else "grpcurl -plaintext"
     return f"""
 Sluice is running.
   OpenAI-compatible base URL  {base}/v1
-  gRPC (sluice.v1.Inference)  {grpc_address}   (reflection on: grpcurl -plaintext)
+  HTTP server                 {server} (HTTP version {settings.SLUICE_HTTP_VERSION})
+  gRPC (sluice.v1.Inference)  {grpc_address}   (reflection on; {grpc_note})
   Admin UI                    {base}/ui/   (sign in with the login below)
   Management API docs         {base}/api/docs
   Readiness                   {base}/readyz
@@ -241,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="HTTP processes (default: SLUICE_HTTP_WORKERS, else one per core, "
                           f"up to {MAX_DEFAULT_WORKERS}; daphne runs one)")
     run.add_argument("--server", choices=SERVERS,
-                     default=os.environ.get("SLUICE_HTTP_SERVER", DEFAULT_SERVER),
-                     help=f"ASGI server for REST, SSE and WebSocket (default {DEFAULT_SERVER})")
+                     default=os.environ.get("SLUICE_HTTP_SERVER") or None,
+                     help=f"ASGI server for REST, SSE and WebSocket (default {DEFAULT_SERVER}; "
+                          "granian when SLUICE_TLS_CERT_FILE or SLUICE_HTTP_VERSION=2 asks "
+                          "for HTTP/2)")
     run.add_argument("--grpc-port", type=int,
                      default=int(os.environ.get("SLUICE_GRPC_PORT", "50051")))
     test = sub.add_parser("test", help="run the test suite (extra args go to pytest)")

@@ -11,6 +11,11 @@ served and the rest get a retriable UNAVAILABLE.
 Connection settings follow the platform's seed: connections idle for 5 minutes are
 closed, keepalive pings every 30 s, at most 1000 concurrent streams per connection, and
 bounded message sizes.
+
+TLS (docs/TLS.md): with SLUICE_GRPC_TLS_CERT_FILE and _KEY_FILE (by default the HTTP
+server's SLUICE_TLS_* pair) the port takes only TLS (1.2 or 1.3, ALPN h2); without them
+it is plaintext HTTP/2, for a proxy in front or loopback. The files are read once, at
+start: a renewed certificate takes a restart.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 import grpc
 from django.conf import settings
@@ -50,8 +56,17 @@ def message_options() -> list[tuple[str, int]]:
             ("grpc.max_send_message_length", max(size, 16 * 1024 * 1024))]
 
 
+def credentials() -> grpc.ServerCredentials | None:
+    """The port's TLS credentials from the settings, None for plaintext."""
+    cert, key = settings.SLUICE_GRPC_TLS_CERT_FILE, settings.SLUICE_GRPC_TLS_KEY_FILE
+    if not cert:
+        return None
+    return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+
+
 async def build(address: str) -> tuple[grpc.aio.Server, InferenceServicer, int]:
-    """A started server on `address` ("host:port"; port 0 picks one)."""
+    """A started server on `address` ("host:port"; port 0 picks one), with TLS when
+    the settings give it a certificate."""
     telemetry.setup("sluice-grpc")
     server = grpc.aio.server(options=OPTIONS + message_options(),
                              interceptors=[ObservingInterceptor()])
@@ -63,7 +78,9 @@ async def build(address: str) -> tuple[grpc.aio.Server, InferenceServicer, int]:
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    tls = credentials()
+    port = (server.add_secure_port(address, tls) if tls is not None
+            else server.add_insecure_port(address))
     await server.start()
     await _set_health(checker, serving=True)
     watcher = asyncio.create_task(_watch_readiness(checker), name="sluice-grpc-readiness")
@@ -106,7 +123,8 @@ async def _watch_readiness(checker: health.aio.HealthServicer) -> None:
 async def serve(address: str) -> None:
     server, servicer, port = await build(address)
     gctuning.tune()  # what start-up made lives as long as the process
-    logger.info("gRPC serving %s on port %d", SERVICE, port)
+    logger.info("gRPC serving %s on port %d (%s)", SERVICE, port,
+                "TLS" if settings.SLUICE_GRPC_TLS_CERT_FILE else "plaintext")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -16,12 +16,19 @@ the model worker or the audit writer, which run as processes of their own. Two k
 cores busy and served 37-47% more governed calls at a 30% lower p50, with less CPU per
 call (`tests/bench/bench_cpu.py --workers 1|2`, alternating; docs/BENCHMARKS.md,
 "eighth pass"). Larger machines were not measured: the cap keeps cores for the model
-workers."""
+workers.
+
+TLS and HTTP/2 (docs/TLS.md): granian is the one of the three that speaks HTTP/2 (h2 by
+ALPN beside http/1.1 over TLS, h2c by prior knowledge beside HTTP/1.1 without), so the
+run command picks it (`choose`) when a certificate is configured or HTTP/2 only is asked
+for; uvicorn serves TLS with HTTP/1.1 only, daphne no TLS here."""
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 SERVERS = ("uvicorn", "granian", "daphne")
 DEFAULT = "uvicorn"
@@ -37,6 +44,37 @@ DEFAULT = "uvicorn"
 # whole life, so the cap is set far above the concurrent streams one process serves.
 GRANIAN_MAX_CONCURRENT = 65536
 MAX_DEFAULT_WORKERS = 4
+HTTP_VERSIONS = ("auto", "1", "2")
+# Streams one HTTP/2 connection may carry at once (granian's default is 200): as many as
+# the gRPC server allows, so a proxy multiplexing SSE streams opens as few connections.
+H2_MAX_STREAMS = 1000
+
+
+@dataclass(frozen=True)
+class Tls:
+    """A certificate chain and its private key, PEM files (PKCS#8, PKCS#1 or SEC1)."""
+
+    cert_file: str
+    key_file: str
+
+    def check(self) -> None:
+        """ValueError naming the file that cannot be read (before a server fails on it)."""
+        for what, path in (("certificate", self.cert_file), ("key", self.key_file)):
+            try:
+                with Path(path).open("rb") as handle:
+                    if b"-----BEGIN " not in handle.read(64 * 1024):
+                        raise ValueError(f"TLS {what} file {path} is not PEM")
+            except OSError as exc:
+                raise ValueError(f"TLS {what} file {path}: {exc.strerror}") from None
+
+
+def choose(server: str | None, *, tls: bool, http: str = "auto") -> str:
+    """The server the run command starts: `server` when one is named, else granian
+    when HTTP/2 is wanted (a certificate under `http` auto, or `http` "2"), else
+    DEFAULT."""
+    if server:
+        return server
+    return "granian" if http == "2" or (tls and http == "auto") else DEFAULT
 
 
 def default_workers(server: str = DEFAULT) -> int:
@@ -52,23 +90,38 @@ def default_workers(server: str = DEFAULT) -> int:
 
 
 def http_command(server: str, app: str, *, host: str, port: int, workers: int = 1,
-                 app_dir: str | None = None, graceful_s: int = 5) -> list[str]:
+                 app_dir: str | None = None, graceful_s: int = 5, tls: Tls | None = None,
+                 http: str = "auto") -> list[str]:
     """The command line that serves ASGI `app` ("module:attr") with `server` on
     host:port with `workers` processes, lifespan on, no access log (Sluice writes its
-    own), logs at warning and up; `app_dir` goes first on the import path."""
+    own), logs at warning and up; `app_dir` goes first on the import path. With `tls`,
+    TLS 1.2 and 1.3 (1.3 preferred); `http` is one of HTTP_VERSIONS. ValueError for a
+    combination the server cannot serve (HTTP/2 on uvicorn or daphne, TLS on daphne)."""
+    if http not in HTTP_VERSIONS:
+        raise ValueError(f"HTTP version {http!r}: one of {', '.join(HTTP_VERSIONS)}")
+    if http == "2" and server != "granian":
+        raise ValueError(f"{server} speaks HTTP/1.1 only; HTTP/2 needs granian")
     py = sys.executable
     if server == "granian":
+        secure = (["--ssl-certificate", tls.cert_file, "--ssl-keyfile", tls.key_file,
+                   "--ssl-protocol-min", "tls1.2"] if tls else [])
         return [py, "-m", "granian", "--interface", "asgi", "--host", host, "--port",
                 str(port), "--workers", str(workers), "--log-level", "warning",
                 "--backlog", "4096", "--backpressure", str(GRANIAN_MAX_CONCURRENT),
-                "--workers-kill-timeout", str(graceful_s),
+                "--workers-kill-timeout", str(graceful_s), "--http", http,
+                "--http2-max-concurrent-streams", str(H2_MAX_STREAMS), *secure,
                 *(["--working-dir", app_dir] if app_dir else []), app]
     if server == "uvicorn":
+        # Python's default context: TLS 1.2 minimum, 1.3 preferred.
+        secure = ["--ssl-certfile", tls.cert_file, "--ssl-keyfile", tls.key_file] if tls else []
         return [py, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers",
                 str(workers), "--no-access-log", "--log-level", "warning", "--lifespan",
-                "on", "--timeout-graceful-shutdown", str(graceful_s),
+                "on", "--timeout-graceful-shutdown", str(graceful_s), *secure,
                 *(["--app-dir", app_dir] if app_dir else []), app]
     if server == "daphne":
+        if tls:
+            raise ValueError("daphne is not given TLS here: use granian or uvicorn, or a "
+                             "proxy in front")
         if workers != 1:
             raise ValueError("daphne runs one process; put several behind a balancer")
         # daphne has no --app-dir: its entry point is called after the path is set.

@@ -156,6 +156,7 @@ from sluice.settings.governance import *  # noqa: E402, F403
 from sluice.settings.inference import *  # noqa: E402, F403
 from sluice.settings.redis import *  # noqa: E402, F403
 from sluice.settings.telemetry import *  # noqa: E402, F403
+from sluice.settings.tls import *  # noqa: E402, F403
 
 SLUICE_JWT_ISSUER = SLUICE_JWT_ISSUER or PUBLIC_URL  # noqa: F405
 SLUICE_JWT_KEYS_DIR = SLUICE_JWT_KEYS_DIR or str(STATE_DIR / "jwt_keys")  # noqa: F405
