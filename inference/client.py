@@ -20,6 +20,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from inference import queue as q
+from inference.jobs import FINAL_EVENTS, Event, Job
 from inference.spec import DeploymentSpec
 from sluice import gctuning
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable, Unprocessable
@@ -29,12 +30,11 @@ logger = logging.getLogger("sluice.inference")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
 _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
 _TRIM_EVERY_S = 0.1  # how often the router trims the events it has read
-_EXPIRED: dict[str, Any] = {"t": "expired"}  # put in a request's queue at its deadline
 
 
 class RequestHandle:
     def __init__(self, client: InferenceClient, spec: DeploymentSpec, rid: str, tenant: str,
-                 deadline_ms: int, events: asyncio.Queue[dict[str, Any]]) -> None:
+                 deadline_ms: int, events: asyncio.Queue[Event | None]) -> None:
         self.client, self.spec, self.rid, self.tenant = client, spec, rid, tenant
         self.deadline_ms = deadline_ms
         self._queue = events
@@ -42,20 +42,20 @@ class RequestHandle:
         self.finished = False
         self.replayed = False  # an idempotent retry fed from the first call's events
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncIterator[Event]:
         """Events in order, each once; ends after the final `done` or `error` event."""
         # The deadline arrives as an event of its own: one timer per request, not a
         # timeout context per event.
         expiry = asyncio.get_running_loop().call_later(
             max((self.deadline_ms - q.now_ms()) / 1000 + _GRACE_S, 0.001),
-            self._queue.put_nowait, _EXPIRED)
+            self._queue.put_nowait, None)  # None: the deadline
         try:
             while not self.finished:
                 event = await self._queue.get()
-                if event is _EXPIRED:
+                if event is None:
                     await self.cancel()
                     raise DeadlineExceeded("The request's deadline passed.")
-                if event["seq"] < self.next_seq and event["t"] not in q.FINAL_EVENTS:
+                if event["seq"] < self.next_seq and event["t"] not in FINAL_EVENTS:
                     continue  # a duplicate from a worker that took over
                 if event["seq"] > self.next_seq:
                     # A gap: a message to this gateway was lost (Redis failover, a worker
@@ -65,7 +65,7 @@ class RequestHandle:
                         self.next_seq = missing["seq"] + 1
                         yield missing
                 self.next_seq = event["seq"] + 1
-                if event["t"] in q.FINAL_EVENTS:
+                if event["t"] in FINAL_EVENTS:
                     self.finished = True
                 yield event
         finally:
@@ -94,7 +94,7 @@ class InferenceClient:
         self._trim_due = 0.0
         self.gateway_id = gateway_id or token_hex(8)
         self.key = q.gateway_key(self.gateway_id)
-        self._waiting: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._waiting: dict[str, asyncio.Queue[Event | None]] = {}
         self._router: asyncio.Task[None] | None = None
         # Enqueues (and the governance scripts that run before them) of concurrent
         # requests share pipelines.
@@ -180,7 +180,7 @@ class InferenceClient:
         spec: DeploymentSpec,
         *,
         tenant: str,
-        body: dict[str, Any],
+        job: Job,
         timeout_s: float = 60.0,
         priority: int = 0,
         traceparent: str = "",
@@ -227,12 +227,12 @@ class InferenceClient:
         if owner is not None:
             await self.redis.set(q.owner_key(tenant, rid), owner,
                                  ex=int(timeout_s) + q.OUT_TTL_S)
-        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        events: asyncio.Queue[Event | None] = asyncio.Queue()
         self._waiting[rid] = events
-        request = q.QueuedRequest(rid=rid, tenant=tenant, kind=spec.kind.value, body=body,
-                                  gateway=self.gateway_id, deadline_ms=deadline_ms,
-                                  priority=max(0, min(q.MAX_PRIORITY, priority)),
-                                  traceparent=traceparent)
+        request = q.QueuedRequest.of(job, rid=rid, tenant=tenant,
+                                     gateway=self.gateway_id, deadline_ms=deadline_ms,
+                                     priority=max(0, min(q.MAX_PRIORITY, priority)),
+                                     traceparent=traceparent)
         flat = [x for kv in request.fields().items() for x in kv]
         cap = q.tenant_cap(spec.max_queue_depth, spec.tenant_queue_share)
         suffix = q.stream_suffix(tenant, request.priority)
@@ -270,7 +270,7 @@ class InferenceClient:
     def _replaying(self, spec: DeploymentSpec, rid: str, tenant: str,
                    deadline_ms: int) -> RequestHandle:
         """A handle fed from the request's own stream (idempotent retry, resume)."""
-        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        events: asyncio.Queue[Event | None] = asyncio.Queue()
         handle = RequestHandle(self, spec, rid, tenant, deadline_ms, events)
         handle.replayed = True
 
@@ -331,7 +331,7 @@ class InferenceClient:
         await pipe.execute()
 
     async def replay(self, tenant: str, rid: str, *, after_seq: int = -1,
-                     timeout_s: float = 60.0) -> AsyncIterator[dict[str, Any]]:
+                     timeout_s: float = 60.0) -> AsyncIterator[Event]:
         """A request's events after `after_seq`, live until its final event (resume)."""
         key = q.out_key(tenant, rid)
         deadline = time.monotonic() + timeout_s
@@ -343,19 +343,19 @@ class InferenceClient:
                 for msg_id, fields in entries:
                     last = msg_id.decode()
                     event = json.loads(fields[b"e"])
-                    if event["seq"] > after_seq or event["t"] in q.FINAL_EVENTS:
+                    if event["seq"] > after_seq or event["t"] in FINAL_EVENTS:
                         yield event
-                    if event["t"] in q.FINAL_EVENTS:
+                    if event["t"] in FINAL_EVENTS:
                         return
         raise DeadlineExceeded("The request's deadline passed.")
 
     async def events_between(self, tenant: str, rid: str, first: int,
-                             end: int) -> list[dict[str, Any]]:
+                             end: int) -> list[Event]:
         """Non-final events with first <= seq < end, from the request's own stream."""
         out = []
         for _id, fields in await self.redis.xrange(q.out_key(tenant, rid)):
             event = json.loads(fields[b"e"])
-            if first <= event["seq"] < end and event["t"] not in q.FINAL_EVENTS:
+            if first <= event["seq"] < end and event["t"] not in FINAL_EVENTS:
                 out.append(event)
         return out
 

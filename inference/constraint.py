@@ -20,37 +20,32 @@ runs its forward pass (inference/masks.py). Contract:
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
-from inference.grammar import TOOL_MARKER, Plan, Tool, plan, split_calls
+from inference.grammar import TOOL_MARKER, Plan, job_plan, split_calls
+from inference.jobs import ChatJob, decode_job, encode_job
 
 _CLOSERS = frozenset('"}],')
 
 
-def plan_for(body: dict[str, Any]) -> Plan | None:
-    """The plan of a queued chat request's `tools`, `tool_choice`,
-    `parallel_tool_calls` and `response_format` (ValueError when they cannot be
-    enforced). Plans are cached: an agent sends the same tools with every turn (the key
-    keeps the schemas' own key order: llguidance writes properties in that order)."""
-    try:
-        return _cached_plan(json.dumps([body.get("tools") or [],
-                                        body.get("tool_choice", "auto"),
-                                        body.get("parallel_tool_calls", True),
-                                        body.get("response_format")]))
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"malformed tools or response_format ({exc})") from None
+def plan_for(job: ChatJob) -> Plan | None:
+    """The plan of a chat job's `tools`, `tool_choice`, `parallel_tool_calls` and
+    `response_format` (ValueError when they cannot be enforced). Plans are cached: an
+    agent sends the same tools with every turn (the key keeps the schemas' own key
+    order: llguidance writes properties in that order)."""
+    return _cached_plan(encode_job(ChatJob(
+        tools=job.tools, tool_choice=job.tool_choice,
+        parallel_tool_calls=job.parallel_tool_calls, response_format=job.response_format)))
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(key: str) -> Plan | None:
-    tools, choice, parallel, fmt = json.loads(key)
-    return plan(tools=[Tool(t["name"], t.get("parameters") or {}, bool(t.get("strict")))
-                       for t in tools],
-                choice=str(choice), parallel=bool(parallel), response_format=fmt)
+def _cached_plan(key: bytes) -> Plan | None:
+    job = decode_job(key)
+    assert isinstance(job, ChatJob)  # noqa: S101 (plan_for made the key)
+    return job_plan(job)  # GrammarError is a ValueError
 
 
 class Vocabulary:

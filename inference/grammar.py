@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from llguidance import LLMatcher
 
+from inference.jobs import ChatJob
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
@@ -71,6 +73,17 @@ def schema_grammar(schema: Any, *, strict: bool = False, where: str = "schema") 
 
 def json_object_grammar() -> str:
     return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+
+
+def job_plan(job: ChatJob) -> Plan | None:
+    """The constraint of a chat job's reply (`plan` of its tools, tool choice and
+    response format)."""
+    fmt = job.response_format
+    return plan(tools=[Tool(t.name, t.parameters or {}, t.strict) for t in job.tools],
+                choice=job.tool_choice, parallel=job.parallel_tool_calls,
+                response_format=None if fmt is None else
+                {"type": "json_object"} if fmt.type == "json_object" else
+                {"schema": fmt.schema, "strict": fmt.strict})
 
 
 def plan(*, tools: Sequence[Tool] = (), choice: str = "auto", parallel: bool = True,

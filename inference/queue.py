@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice import wirejson
+from inference.jobs import ChatJob, Job, decode_job, encode_job
 
 GROUP = "workers"
 OUT_TTL_S = 600  # how long a finished generation can still be resumed
@@ -134,30 +134,43 @@ def now_ms() -> int:
 
 @dataclass
 class QueuedRequest:
-    """One request as it travels through the stream (all fields are strings there)."""
+    """One request as it travels through the stream (all fields are strings there but
+    `body`, the encoded job: inference/jobs.py)."""
 
     rid: str
     tenant: str
-    kind: str  # "chat" | "embedding"
-    body: dict[str, Any]  # chat: messages + params; embedding: inputs
+    kind: str  # "chat" | "embedding": the job's kind
+    body: bytes
     gateway: str
     deadline_ms: int
     priority: int = 0
     traceparent: str = ""
     enqueued_ms: int = field(default_factory=now_ms)
 
-    def fields(self) -> dict[str, str]:
+    @classmethod
+    def of(cls, job: Job, **fields: Any) -> QueuedRequest:
+        return cls(kind="chat" if isinstance(job, ChatJob) else "embedding",
+                   body=encode_job(job), **fields)
+
+    def job(self) -> Job:
+        """The request's job, decoded (JobError when the body is not one)."""
+        return decode_job(self.body)
+
+    def fields(self) -> dict[str, str | bytes]:
         return {"rid": self.rid, "tenant": self.tenant, "kind": self.kind,
-                "body": wirejson.dumps(self.body), "gw": self.gateway,
+                "body": self.body, "gw": self.gateway,
                 "deadline": str(self.deadline_ms), "prio": str(self.priority),
                 "tp": self.traceparent, "enq": str(self.enqueued_ms)}
 
     @classmethod
     def from_fields(cls, raw: dict[bytes | str, bytes | str]) -> QueuedRequest:
-        f = {_s(k): _s(v) for k, v in raw.items()}
-        return cls(rid=f["rid"], tenant=f["tenant"], kind=f["kind"], body=json.loads(f["body"]),
-                   gateway=f["gw"], deadline_ms=int(f["deadline"]), priority=int(f["prio"]),
-                   traceparent=f.get("tp", ""), enqueued_ms=int(f["enq"]))
+        f = {_s(k): v for k, v in raw.items()}
+        body = f["body"]
+        return cls(rid=_s(f["rid"]), tenant=_s(f["tenant"]), kind=_s(f["kind"]),
+                   body=body if isinstance(body, bytes) else body.encode(),
+                   gateway=_s(f["gw"]), deadline_ms=int(f["deadline"]),
+                   priority=int(f["prio"]), traceparent=_s(f.get("tp", "")),
+                   enqueued_ms=int(f["enq"]))
 
 
 def oldest_age_ms(firsts: list[Any], now: int | None = None) -> int:
@@ -298,14 +311,6 @@ def live_heartbeats(raw: dict[Any, Any], *, max_age_s: float = HEARTBEAT_MAX_AGE
     now = time.time()
     beats = {_s(k): json.loads(v) for k, v in raw.items()}
     return {k: v for k, v in beats.items() if now - v["ts"] <= max_age_s}
-
-
-FINAL_EVENTS = ("done", "error")  # the event types that end a request
-
-
-def encode_event(event: dict[str, Any]) -> str:
-    """Compact JSON (what FINALS_LUA looks for: `"t":"done"`), UTF-8 as it is."""
-    return wirejson.dumps(event)
 
 
 def gateway_item(rid: str, data: str) -> str:

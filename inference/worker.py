@@ -40,6 +40,20 @@ from opentelemetry.trace import Link, Span, SpanKind
 
 from inference import queue as q
 from inference.detokenize import Detokenizer
+from inference.jobs import (
+    FINAL_EVENTS,
+    ChatJob,
+    DeltaEvent,
+    DoneEvent,
+    EmbedJob,
+    ErrorEvent,
+    Event,
+    JobError,
+    ToolCall,
+    default_max_tokens,
+    encode_event,
+    usage,
+)
 from inference.memory import MemoryGuard
 from inference.runtimes import load_runtime
 from inference.runtimes.base import (
@@ -179,7 +193,7 @@ class Worker:
         self.backlog: list[Pending] = []
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()
-        self._outbox: list[tuple[q.QueuedRequest, dict[str, Any]]] = []
+        self._outbox: list[tuple[q.QueuedRequest, Event]] = []
         self._acks: list[Pending] = []
         self._last_tenant: str | None = None
         self._next_heartbeat = 0.0
@@ -575,27 +589,24 @@ class Worker:
         `prompt` (a legacy completion) is that text as the model's prompt, as is: no chat
         template, no history; otherwise the prompt is its `messages` after its `history`
         through the chat template (`_prompt`)."""
-        body = pending.req.body
         try:
+            job = pending.req.job()
+            if not isinstance(job, ChatJob):
+                raise JobError(f"a {pending.req.kind} request on a chat model")
+            if job.prompt is None and not job.messages:
+                raise JobError("a chat job needs messages or a prompt")
+            max_tokens = job.max_tokens or default_max_tokens(runtime.max_context)
             params = SamplingParams(
-                max_tokens=int(body.get("max_tokens") or 256),
-                temperature=float(body.get("temperature", 0.0) or 0.0),
-                top_p=float(body.get("top_p", 1.0) or 1.0),
-                seed=body.get("seed"),
-                stop=tuple(body.get("stop") or ()),
-                ignore_eos=bool(body.get("ignore_eos", False)),
-                presence_penalty=float(body.get("presence_penalty") or 0.0),
-                frequency_penalty=float(body.get("frequency_penalty") or 0.0),
-                logit_bias=tuple((int(token), float(amount)) for token, amount
-                                 in (body.get("logit_bias") or {}).items()),
-                logprobs=None if body.get("logprobs") is None else int(body["logprobs"]),
-            )
-            prompt = (runtime.encode(body["prompt"]) if "prompt" in body else
-                      self._prompt(runtime, body["messages"], body.get("history") or [],
-                                   params.max_tokens))
-        except (KeyError, TypeError, ValueError) as exc:
+                max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p,
+                seed=job.seed, stop=tuple(job.stop), ignore_eos=job.ignore_eos,
+                presence_penalty=job.presence_penalty,
+                frequency_penalty=job.frequency_penalty,
+                logit_bias=tuple(job.logit_bias.items()), logprobs=job.logprobs)
+            prompt = (runtime.encode(job.prompt) if job.prompt is not None else
+                      self._prompt(runtime, job.messages, job.history, max_tokens))
+        except (JobError, KeyError, TypeError, ValueError) as exc:
             raise RequestError(400, "invalid_request", f"Malformed request: {exc}") from None
-        if body.get("count_only"):
+        if job.count_only:
             # A token count (Anthropic's count_tokens): the prompt as this runtime
             # encodes it, template and all, whatever its length; nothing generated.
             self._final(pending, 0, "stop", prompt_tokens=len(prompt), completion_tokens=0)
@@ -615,9 +626,8 @@ class Worker:
         active = Active(pending, prompt_tokens=len(prompt),
                         max_new=min(params.max_tokens, room), stop=params.stop,
                         ignore_eos=params.ignore_eos,
-                        constraint=self._constraint(body, min(params.max_tokens, room)),
-                        logprobs=params.logprobs is not None,
-                        streamed=bool(body.get("stream", True)))
+                        constraint=self._constraint(job, min(params.max_tokens, room)),
+                        logprobs=params.logprobs is not None, streamed=job.stream)
         if pending.deliveries > 1 and not self._resume_state(active):
             self._acks.append(pending)  # an earlier delivery finished it
             self._served(pending.req.rid)
@@ -639,13 +649,13 @@ class Worker:
                                    generated=len(active.ids),
                                    constraint=active.constraint)
 
-    def _constraint(self, body: dict[str, Any], budget: int) -> Constraint | None:
+    def _constraint(self, job: ChatJob, budget: int) -> Constraint | None:
         """The grammar of a request with tools or a response format (None without);
         a runtime without a tokenizer (echo) refuses them, as does a schema that cannot
         be enforced (the gateway checked it too: this is a worker's own guard)."""
-        tools, fmt = body.get("tools"), body.get("response_format")
-        if not tools and not fmt:
+        if not job.constrained:
             return None
+        tools = bool(job.tools)
         # torch- and llguidance-side code, imported when a constraint is asked for.
         from inference.constraint import Constraint, Vocabulary, plan_for
 
@@ -656,7 +666,7 @@ class Worker:
                                "response_format_not_supported",
                                f"The model '{self.spec.name}' cannot {what}.")
         try:
-            plan = plan_for(body)
+            plan = plan_for(job)
         except ValueError as exc:
             raise RequestError(400, code, f"Invalid request: {exc}") from None
         if plan is None:
@@ -689,9 +699,9 @@ class Worker:
         req = active.req
         for _id, fields in self.redis.xrange(q.out_key(req.tenant, req.rid)):
             event = json.loads(fields[b"e"])
-            if event["t"] in q.FINAL_EVENTS:
+            if event["t"] in FINAL_EVENTS:
                 q.add_gateway_message(self.redis, req.gateway,
-                                      [q.gateway_item(req.rid, q.encode_event(event))])
+                                      [q.gateway_item(req.rid, encode_event(event))])
                 return False
             if event["t"] == "delta":
                 active.ids += event["ids"]
@@ -850,7 +860,8 @@ class Worker:
         delta = text[len(active.sent_text):]
         if not delta and not (final and active.unsent_ids):
             return
-        event = {"t": "delta", "seq": active.seq, "text": delta, "ids": active.unsent_ids}
+        event: DeltaEvent = {"t": "delta", "seq": active.seq, "text": delta,
+                             "ids": active.unsent_ids}
         if active.logprobs:
             event["lp"], active.unsent_lps = active.unsent_lps, []
         self._event(active.req, event)
@@ -870,9 +881,10 @@ class Worker:
         self.active.pop(active.req.rid, None)
         if reason == "tool_calls" and active.constraint is not None:
             rid = active.req.rid[:20]
-            calls = [{"id": f"call_{rid}" if i == 0 else f"call_{rid}_{i}", "name": name,
-                      "arguments": arguments}
-                     for i, (name, arguments) in enumerate(active.constraint.calls())]
+            calls: list[ToolCall] = [
+                {"id": f"call_{rid}" if i == 0 else f"call_{rid}_{i}", "name": name,
+                 "arguments": arguments}
+                for i, (name, arguments) in enumerate(active.constraint.calls())]
             # Seen one token ahead (an overlapped step), the call's last token is in
             # the constraint but not yet in ids.
             self._final(active.pending, active.seq, reason, prompt_tokens=active.prompt_tokens,
@@ -882,11 +894,11 @@ class Worker:
         if reason == "deadline":
             self._error(active.pending, RequestError(
                 504, "deadline_exceeded", "The request's deadline passed during generation."),
-                seq=active.seq, usage=(active.prompt_tokens, len(active.ids)))
+                seq=active.seq, cost=(active.prompt_tokens, len(active.ids)))
             return
         if reason == "model_error":
             self._error(active.pending, _not_finite(active.req.rid, "logits"),
-                        seq=active.seq, usage=(active.prompt_tokens, len(active.ids)))
+                        seq=active.seq, cost=(active.prompt_tokens, len(active.ids)))
             return
         self._final(active.pending, active.seq, reason, prompt_tokens=active.prompt_tokens,
                     completion_tokens=len(active.ids), stop_sequence=active.stopped_by)
@@ -897,11 +909,15 @@ class Worker:
         texts: list[str] = []
         spans: list[tuple[Pending, int, int]] = []
         for pending in chosen:
-            inputs = pending.req.body.get("input")
-            if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
+            try:
+                job = pending.req.job()
+                if not isinstance(job, EmbedJob):
+                    raise JobError(f"a {pending.req.kind} request on an embedding model")
+            except JobError as exc:
                 self._error(pending, RequestError(400, "invalid_request",
-                                                  "input must be a list of strings"))
+                                                  f"Malformed request: {exc}"))
                 continue
+            inputs = job.input
             spans.append((pending, len(texts), len(texts) + len(inputs)))
             texts += inputs
         vectors: list[list[float]] = []
@@ -919,18 +935,16 @@ class Worker:
             self._final(pending, 1, "stop", prompt_tokens=sum(counts[lo:hi]), completion_tokens=0)
 
     # -- results -------------------------------------------------------------------
-    def _event(self, req: q.QueuedRequest, event: dict[str, Any]) -> None:
+    def _event(self, req: q.QueuedRequest, event: Event) -> None:
         self._outbox.append((req, event))
 
     def _final(self, pending: Pending, seq: int, reason: str, *, prompt_tokens: int,
-               completion_tokens: int, tool_calls: list[dict[str, str]] | None = None,
+               completion_tokens: int, tool_calls: list[ToolCall] | None = None,
                stop_sequence: str = "") -> None:
         """`stop_sequence`: the stop string that ended the reply (Anthropic's Messages
         API names it; finish stays "stop")."""
-        event: dict[str, Any] = {
-            "t": "done", "seq": seq, "finish": reason,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
-        }
+        event: DoneEvent = {"t": "done", "seq": seq, "finish": reason,
+                            "usage": usage(prompt_tokens, completion_tokens)}
         if tool_calls:
             event["tool_calls"] = tool_calls
         if stop_sequence:
@@ -940,12 +954,9 @@ class Worker:
         self._served(pending.req.rid)
 
     def _error(self, pending: Pending, exc: RequestError, *, seq: int = 0,
-               usage: tuple[int, int] = (0, 0)) -> None:
-        event = {
-            "t": "error", "seq": seq, "status": exc.status, "code": exc.code,
-            "message": exc.message,
-            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1]},
-        }
+               cost: tuple[int, int] = (0, 0)) -> None:
+        event: ErrorEvent = {"t": "error", "seq": seq, "status": exc.status,
+                             "code": exc.code, "message": exc.message, "usage": usage(*cost)}
         if not exc.retry:
             event["retry"] = False
         self._event(pending.req, event)
@@ -973,14 +984,14 @@ class Worker:
             self._writing.result()
             self._writing = None
 
-    def _write(self, outbox: list[tuple[q.QueuedRequest, dict[str, Any]]],
+    def _write(self, outbox: list[tuple[q.QueuedRequest, Event]],
                acks: list[Pending]) -> None:
-        encoded = [(req, event, q.encode_event(event)) for req, event in outbox]
+        encoded = [(req, event, encode_event(event)) for req, event in outbox]
         # One final event per request, ever: the first worker to set `done` owns it
         # (FINALS_LUA writes it with the request's other events of this step).
         finishing: dict[str, tuple[q.QueuedRequest, list[str]]] = {
             req.rid: (req, []) for req, event, _data in encoded
-            if event["t"] in q.FINAL_EVENTS}
+            if event["t"] in FINAL_EVENTS}
         for req, _event, data in encoded:
             if req.rid in finishing:
                 finishing[req.rid][1].append(data)
@@ -1021,7 +1032,7 @@ class Worker:
                     # Finished by another delivery: its events stand, and its final goes
                     # to the gateway again (which fills any gap from the request's stream
                     # and ignores a repeat); this delivery's own events are dropped.
-                    if event["t"] not in q.FINAL_EVENTS or req.rid not in stored:
+                    if event["t"] not in FINAL_EVENTS or req.rid not in stored:
                         continue
                     data = stored[req.rid]
             else:

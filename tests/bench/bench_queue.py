@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from inference.client import InferenceClient  # noqa: E402
+from inference.jobs import ChatJob  # noqa: E402
 from inference.runtimes import load_runtime  # noqa: E402
 from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams  # noqa: E402
 from inference.spec import DeploymentSpec, RuntimeName  # noqa: E402
@@ -69,10 +70,10 @@ async def through_queue(spec: DeploymentSpec, url: str, batch: int, tokens: int,
                         rounds: int) -> float:
     client = InferenceClient(url)
     await client.start()
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
-            "ignore_eos": True}
+    body = ChatJob(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens,
+                   ignore_eos=True, temperature=0.0)
     # warm-up
-    warm = await client.submit(spec, tenant="bench", body=body)
+    warm = await client.submit(spec, tenant="bench", job=body)
     async for _ in warm.events():
         pass
 
@@ -85,7 +86,7 @@ async def through_queue(spec: DeploymentSpec, url: str, batch: int, tokens: int,
 
     started = time.perf_counter()
     handles = await asyncio.gather(*[
-        client.submit(spec, tenant=f"bench{i % 4}", body=body, timeout_s=600)
+        client.submit(spec, tenant=f"bench{i % 4}", job=body, timeout_s=600)
         for i in range(batch * rounds)])
     produced = sum(await asyncio.gather(*[one(h) for h in handles]))
     elapsed = time.perf_counter() - started

@@ -29,6 +29,7 @@ from governance import privacy as stored
 from governance.models import AuditEvent, AuditExport
 from governance.tasks import conversations_retention
 from inference import queue as q
+from inference.jobs import encode_event
 from sluice.cli import private_state
 from sluice.errors import NotFound
 from streaming import files
@@ -398,7 +399,7 @@ def test_a_gone_gateways_result_stream_expires_within_the_resume_window(
     expire like the requests' own, not keep reply text forever."""
     key = q.gateway_key("gone")
     rds.delete(key)
-    event = q.encode_event({"t": "delta", "seq": 0, "text": PROMPT, "ids": []})
+    event = encode_event({"t": "delta", "seq": 0, "text": PROMPT, "ids": []})
     q.add_gateway_message(rds, "gone", [q.gateway_item("rid", event)])
     assert 0 < rds.ttl(key) <= q.OUT_TTL_S == 600
     rds.delete(key)

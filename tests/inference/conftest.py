@@ -15,11 +15,13 @@ from pathlib import Path
 from secrets import token_hex
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 import redis
 from django.conf import settings
 
 from inference.client import InferenceClient, RequestHandle
+from inference.jobs import ChatJob
 from inference.spec import DeploymentSpec
 from inference.worker import Worker, heartbeats
 
@@ -126,5 +128,8 @@ async def collect(handle: RequestHandle) -> Result:
     return Result("".join(e.get("text", "") for e in events if e["t"] == "delta"), events)
 
 
-def chat(text: str, **params: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": text}], **params}
+def chat(text: str, **params: Any) -> ChatJob:
+    """A one-message chat job, greedy unless `params` says otherwise (fields may be
+    given as JSON would carry them: tools as dicts)."""
+    return msgspec.convert({"messages": [{"role": "user", "content": text}],
+                            "temperature": 0.0, **params}, ChatJob)

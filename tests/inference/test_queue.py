@@ -17,6 +17,7 @@ import redis
 
 from inference import queue as q
 from inference.client import InferenceClient, RequestHandle
+from inference.jobs import FINAL_EVENTS, ChatJob, EmbedJob, encode_event
 from inference.runtimes.echo import EchoRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker, heartbeats
@@ -36,7 +37,7 @@ def test_a_full_batch_forms_without_waiting_for_max_wait(
     spec = echo(max_batch_size=4, max_wait_ms=3000)
 
     async def go(client: InferenceClient) -> float:
-        handles = [await client.submit(spec, tenant="t", body=chat(f"m{i}")) for i in range(4)]
+        handles = [await client.submit(spec, tenant="t", job=chat(f"m{i}")) for i in range(4)]
         worker = thread_worker(spec)
         started = time.monotonic()
         results = await asyncio.gather(*[collect(h) for h in handles])
@@ -67,11 +68,11 @@ def test_a_lone_chat_request_starts_at_once_and_a_later_one_joins_its_batch(
     async def go(client: InferenceClient) -> None:
         await asyncio.sleep(0.3)  # the worker is blocking on an empty stream
         t0 = time.monotonic()
-        first = await client.submit(spec, tenant="t", body=chat("x" * 80))  # ~1.6 s
+        first = await client.submit(spec, tenant="t", job=chat("x" * 80))  # ~1.6 s
         long_one = asyncio.create_task(timed(first))
         await asyncio.sleep(0.2)
         t1 = time.monotonic()
-        second = await client.submit(spec, tenant="t", body=chat("two"))
+        second = await client.submit(spec, tenant="t", job=chat("two"))
         b = await collect(second)
         assert b.text == "two"
         assert time.monotonic() - t1 < 0.6, "the newcomer joins within max_wait_ms"
@@ -94,9 +95,9 @@ def test_a_partial_embedding_batch_waits_for_max_wait_then_runs(
 
     async def go(client: InferenceClient) -> None:
         await asyncio.sleep(0.3)  # worker is blocking on an empty stream
-        first = await client.submit(spec, tenant="t", body={"input": ["one"]})
+        first = await client.submit(spec, tenant="t", job=EmbedJob(input=["one"]))
         await asyncio.sleep(0.1)  # arrives inside the first one's max_wait window
-        second = await client.submit(spec, tenant="t", body={"input": ["two"]})
+        second = await client.submit(spec, tenant="t", job=EmbedJob(input=["two"]))
         t0 = time.monotonic()
         a, b = await asyncio.gather(collect(first), collect(second))
         assert a.final["t"] == b.final["t"] == "done"
@@ -111,8 +112,8 @@ def test_deadline_passed_in_queue_is_answered_504_without_running(
     spec = echo(max_batch_size=1, echo_token_delay_ms=20)
 
     async def go(client: InferenceClient) -> None:
-        busy = await client.submit(spec, tenant="t", body=chat("x" * 40))
-        late = await client.submit(spec, tenant="t", body=chat("late"), timeout_s=0.3)
+        busy = await client.submit(spec, tenant="t", job=chat("x" * 40))
+        late = await client.submit(spec, tenant="t", job=chat("late"), timeout_s=0.3)
         worker = thread_worker(spec)
         result = await collect(late)
         assert result.final["t"] == "error" and result.final["status"] == 504
@@ -129,7 +130,7 @@ def test_gateway_gives_up_at_deadline_when_no_worker_answers(redis_url: str,
     spec = echo()
 
     async def go(client: InferenceClient) -> None:
-        handle = await client.submit(spec, tenant="t", body=chat("nobody home"), timeout_s=0.2)
+        handle = await client.submit(spec, tenant="t", job=chat("nobody home"), timeout_s=0.2)
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             await collect(handle)
@@ -144,9 +145,9 @@ def test_priority_and_tenant_fairness(thread_worker: StartWorker, redis_url: str
                 tenant_queue_share=0.9)
 
     async def go(client: InferenceClient) -> None:
-        flood = [await client.submit(spec, tenant="alice", body=chat(f"a{i}")) for i in range(20)]
-        single = await client.submit(spec, tenant="bob", body=chat("b"))
-        urgent = await client.submit(spec, tenant="alice", body=chat("urgent"), priority=10)
+        flood = [await client.submit(spec, tenant="alice", job=chat(f"a{i}")) for i in range(20)]
+        single = await client.submit(spec, tenant="bob", job=chat("b"))
+        urgent = await client.submit(spec, tenant="alice", job=chat("urgent"), priority=10)
         worker = thread_worker(spec)
         await asyncio.gather(*[collect(h) for h in [*flood, single, urgent]])
         order = [rid for batch in worker.admitted for rid in batch]
@@ -164,7 +165,7 @@ def test_cancellation_stops_generation_and_bills_tokens_produced(
     worker = thread_worker(spec)
 
     async def go(client: InferenceClient) -> None:
-        handle = await client.submit(spec, tenant="t", body=chat("z" * 200, max_tokens=500))
+        handle = await client.submit(spec, tenant="t", job=chat("z" * 200, max_tokens=500))
         events = []
         async for event in handle.events():
             events.append(event)
@@ -193,7 +194,7 @@ def test_a_caller_that_leaves_while_its_enqueue_is_in_flight_leaves_nothing_runn
     async def go(client: InferenceClient) -> None:
         await client.start()
         submitting = asyncio.create_task(
-            client.submit(spec, tenant="t", body=chat("z" * 200, stream=False),
+            client.submit(spec, tenant="t", job=chat("z" * 200, stream=False),
                           idempotency_key="left"))
         while not client.scripts._queued:  # until submit() handed over its enqueue
             await asyncio.sleep(0)
@@ -206,13 +207,13 @@ def test_a_caller_that_leaves_while_its_enqueue_is_in_flight_leaves_nothing_runn
             await asyncio.sleep(0.05)
             for key in rds.scan_iter(q.out_key("t", "*")):
                 events = [json.loads(f[b"e"]) for _id, f in rds.xrange(key)]
-                finals += [e for e in events if e["t"] in q.FINAL_EVENTS]
+                finals += [e for e in events if e["t"] in FINAL_EVENTS]
         assert finals, "the request was queued and must end within moments"
         assert finals[0]["finish"] == "cancelled"
         assert finals[0]["usage"]["completion_tokens"] < 50
         assert not worker.active
         # A retry with the same idempotency key runs afresh: nothing replays the cancel.
-        retry = await client.submit(spec, tenant="t", body=chat("again", stream=False),
+        retry = await client.submit(spec, tenant="t", job=chat("again", stream=False),
                                     idempotency_key="left")
         assert not retry.replayed
         assert (await collect(retry)).text == "again"
@@ -239,7 +240,7 @@ def test_an_enqueue_whose_reply_is_lost_fails_retriably_and_leaves_nothing_runni
         try:
             cutter.cut = True
             with pytest.raises(redis.RedisError):
-                await client.submit(spec, tenant="t", body=chat("z" * 200, stream=False),
+                await client.submit(spec, tenant="t", job=chat("z" * 200, stream=False),
                                     idempotency_key="lost")
             assert cutter.cuts == 1
             queued = rds.xrange(q.stream_key(spec.name, q.stream_suffix("t", 0)))
@@ -248,7 +249,7 @@ def test_an_enqueue_whose_reply_is_lost_fails_retriably_and_leaves_nothing_runni
             thread_worker(spec)
             events = [e async for e in client.replay("t", rid, timeout_s=5)]
             assert rds.get(q.idem_key("t", "lost")) is None
-            retry = await client.submit(spec, tenant="t", body=chat("again", stream=False),
+            retry = await client.submit(spec, tenant="t", job=chat("again", stream=False),
                                         idempotency_key="lost")
             assert (await collect(retry)).text == "again"
             return events
@@ -266,16 +267,16 @@ def test_queue_is_bounded_and_tenant_share_is_enforced(redis_url: str,
     spec = echo(max_queue_depth=4, tenant_queue_share=0.5)
 
     async def go(client: InferenceClient) -> None:
-        await client.submit(spec, tenant="a", body=chat("1"))
-        await client.submit(spec, tenant="a", body=chat("2"))
+        await client.submit(spec, tenant="a", job=chat("1"))
+        await client.submit(spec, tenant="a", job=chat("2"))
         with pytest.raises(RateLimited) as tenant_full:
-            await client.submit(spec, tenant="a", body=chat("3"))
+            await client.submit(spec, tenant="a", job=chat("3"))
         assert tenant_full.value.headers["Retry-After"]
-        await client.submit(spec, tenant="b", body=chat("1"))
-        await client.submit(spec, tenant="c", body=chat("1"))
+        await client.submit(spec, tenant="b", job=chat("1"))
+        await client.submit(spec, tenant="c", job=chat("1"))
         t0 = time.monotonic()
         with pytest.raises(Unavailable) as full:
-            await client.submit(spec, tenant="d", body=chat("1"))
+            await client.submit(spec, tenant="d", job=chat("1"))
         assert time.monotonic() - t0 < 0.5, "rejection is immediate, never a wait"
         assert full.value.status == 503 and full.value.headers["Retry-After"]
         assert int(rds.get(q.depth_key(spec.name))) == 4
@@ -291,9 +292,9 @@ def test_idempotency_key_gives_one_generation(thread_worker: StartWorker, redis_
     thread_worker(spec)
 
     async def go(client: InferenceClient) -> None:
-        first = await client.submit(spec, tenant="t", body=chat("once"), idempotency_key="k1")
+        first = await client.submit(spec, tenant="t", job=chat("once"), idempotency_key="k1")
         a = await collect(first)
-        again = await client.submit(spec, tenant="t", body=chat("once"), idempotency_key="k1")
+        again = await client.submit(spec, tenant="t", job=chat("once"), idempotency_key="k1")
         b = await collect(again)
         assert again.rid == first.rid and a.text == b.text == "once"
         assert a.final == b.final
@@ -308,8 +309,8 @@ def test_a_non_streamed_reply_comes_in_one_piece_a_streamed_one_token_by_token(
     thread_worker(spec)
 
     async def go(client: InferenceClient) -> None:
-        whole = await client.submit(spec, tenant="t", body=chat("hello", stream=False))
-        parts = await client.submit(spec, tenant="t", body=chat("hello", stream=True))
+        whole = await client.submit(spec, tenant="t", job=chat("hello", stream=False))
+        parts = await client.submit(spec, tenant="t", job=chat("hello", stream=True))
         a, b = await collect(whole), await collect(parts)
         assert a.text == b.text == "hello"
         assert [e["t"] for e in a.events] == ["delta", "done"]
@@ -336,7 +337,7 @@ def test_a_steps_events_reach_every_requests_stream_in_order(
 
     async def go(client: InferenceClient) -> None:
         handles = [await client.submit(spec, tenant=f"t{i % 3}",
-                                       body=chat(words[i % 3], stream=True))
+                                       job=chat(words[i % 3], stream=True))
                    for i in range(9)]
         results = await asyncio.gather(*(collect(h) for h in handles))
         for i, (handle, result) in enumerate(zip(handles, results, strict=True)):
@@ -356,7 +357,7 @@ def test_resume_from_an_offset_gives_the_identical_rest(thread_worker: StartWork
     thread_worker(spec)
 
     async def go(client: InferenceClient) -> None:
-        handle = await client.submit(spec, tenant="t", body=chat("hello", max_tokens=20),
+        handle = await client.submit(spec, tenant="t", job=chat("hello", max_tokens=20),
                                      timeout_s=60)
         full = await collect(handle)
         assert full.final["t"] == "done" and len(full.text) > 0
@@ -374,8 +375,8 @@ def test_bad_requests_get_typed_errors(thread_worker: StartWorker, redis_url: st
     thread_worker(spec)
 
     async def go(client: InferenceClient) -> list[Result]:
-        too_long = await client.submit(spec, tenant="t", body=chat("y" * 100))
-        malformed = await client.submit(spec, tenant="t", body={"no": "messages"})
+        too_long = await client.submit(spec, tenant="t", job=chat("y" * 100))
+        malformed = await client.submit(spec, tenant="t", job=ChatJob())
         return [await collect(too_long), await collect(malformed)]
 
     too_long, malformed = run(go, redis_url)
@@ -390,7 +391,7 @@ def test_embeddings_are_batched_per_call(thread_worker: StartWorker, redis_url: 
                           max_batch_size=8, max_wait_ms=200)
 
     async def go(client: InferenceClient) -> list[Result]:
-        handles = [await client.submit(spec, tenant="t", body={"input": [f"text {i}", "x"]})
+        handles = [await client.submit(spec, tenant="t", job=EmbedJob(input=[f"text {i}", "x"]))
                    for i in range(3)]
         worker = thread_worker(spec)
         results = [await collect(h) for h in handles]
@@ -424,16 +425,16 @@ def test_gateway_backfills_events_lost_on_its_own_stream(redis_url: str,
     spec = echo()
 
     async def go(client: InferenceClient) -> None:
-        handle = await client.submit(spec, tenant="t", body=chat("abc"))
+        handle = await client.submit(spec, tenant="t", job=chat("abc"))
         events = [{"t": "delta", "seq": i, "text": ch, "ids": [ord(ch)]}
                   for i, ch in enumerate("abc")]
         events.append({"t": "done", "seq": 3, "finish": "stop",
                        "usage": {"prompt_tokens": 3, "completion_tokens": 3}})
         for event in events:  # as a worker would write them
-            rds.xadd(q.out_key("t", handle.rid), {"e": q.encode_event(event)})
+            rds.xadd(q.out_key("t", handle.rid), {"e": encode_event(event)})
         for event in (events[0], events[3]):  # ...but "b" and "c" never reach the gateway
             rds.xadd(q.gateway_key(client.gateway_id),
-                     {"b": f'[["{handle.rid}",{q.encode_event(event)}]]'})
+                     {"b": f'[["{handle.rid}",{encode_event(event)}]]'})
         result = await collect(handle)
         assert result.text == "abc"
         assert [e["seq"] for e in result.events] == [0, 1, 2, 3]
@@ -454,10 +455,10 @@ def test_the_router_trims_what_it_read_from_its_stream_at_most_every_interval(
         key = q.gateway_key(client.gateway_id)
 
         async def routed(text: str) -> None:
-            handle = await client.submit(spec, tenant="t", body=chat(text))
+            handle = await client.submit(spec, tenant="t", job=chat(text))
             done = {"t": "done", "seq": 0, "finish": "stop",
                     "usage": {"prompt_tokens": 1, "completion_tokens": 0}}
-            rds.xadd(key, {"b": f'[["{handle.rid}",{q.encode_event(done)}]]'})
+            rds.xadd(key, {"b": f'[["{handle.rid}",{encode_event(done)}]]'})
             assert (await collect(handle)).final["finish"] == "stop"
 
         # The trim removes every entry read, the last one too (it may hold reply text).
@@ -485,7 +486,7 @@ def test_emptied_streams_stay_watched_then_are_forgotten(thread_worker: StartWor
     suffix = q.stream_suffix("t", 0)
 
     async def once(client: InferenceClient) -> str:
-        return (await collect(await client.submit(spec, tenant="t", body=chat("hi")))).text
+        return (await collect(await client.submit(spec, tenant="t", job=chat("hi")))).text
 
     assert run(once, redis_url) == "hi"
     # Empty but kept: idle workers block on it, so the next request wakes them at once.
@@ -507,8 +508,8 @@ def test_a_requests_final_events_are_written_once_and_a_later_claim_gets_the_sto
     tenant = unique("t")
     rids = [unique("r") for _ in range(3)]
     keys = [k for rid in rids for k in (q.done_key(tenant, rid), q.out_key(tenant, rid))]
-    delta = q.encode_event({"t": "delta", "seq": 0, "text": "hé"})
-    done = q.encode_event({"t": "done", "seq": 1, "finish": "stop"})
+    delta = encode_event({"t": "delta", "seq": 0, "text": "hé"})
+    done = encode_event({"t": "done", "seq": 1, "finish": "stop"})
     first = rds.eval(q.FINALS_LUA, len(keys[:4]), *keys[:4], "w1", q.OUT_TTL_S,
                      2, delta, done, 1, done)
     assert first == [1, 1]
@@ -536,7 +537,7 @@ def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_f
     url = urlsplit(redis_url)
 
     def request(rid: str) -> q.QueuedRequest:
-        return q.QueuedRequest(rid=rid, tenant=tenant, kind="chat", body={}, gateway=gateway,
+        return q.QueuedRequest(rid=rid, tenant=tenant, kind="chat", body=b"{}", gateway=gateway,
                                deadline_ms=q.now_ms() + 60_000)
 
     def events(text: str) -> list[dict[str, Any]]:
@@ -566,7 +567,7 @@ def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_f
                 if rid != "fresh":  # another worker finished it first
                     keys = [q.done_key(tenant, rid), q.out_key(tenant, rid)]
                     rds.eval(q.FINALS_LUA, 2, *keys, "w0", q.OUT_TTL_S, 2,
-                             *(q.encode_event(e) for e in events("owner's")))
+                             *(encode_event(e) for e in events("owner's")))
                 before = relay.writes
                 await asyncio.to_thread(worker._write, [(req, e) for e in events("mine")],
                                         [Pending(f"{tenant}:0", "1-1", req, deliveries)])
@@ -625,10 +626,10 @@ def test_long_steps_overlap_the_workers_own_work_and_change_no_answer(
     worker = thread_worker(spec, runtime=runtime)
 
     async def go(client: InferenceClient) -> None:
-        plain = await client.submit(spec, tenant="t", body=chat("abcdefghijkl"))
-        short = await client.submit(spec, tenant="t", body=chat("abcdefghijkl", max_tokens=5))
-        stop = await client.submit(spec, tenant="t", body=chat("abcdefXYghijkl", stop=["XY"]))
-        cancel = await client.submit(spec, tenant="t", body=chat("z" * 200, max_tokens=500))
+        plain = await client.submit(spec, tenant="t", job=chat("abcdefghijkl"))
+        short = await client.submit(spec, tenant="t", job=chat("abcdefghijkl", max_tokens=5))
+        stop = await client.submit(spec, tenant="t", job=chat("abcdefXYghijkl", stop=["XY"]))
+        cancel = await client.submit(spec, tenant="t", job=chat("z" * 200, max_tokens=500))
         results = await asyncio.gather(collect(plain), collect(short), collect(stop))
         await cancel.cancel()
         cancelled = await collect(cancel)
@@ -674,10 +675,10 @@ def test_a_newcomers_first_token_goes_out_behind_the_running_batchs(
     monkeypatch.setattr(q, "add_gateway_message", spy)
 
     async def go(client: InferenceClient) -> tuple[str, str, list[Result]]:
-        running = await client.submit(spec, tenant="t", body=chat("r" * 40))
+        running = await client.submit(spec, tenant="t", job=chat("r" * 40))
         batch = asyncio.create_task(collect(running))  # 40 steps of 30 ms
         await asyncio.sleep(0.15)  # a few steps in: they overlap by now
-        newcomer = await client.submit(spec, tenant="t", body=chat("nnnnnn"))
+        newcomer = await client.submit(spec, tenant="t", job=chat("nnnnnn"))
         results = await asyncio.gather(batch, collect(newcomer))
         return running.rid, newcomer.rid, list(results)
 
@@ -707,7 +708,7 @@ def test_tool_call_batches_overlap_and_answer_as_inline_steps_do(
         worker = thread_worker(spec, block_ms=50, overlap_min_step_s=overlap_min_step_s)
 
         async def go(client: InferenceClient) -> list[Result]:
-            handles = [await client.submit(spec, tenant="t", body=body, timeout_s=60)
+            handles = [await client.submit(spec, tenant="t", job=body, timeout_s=60)
                        for body in bodies]
             return list(await asyncio.gather(*[collect(h) for h in handles]))
 

@@ -11,6 +11,7 @@ from django.conf import settings
 
 from inference import autoscaler
 from inference.client import InferenceClient
+from inference.jobs import ChatJob
 from inference.models import Deployment
 from tenants.roles import Role
 from tests.conftest import Org, assert_openai_error
@@ -30,7 +31,7 @@ def test_a_waiting_request_is_a_decision_with_its_reason(ops: Org) -> None:
     async def enqueue() -> None:
         client = InferenceClient(settings.REDIS_URL)
         for _ in range(3):
-            await client.submit(spec, tenant="t", body={"messages": []}, timeout_s=60)
+            await client.submit(spec, tenant="t", job=ChatJob(messages=[]), timeout_s=60)
         await client.close()
 
     asyncio.run(enqueue())

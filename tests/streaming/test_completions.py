@@ -20,6 +20,7 @@ from django.conf import settings
 from governance import audit
 from governance.models import AuditEvent, Quota, RateLimitPolicy
 from inference.client import InferenceClient
+from inference.jobs import ChatJob
 from inference.models import Deployment
 from inference.weights import smollm2_tokenizer_dir
 from tenants.roles import Role
@@ -83,8 +84,8 @@ def test_the_prompt_reaches_a_model_as_is_without_the_worker_chat_template(
     async def run() -> dict[str, Any]:
         client = InferenceClient(settings.REDIS_URL)
         try:
-            handle = await client.submit(spec, tenant="compl", body={
-                "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "stream": False},
+            handle = await client.submit(spec, tenant="compl", job=ChatJob(
+                prompt=prompt, max_tokens=2, temperature=0.0, stream=False),
                 timeout_s=30)
             return [e async for e in handle.events()][-1]
         finally:

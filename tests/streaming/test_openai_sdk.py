@@ -15,6 +15,7 @@ from django.conf import settings
 
 from inference import queue as q
 from inference.client import InferenceClient
+from inference.jobs import ChatJob
 from inference.models import Deployment
 from tenants.roles import Role
 from tests.conftest import make_org
@@ -128,7 +129,7 @@ def test_full_queue_is_a_rate_limit_error(live: Live, keys: dict[Role, str]) -> 
 
     async def fill() -> None:  # one queued request is this tenant's whole share
         client = InferenceClient(settings.REDIS_URL)
-        await client.submit(spec, tenant="alice", body={"messages": []}, timeout_s=5)
+        await client.submit(spec, tenant="alice", job=ChatJob(messages=[]), timeout_s=5)
         await client.close()
 
     asyncio.run(fill())

@@ -1,0 +1,192 @@
+"""What crosses the queue, defined once: the job a gateway enqueues and the events a
+worker sends back. Both ends import these; nothing else builds or parses them.
+
+Jobs are msgspec Structs. The gateway builds a `ChatJob` or an `EmbedJob`;
+`encode_job` writes it into the queue entry's `body` field and the worker's
+`decode_job` reads it back typed and checked: a body that does not match (an older or
+newer gateway, a hand-written entry) is a `JobError`, which the worker answers with a
+400, never a KeyError. The defaults live here only: a field a gateway leaves out means
+the same thing on both ends (OpenAI's sampling defaults: temperature 1, top_p 1; the
+reply's length `default_max_tokens` of the model's context).
+
+Events are TypedDicts, tagged by `t`: a worker emits one per token per request, so they
+stay plain dicts on the hot path (built by the worker, encoded with `encode_event`, read
+by the gateway's router with one orjson parse per worker step), and mypy checks both
+ends against these definitions. `t` is the first key of an encoded event: FINALS_LUA
+finds a request's final event by `"t":"done"` / `"t":"error"`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypedDict
+
+import msgspec
+
+from sluice import wirejson
+
+# -- jobs ------------------------------------------------------------------------------
+
+
+class ToolSpec(msgspec.Struct, frozen=True):
+    """A function the reply may call; `parameters` is its JSON schema (key order kept:
+    the grammar writes properties in that order)."""
+
+    name: str
+    parameters: dict[str, Any] | None = None
+    strict: bool = False
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    """The reply's structure: any JSON object, or one matching `schema`."""
+
+    type: Literal["json_object", "json_schema"] = "json_schema"
+    schema: dict[str, Any] | None = None
+    strict: bool = False
+
+
+class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind",
+              tag="chat"):
+    """One sequence to generate. The prompt is `prompt` as it is when given (a legacy
+    completion: no chat template, no history), else `history` then `messages` through
+    the model's chat template, the oldest history dropped until it fits.
+
+    `max_tokens` None means `default_max_tokens` of the model's context; `logprobs` is
+    how many alternatives each token's entry lists (None: no log probabilities);
+    `stream` False asks for the reply in one piece at the end (no per-token events);
+    `count_only` asks for the prompt's token count and nothing generated."""
+
+    messages: list[dict[str, str]] = []
+    history: list[dict[str, str]] = []
+    prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None
+    stream: bool = True
+    count_only: bool = False
+    # Structured generation (inference/grammar.py), checked by the gateway.
+    tools: list[ToolSpec] = []
+    tool_choice: str = "auto"  # "auto", "required", or a function's name
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.tools) or self.response_format is not None
+
+
+class EmbedJob(msgspec.Struct, kw_only=True, tag_field="kind", tag="embedding"):
+    """Texts to embed, one vector each, in order."""
+
+    input: list[str]
+
+
+Job = ChatJob | EmbedJob
+
+
+class JobError(ValueError):
+    """A queued body that is not a job of its kind (its message names what is wrong)."""
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Job)
+_MAX_TOKENS_CAP = 1024
+
+
+def default_max_tokens(max_context: int) -> int:
+    """How long a reply may be when the caller does not say: half the context, at most
+    1,024 tokens (what the gateway reserves quota for)."""
+    return max(1, min(_MAX_TOKENS_CAP, max_context // 2))
+
+
+def encode_job(job: Job) -> bytes:
+    """The job as the queue entry's `body` (compact JSON, tagged with its kind)."""
+    return _encoder.encode(job)
+
+
+def decode_job(body: bytes | str) -> Job:
+    """The job of a queue entry's `body`; JobError when it is not one."""
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise JobError(str(exc)) from None
+
+
+# -- events ----------------------------------------------------------------------------
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ToolCall(TypedDict):
+    id: str
+    name: str
+    arguments: str  # JSON text, valid against the function's parameters
+
+
+class DeltaEvent(TypedDict):
+    """New text of a reply: `text` (possibly empty when held back: a stop string's
+    start, a character split across tokens) for the token ids `ids`; `lp` their
+    log-probability entries when the job asked for them."""
+
+    t: Literal["delta"]
+    seq: int
+    text: str
+    ids: list[int]
+    lp: NotRequired[list[dict[str, Any]]]
+    i: NotRequired[int]  # the choice's index, set by the gateway's fan-out (n > 1)
+
+
+class DoneEvent(TypedDict):
+    """A request's end: why it stopped (`finish`: stop, length, tool_calls; the stop
+    string in `stop_sequence` when one ended it), what it cost, its tool calls."""
+
+    t: Literal["done"]
+    seq: int
+    finish: str
+    usage: Usage
+    tool_calls: NotRequired[list[ToolCall]]
+    stop_sequence: NotRequired[str]
+    i: NotRequired[int]
+
+
+class ErrorEvent(TypedDict):
+    """A request's end in failure: an HTTP status and code, a message safe to show the
+    caller, what it cost so far; `retry` False when the same request would fail again."""
+
+    t: Literal["error"]
+    seq: int
+    status: int
+    code: str
+    message: str
+    usage: Usage
+    retry: NotRequired[bool]
+    i: NotRequired[int]
+
+
+class EmbeddingEvent(TypedDict):
+    t: Literal["embedding"]
+    seq: int
+    data: list[list[float]]
+
+
+Event = DeltaEvent | DoneEvent | ErrorEvent | EmbeddingEvent
+FinalEvent = DoneEvent | ErrorEvent
+FINAL_EVENTS = ("done", "error")  # the tags of the events that end a request
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+
+
+def encode_event(event: Event) -> str:
+    """Compact JSON, `t` first (what FINALS_LUA looks for), UTF-8 as it is."""
+    return wirejson.dumps(event)
