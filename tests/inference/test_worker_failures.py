@@ -48,7 +48,7 @@ def test_kill_9_mid_batch_every_request_answered_exactly_once(
     process_workers.wait_live(rds, spec.name, 2)
 
     async def go(client: InferenceClient) -> None:
-        handles = [await client.submit(spec, tenant=f"t{i % 3}", body=chat(prompt(i)),
+        handles = [await client.submit(spec, tenant=f"t{i % 3}", job=chat(prompt(i)),
                                        timeout_s=60) for i in range(16)]
         await asyncio.sleep(0.4)  # both workers are mid-generation now
         os.kill(victim.pid, signal.SIGKILL)
@@ -81,7 +81,7 @@ def test_request_that_keeps_killing_workers_goes_to_dead_letter(
 
     async def go(client: InferenceClient) -> None:
         nonlocal stream
-        handle = await client.submit(spec, tenant="t", body=chat("poison " * 20), timeout_s=60)
+        handle = await client.submit(spec, tenant="t", job=chat("poison " * 20), timeout_s=60)
         stream = q.stream_key(spec.name, q.stream_suffix("t", 0))
         kills = 0
         deadline = time.monotonic() + 45
@@ -119,7 +119,7 @@ def test_sigterm_drains_running_work_and_hands_back_the_rest(
     process_workers.wait_live(rds, spec.name, 1)
 
     async def go(client: InferenceClient) -> None:
-        handles = [await client.submit(spec, tenant="t", body=chat(prompt(i)), timeout_s=60)
+        handles = [await client.submit(spec, tenant="t", job=chat(prompt(i)), timeout_s=60)
                    for i in range(6)]
         await asyncio.sleep(0.3)
         first.terminate()
@@ -184,7 +184,7 @@ def test_a_worker_whose_model_raises_hands_its_requests_back_at_once(
                       block_ms=50)
 
     async def go(client: InferenceClient) -> tuple[list[Result], float]:
-        handles = [await client.submit(spec, tenant="t", body=chat(t, max_tokens=tokens),
+        handles = [await client.submit(spec, tenant="t", job=chat(t, max_tokens=tokens),
                                        timeout_s=60) for t in texts]
         while not crashed:
             await asyncio.sleep(0.01)
@@ -220,7 +220,7 @@ def test_a_structured_reply_taken_over_mid_stream_is_still_one_valid_value(
     survivor = Worker(spec, redis.Redis.from_url(redis_url), block_ms=50)
 
     async def go(client: InferenceClient) -> tuple[list[Result], int]:
-        handles = [await client.submit(spec, tenant="t", timeout_s=60, body=chat(
+        handles = [await client.submit(spec, tenant="t", timeout_s=60, job=chat(
             f"describe item {i}", max_tokens=150, temperature=1.0, seed=i,
             response_format={"schema": schema})) for i in range(4)]
         while not crashed:
@@ -279,7 +279,7 @@ def test_a_poison_request_is_dead_lettered_without_its_neighbours(
     serving.start()
 
     async def go(client: InferenceClient) -> list[Result]:
-        handles = [await client.submit(spec, tenant="t", body=chat(t, max_tokens=tokens),
+        handles = [await client.submit(spec, tenant="t", job=chat(t, max_tokens=tokens),
                                        timeout_s=60)
                    for t in [*neighbours[:2], "a zebra", *neighbours[2:]]]
         return list(await asyncio.gather(*[collect(h) for h in handles]))
