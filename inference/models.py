@@ -7,10 +7,13 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
-from inference.spec import DeploymentSpec, RuntimeName
+from inference.spec import DeploymentSpec, Dialect, RuntimeName, UpstreamSpec
 
 # Names end up inside Redis hash tags ({name}): no braces, no spaces.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+# A public model name an alias answers to: also "org/model:tag" as OpenAI-style clients
+# send them (never inside a Redis key: calls run on the deployments behind it).
+ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,99}$"
 
 
 class Deployment(models.Model):
@@ -49,6 +52,25 @@ class Deployment(models.Model):
     max_queue_age_s = models.FloatField(
         default=2.0, validators=[MinValueValidator(0.1), MaxValueValidator(3600.0)],
         help_text="A queued request older than this asks for one more worker.")
+    # An openai_upstream deployment's server (inference/upstream/). The URL is checked
+    # by the SSRF guard (inference/upstream/urls.py) in the services, never here alone;
+    # the API key is stored sealed (inference/upstream/secrets.py), with its last four
+    # characters as the only readable part.
+    upstream_url = models.CharField(max_length=2000, blank=True, default="")
+    upstream_model = models.CharField(max_length=200, blank=True, default="")
+    upstream_secret = models.TextField(blank=True, default="", editable=False)
+    upstream_secret_hint = models.CharField(max_length=4, blank=True, default="",
+                                            editable=False)
+    upstream_dialect = models.CharField(
+        max_length=16, choices=[(d.value, d.value) for d in Dialect], default=Dialect.OPENAI.value)
+    upstream_concurrency = models.PositiveIntegerField(
+        default=64, validators=[MinValueValidator(1), MaxValueValidator(4096)],
+        help_text="Requests in flight to the upstream per worker.")
+    upstream_connect_timeout_s = models.FloatField(
+        default=5.0, validators=[MinValueValidator(0.1), MaxValueValidator(300.0)])
+    upstream_read_timeout_s = models.FloatField(
+        default=60.0, validators=[MinValueValidator(1.0), MaxValueValidator(3600.0)],
+        help_text="The longest silence between two chunks of a reply.")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -56,6 +78,10 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def is_upstream(self) -> bool:
+        return self.runtime == RuntimeName.OPENAI_UPSTREAM
 
     def clean(self) -> None:
         if None not in (self.min_replicas, self.max_replicas) and \
@@ -69,4 +95,64 @@ class Deployment(models.Model):
             max_context=self.max_context, max_queue_depth=self.max_queue_depth,
             tenant_queue_share=self.tenant_queue_share, max_deliveries=self.max_deliveries,
             echo_token_delay_ms=self.echo_token_delay_ms,
+            upstream=UpstreamSpec(
+                base_url=self.upstream_url, model=self.upstream_model,
+                secret_sealed=self.upstream_secret, dialect=Dialect(self.upstream_dialect),
+                concurrency=self.upstream_concurrency,
+                connect_timeout_s=self.upstream_connect_timeout_s,
+                read_timeout_s=self.upstream_read_timeout_s) if self.is_upstream else None,
         )
+
+
+class ModelAlias(models.Model):
+    """A public model name served by one or more deployments: a weighted draw among its
+    targets first, then its fallbacks in order (inference/routing.py)."""
+
+    name = models.CharField(max_length=100, unique=True,
+                            validators=[RegexValidator(ALIAS_PATTERN)])
+    description = models.CharField(max_length=300, blank=True, default="")
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class AliasTarget(models.Model):
+    """A deployment an alias sends a share of its calls to: weight / sum of weights."""
+
+    alias = models.ForeignKey(ModelAlias, on_delete=models.CASCADE, related_name="targets")
+    deployment = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="+")
+    weight = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(10_000)])
+
+    class Meta:
+        ordering = ["alias", "id"]
+        constraints = [models.UniqueConstraint(fields=["alias", "deployment"],
+                                               name="alias_target_once")]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id} x{self.weight}"
+
+
+class AliasFallback(models.Model):
+    """A deployment tried, in `position` order, after every target failed or was
+    unavailable."""
+
+    alias = models.ForeignKey(ModelAlias, on_delete=models.CASCADE, related_name="fallbacks")
+    deployment = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="+")
+    position = models.PositiveSmallIntegerField()
+
+    class Meta:
+        ordering = ["alias", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["alias", "deployment"], name="alias_fallback_once"),
+            models.UniqueConstraint(fields=["alias", "position"], name="alias_fallback_position"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.position}: {self.deployment_id}"

@@ -16,6 +16,9 @@ class RuntimeName(StrEnum):
     ENCODER = "encoder"  # any transformers sentence encoder folder (mean pooling)
     TINY_CAUSAL_LM = "tiny_causal_lm"  # random weights, same architecture: tests only
     ECHO = "echo"  # no compute: returns the prompt's tokens; gateway benchmarks only
+    # Another OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, another Sluice):
+    # the deployment's `upstream` says where and how (inference/upstream/).
+    OPENAI_UPSTREAM = "openai_upstream"
 
 
 class Kind(StrEnum):
@@ -28,7 +31,33 @@ KIND_OF = {
     RuntimeName.TINY_CAUSAL_LM: Kind.CHAT,
     RuntimeName.ECHO: Kind.CHAT,
     RuntimeName.ENCODER: Kind.EMBEDDING,
+    RuntimeName.OPENAI_UPSTREAM: Kind.CHAT,
 }
+
+
+class Dialect(StrEnum):
+    """Which OpenAI-compatible server an upstream is: what it accepts beyond OpenAI's
+    own parameters (inference/upstream/body.py reads it)."""
+
+    VLLM = "vllm"  # cache_salt, continue_final_message, ignore_eos
+    SGLANG = "sglang"  # continue_final_message, ignore_eos
+    OPENAI = "openai"  # OpenAI's parameters only (TGI, llama.cpp, hosted APIs)
+    SLUICE = "sluice"  # another Sluice: OpenAI's parameters only, refuses any other
+
+
+@dataclass(frozen=True)
+class UpstreamSpec:
+    """Where an `openai_upstream` deployment sends its calls. `secret_sealed` is the
+    API key as stored (inference/upstream/secrets.py: encrypted, "" for none); the
+    plaintext is opened only by the process that sends the request."""
+
+    base_url: str  # validated (inference/upstream/urls.py), e.g. http://10.0.0.5:8000/v1
+    model: str  # the upstream's own name for the model
+    secret_sealed: str = ""
+    dialect: Dialect = Dialect.OPENAI
+    concurrency: int = 64  # requests in flight per worker
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0  # the longest silence between two chunks
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,7 @@ class DeploymentSpec:
     # Echo runtime: delay per generated token, to mimic a model's pace.
     echo_token_delay_ms: float = 0.0
     extra: dict[str, object] = field(default_factory=dict)
+    upstream: UpstreamSpec | None = None  # only for RuntimeName.OPENAI_UPSTREAM
 
     @property
     def kind(self) -> Kind:
@@ -61,4 +91,8 @@ class DeploymentSpec:
     def from_json(cls, raw: str) -> DeploymentSpec:
         data = json.loads(raw)
         data["runtime"] = RuntimeName(data["runtime"])
+        upstream = data.get("upstream")
+        if upstream is not None:
+            upstream["dialect"] = Dialect(upstream["dialect"])
+            data["upstream"] = UpstreamSpec(**upstream)
         return cls(**data)

@@ -1,0 +1,93 @@
+"""inference/routing.py alone: the order in which a call tries an alias's deployments."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from inference.routing import Plan, Route, Skip, Target, backoff_s, plan
+
+
+def _route(weights: dict[str, int], fallbacks: tuple[str, ...] = (),
+           context: dict[str, int] | None = None) -> Route:
+    ctx = context or {}
+    return Route(alias="chat",
+                 targets=tuple(Target(n, w, ctx.get(n, 0)) for n, w in weights.items()),
+                 fallbacks=tuple(Target(n, 1, ctx.get(n, 0)) for n in fallbacks))
+
+
+def test_weighted_aliases_split_calls_as_configured_within_a_tolerance() -> None:
+    # Given weights 70/20/10 and a seeded source; when 20,000 calls are planned; then
+    # each target is tried first in its share of them, within one percentage point
+    # (the binomial standard deviation at 20,000 draws is at most 0.36 point).
+    rng = random.Random(1234)
+    route = _route({"a": 70, "b": 20, "c": 10})
+    n = 20_000
+    firsts = Counter(plan(route, rng=rng).order[0] for _ in range(n))
+    shares = {name: firsts[name] / n for name in "abc"}
+    assert shares["a"] == pytest.approx(0.70, abs=0.01), shares
+    assert shares["b"] == pytest.approx(0.20, abs=0.01), shares
+    assert shares["c"] == pytest.approx(0.10, abs=0.01), shares
+
+
+def test_a_failed_first_choice_moves_to_the_other_targets_by_weight_then_fallbacks() -> None:
+    rng = random.Random(7)
+    route = _route({"a": 3, "b": 1}, fallbacks=("f1", "f2"))
+    seconds: Counter[str] = Counter()
+    for _ in range(8_000):
+        order = plan(route, rng=rng).order
+        assert sorted(order[:2]) == ["a", "b"] and order[2:] == ("f1", "f2")
+        seconds[order[1]] += 1
+    # b is second whenever a was first (3/4 of the calls).
+    assert seconds["b"] / 8_000 == pytest.approx(0.75, abs=0.02)
+
+
+def test_unavailable_deployments_are_skipped_with_their_reason() -> None:
+    route = _route({"a": 1, "b": 1}, fallbacks=("f",))
+    result = plan(route, rng=random.Random(0),
+                  unavailable={"a": Skip.BREAKER_OPEN, "f": Skip.DISABLED})
+    assert result == Plan(order=("b",), skipped={"a": Skip.BREAKER_OPEN, "f": Skip.DISABLED})
+
+
+def test_a_prompt_too_long_for_a_deployment_goes_to_one_with_room() -> None:
+    route = _route({"small": 1}, fallbacks=("large",),
+                   context={"small": 2048, "large": 32_768})
+    result = plan(route, rng=random.Random(0), prompt_bound=4000)
+    assert result.order == ("large",)
+    assert result.skipped == {"small": Skip.CONTEXT}
+    assert not result.only_context
+    fits = plan(route, rng=random.Random(0), prompt_bound=2048)
+    assert fits.order == ("small", "large")
+
+
+def test_too_long_everywhere_is_told_apart_from_an_outage() -> None:
+    route = _route({"small": 1}, context={"small": 100})
+    assert plan(route, rng=random.Random(0), prompt_bound=101).only_context
+    down = plan(route, rng=random.Random(0), unavailable={"small": Skip.BREAKER_OPEN})
+    assert down.order == () and not down.only_context
+
+
+def test_a_deployment_both_target_and_fallback_is_tried_once() -> None:
+    route = _route({"a": 1, "b": 1}, fallbacks=("a", "c"))
+    order = plan(route, rng=random.Random(3)).order
+    assert sorted(order[:2]) == ["a", "b"] and order[2:] == ("c",)
+
+
+def test_the_same_seed_gives_the_same_plans() -> None:
+    route = _route({"a": 5, "b": 3, "c": 2}, fallbacks=("z",))
+    first = [plan(route, rng=random.Random(99)).order for _ in range(3)]
+    rng1, rng2 = random.Random(42), random.Random(42)
+    assert [plan(route, rng=rng1).order for _ in range(50)] == \
+        [plan(route, rng=rng2).order for _ in range(50)]
+    assert first[0] == first[1] == first[2]
+
+
+def test_backoff_grows_with_full_jitter_up_to_its_cap() -> None:
+    rng = random.Random(5)
+    assert backoff_s(0, rng=rng) == 0.0
+    for attempt, ceiling in [(1, 0.05), (2, 0.1), (3, 0.2), (10, 2.0), (200, 2.0)]:
+        pauses = [backoff_s(attempt, rng=rng) for _ in range(500)]
+        assert all(0.0 <= p <= ceiling for p in pauses)
+        assert max(pauses) > 0.8 * ceiling  # jitter spans the range, not a constant
