@@ -124,8 +124,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                if settings.SLUICE_TLS_CERT_FILE else None)
         server = choose(args.server, tls=tls is not None, http=settings.SLUICE_HTTP_VERSION)
         try:
-            if tls is not None:
-                tls.check()
+            for pair in (tls, Tls(settings.SLUICE_GRPC_TLS_CERT_FILE,
+                                  settings.SLUICE_GRPC_TLS_KEY_FILE)):
+                if pair is not None and pair.cert_file:
+                    pair.check()
             serving = http_command(server, "sluice.asgi:application", host=args.host,
                                    port=args.port, tls=tls, http=settings.SLUICE_HTTP_VERSION,
                                    workers=args.workers or default_workers(server))

@@ -21,7 +21,11 @@ workers.
 TLS and HTTP/2 (docs/TLS.md): granian is the one of the three that speaks HTTP/2 (h2 by
 ALPN beside http/1.1 over TLS, h2c by prior knowledge beside HTTP/1.1 without), so the
 run command picks it (`choose`) when a certificate is configured or HTTP/2 only is asked
-for; uvicorn serves TLS with HTTP/1.1 only, daphne no TLS here."""
+for; uvicorn serves TLS with HTTP/1.1 only, daphne no TLS here. In
+tests/bench/bench_http2.py (docs/BENCHMARKS.md, "HTTP/2 and TLS on the edge") granian's
+HTTP/1.1 also out-served uvicorn's at 50-2,000 clients (1.1-2.3x req/s, two runs on a
+loaded VM), but the lone-request latency and SSE memory behind the default were not
+measured there, so plain HTTP/1.1 keeps uvicorn."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ a fixed number of requests at each level of concurrent clients (--levels, defaul
               proxy in front or a pooled SDK client does)
   h1 / h2c    the same server without TLS: HTTP/1.1, and h2c by prior knowledge
   uvicorn h1  the run command's server without TLS (today's default), for reference
+At each level the modes take turns in a rotated order.
 p50/p99 come from h2load's per-request log (request sent to response ended); req/s is
 h2load's, connection set-up included. Ratios are against h1 TLS at the same level.
 
@@ -222,8 +223,11 @@ def main() -> None:
         for mode in modes.values():  # warm-up: caches, connections, the worker's batches
             h2load(mode["url"], 50, 500, key, body, log, h1=mode.get("h1", False))
         results: dict[tuple[int, str], dict[str, float]] = {}
-        for level in levels:
-            for name, mode in modes.items():
+        names = list(modes)
+        for turn, level in enumerate(levels):
+            # the modes take turns in a rotated order: none always runs first
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                mode = modes[name]
                 results[(level, name)] = h2load(
                     mode["url"], level, max(args.requests, 2 * level), key, body, log,
                     h1=mode.get("h1", False), streams=min(level, mode.get("streams", 1)))
@@ -242,8 +246,8 @@ def main() -> None:
                       "requests": args.requests, "handshakes": args.handshakes}))
     print(f"{'clients':>7} {'mode':12} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>9} "
           f"{'failed':>7}  vs h1 TLS: req/s, p50, p99")
-    for (level, name), r in results.items():
-        base = results[(level, "h1 TLS")]
+    for level, name in ((lv, n) for lv in levels for n in names):
+        r, base = results[(level, name)], results[(level, "h1 TLS")]
         print(f"{level:7} {name:12} {r['rps']:8.0f} {r['p50']:8.2f} {r['p99']:9.2f} "
               f"{r['failed']:7.0f}  {r['rps'] / base['rps']:.2f}x "
               f"{r['p50'] / base['p50']:.2f}x {r['p99'] / base['p99']:.2f}x")
