@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from django.http import HttpRequest
 from ninja import Field, Router, Status
@@ -11,6 +11,9 @@ from ninja.pagination import paginate
 from inference import selectors, services
 from inference.models import Deployment
 from inference.schemas import (
+    AliasCreateIn,
+    AliasOut,
+    AliasUpdateIn,
     DeploymentCreateIn,
     DeploymentOut,
     DeploymentUpdateIn,
@@ -26,6 +29,12 @@ router = Router(tags=["deployments"])
 models_router = Router(tags=["models"])
 
 
+def _secret(fields: dict[str, Any]) -> str | None:
+    """The write-only API key out of a body's fields, as the services take it."""
+    value = fields.pop("upstream_api_key", None)
+    return None if value is None else value.get_secret_value()
+
+
 @router.get("/deployments", response=list[DeploymentOut])
 @paginate(Pagination)
 def deployment_list(request: HttpRequest):
@@ -34,9 +43,13 @@ def deployment_list(request: HttpRequest):
 
 @router.post("/deployments", response={201: DeploymentOut})
 def deployment_create(request: HttpRequest, data: DeploymentCreateIn):
+    """A deployment. `openai_upstream`: `upstream_url` (http or https; loopback and
+    private addresses only where the operator allows them), `upstream_model`, and an
+    optional write-only `upstream_api_key`."""
     fields = data.model_dump(exclude_none=True)
     name = fields.pop("name")
-    return Status(201, services.deployment_create(actor=actor_of(request), name=name, **fields))
+    return Status(201, services.deployment_create(actor=actor_of(request), name=name,
+                                                  upstream_api_key=_secret(fields), **fields))
 
 
 @router.get("/deployments/{name}", response=DeploymentOut)
@@ -46,8 +59,10 @@ def deployment_get(request: HttpRequest, name: str):
 
 @router.patch("/deployments/{name}", response=DeploymentOut)
 def deployment_update(request: HttpRequest, name: str, data: DeploymentUpdateIn):
+    """Change the given fields; `upstream_api_key` "" removes the key."""
+    fields = data.model_dump(exclude_none=True)
     return services.deployment_update(actor=actor_of(request), name=name,
-                                      **data.model_dump(exclude_none=True))
+                                      upstream_api_key=_secret(fields), **fields)
 
 
 @router.get("/deployments/{name}/scaling", response=ScalingOut)
@@ -56,6 +71,44 @@ def deployment_scaling(request: HttpRequest, name: str,
     """The autoscaler's view of a deployment and its recent decisions, restarts and cold
     starts (newest first), each with its reason."""
     return selectors.scaling(actor=actor_of(request), name=name, limit=limit)
+
+
+# Alias names may hold "/" (OpenAI-style "org/model"): the path converter takes it.
+@router.get("/model-aliases", response=list[AliasOut], tags=["model aliases"])
+@paginate(Pagination)
+def alias_list(request: HttpRequest):
+    return selectors.alias_list(actor=actor_of(request))
+
+
+@router.post("/model-aliases", response={201: AliasOut}, tags=["model aliases"])
+def alias_create(request: HttpRequest, data: AliasCreateIn):
+    """A public model name served by deployments: `targets` share its calls by weight,
+    `fallbacks` are tried in order after them."""
+    alias = services.alias_create(actor=actor_of(request), name=data.name,
+                                  targets=[(t.deployment, t.weight) for t in data.targets],
+                                  fallbacks=data.fallbacks, description=data.description or "",
+                                  enabled=data.enabled is not False)
+    return Status(201, selectors.alias_get(actor=actor_of(request), name=alias.name))
+
+
+@router.get("/model-aliases/{path:name}", response=AliasOut, tags=["model aliases"])
+def alias_get(request: HttpRequest, name: str):
+    return selectors.alias_get(actor=actor_of(request), name=name)
+
+
+@router.patch("/model-aliases/{path:name}", response=AliasOut, tags=["model aliases"])
+def alias_update(request: HttpRequest, name: str, data: AliasUpdateIn):
+    targets, fallbacks = data.routes()
+    services.alias_update(actor=actor_of(request), name=name, targets=targets,
+                          fallbacks=fallbacks, description=data.description,
+                          enabled=data.enabled)
+    return selectors.alias_get(actor=actor_of(request), name=name)
+
+
+@router.delete("/model-aliases/{path:name}", response={204: None}, tags=["model aliases"])
+def alias_delete(request: HttpRequest, name: str):
+    services.alias_delete(actor=actor_of(request), name=name)
+    return Status(204, None)
 
 
 def _model(deployment: Deployment) -> ModelOut:

@@ -8,8 +8,8 @@ An alias (inference/models.py ModelAlias) has weighted targets and ordered fallb
    tried is target i with probability weight_i / sum(weights), and when it fails the
    call moves to another target before any fallback;
 2. then the available fallbacks, in their configured order.
-A deployment is unavailable, and skipped with its reason, when the caller says so
-(disabled, its breaker open: `unavailable`) or when its context cannot hold the call
+A deployment is unavailable, and skipped with its reason, when it is disabled, when the
+caller says so (its breaker open: `unavailable`) or when its context cannot hold the call
 (`prompt_bound`: the prompt's tokens plus the reply's maximum, a bound the caller
 computes). A deployment listed both as a target and as a fallback is tried once.
 
@@ -39,6 +39,7 @@ class Target:
     deployment: str
     weight: int = 1  # fallbacks: unused
     max_context: int = 0  # 0: unknown, never skipped for context
+    enabled: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ def plan(route: Route, *, rng: random.Random,
     def usable(target: Target) -> bool:
         name = target.deployment
         if name in seen or name in skipped:
+            return False
+        if not target.enabled:
+            skipped[name] = Skip.DISABLED
             return False
         if name in down:
             skipped[name] = down[name]

@@ -6,10 +6,10 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from ninja import Schema
-from pydantic import Field, StringConstraints
+from pydantic import Field, SecretStr, StringConstraints
 
-from inference.models import NAME_PATTERN
-from inference.spec import RuntimeName
+from inference.models import ALIAS_PATTERN, NAME_PATTERN, ModelAlias
+from inference.spec import Dialect, RuntimeName
 from sluice.schemas import Line, StrictSchema, Text
 
 
@@ -35,11 +35,29 @@ class DeploymentOut(Schema):
     scale_down_delay_s: float
     scale_to_zero_delay_s: float
     max_queue_age_s: float
+    # openai_upstream: where calls go. The API key is write-only: only whether one is
+    # set and, for a long one, its last four characters.
+    upstream_url: str
+    upstream_model: str
+    upstream_dialect: Dialect
+    upstream_concurrency: int
+    upstream_connect_timeout_s: float
+    upstream_read_timeout_s: float
+    upstream_api_key_set: bool
+    upstream_api_key_hint: str
     created_at: datetime
 
     @staticmethod
     def resolve_kind(obj: object) -> str:
         return obj.to_spec().kind.value  # type: ignore[attr-defined]
+
+    @staticmethod
+    def resolve_upstream_api_key_set(obj: object) -> bool:
+        return bool(obj.upstream_secret)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def resolve_upstream_api_key_hint(obj: object) -> str:
+        return str(obj.upstream_secret_hint)  # type: ignore[attr-defined]
 
 
 class DeploymentUpdateIn(StrictSchema):
@@ -62,6 +80,14 @@ class DeploymentUpdateIn(StrictSchema):
     scale_down_delay_s: Annotated[float, Field(ge=0.0, le=86_400.0)] | None = None
     scale_to_zero_delay_s: Annotated[float, Field(ge=0.0, le=86_400.0)] | None = None
     max_queue_age_s: Annotated[float, Field(ge=0.1, le=3600.0)] | None = None
+    upstream_url: Annotated[Line, StringConstraints(max_length=2000)] | None = None
+    upstream_model: Annotated[Line, StringConstraints(max_length=200)] | None = None
+    upstream_dialect: Dialect | None = None
+    upstream_concurrency: Annotated[int, Field(ge=1, le=4096)] | None = None
+    upstream_connect_timeout_s: Annotated[float, Field(ge=0.1, le=300.0)] | None = None
+    upstream_read_timeout_s: Annotated[float, Field(ge=1.0, le=3600.0)] | None = None
+    # Write-only: a new key ("" removes it). Never echoed, in replies or in errors.
+    upstream_api_key: Annotated[SecretStr, Field(max_length=4096)] | None = None
 
 
 class DeploymentCreateIn(DeploymentUpdateIn):
@@ -102,3 +128,57 @@ class ScalingOut(Schema):
     driver: str | None
     updated_at: float | None
     events: list[ScalingEventOut]
+
+
+# -- model aliases ---------------------------------------------------------------------
+DeploymentName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+
+
+class AliasTargetIn(StrictSchema):
+    deployment: DeploymentName
+    weight: Annotated[int, Field(ge=1, le=10_000)] = 1
+
+
+class AliasUpdateIn(StrictSchema):
+    description: Annotated[Text, StringConstraints(max_length=300)] | None = None
+    enabled: bool | None = None
+    # Each replaces its list as a whole.
+    targets: Annotated[list[AliasTargetIn], Field(min_length=1, max_length=32)] | None = None
+    fallbacks: Annotated[list[DeploymentName], Field(max_length=16)] | None = None
+
+    def routes(self) -> tuple[list[tuple[str, int]] | None, list[str] | None]:
+        targets = None if self.targets is None else \
+            [(t.deployment, t.weight) for t in self.targets]
+        return targets, self.fallbacks
+
+
+class AliasCreateIn(AliasUpdateIn):
+    name: Annotated[str, StringConstraints(pattern=ALIAS_PATTERN)]
+    targets: Annotated[list[AliasTargetIn], Field(min_length=1, max_length=32)]
+
+
+class AliasTargetOut(Schema):
+    deployment: str
+    weight: int
+    share: float  # of the calls this target is tried first for, all targets available
+
+
+class AliasOut(Schema):
+    name: str
+    description: str
+    enabled: bool
+    targets: list[AliasTargetOut]
+    fallbacks: list[str]
+    created_at: datetime
+    updated_at: datetime
+
+    @staticmethod
+    def resolve_targets(obj: ModelAlias) -> list[dict[str, object]]:
+        rows = list(obj.targets.all())
+        total = sum(t.weight for t in rows) or 1
+        return [{"deployment": t.deployment.name, "weight": t.weight,
+                 "share": round(t.weight / total, 4)} for t in rows]
+
+    @staticmethod
+    def resolve_fallbacks(obj: ModelAlias) -> list[str]:
+        return [f.deployment.name for f in obj.fallbacks.all()]

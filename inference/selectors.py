@@ -1,16 +1,20 @@
-"""Reads of the deployment registry."""
+"""Reads of the deployment registry and the model aliases."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import QuerySet
+from django.conf import settings
+from django.db.models import Prefetch, QuerySet
 
 from inference.autoscaler import events, state
-from inference.models import Deployment
+from inference.models import AliasFallback, AliasTarget, Deployment, ModelAlias
 from inference.queue import live_heartbeats, workers_key
+from inference.routing import Route, Target
+from sluice.db import async_db
 from sluice.errors import NotFound
 from sluice.redis import sync_redis
+from sluice.ttlcache import AsyncTTLCache
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -60,3 +64,51 @@ def scaling(*, actor: Principal, name: str, limit: int = 50) -> dict[str, Any]:
             "running": now.get("running"), "live_workers": len(live),
             "depth": now.get("depth"), "oldest_age_s": now.get("oldest_age_s"),
             "driver": now.get("driver"), "updated_at": now.get("ts"), "events": rows}
+
+
+# -- model aliases ---------------------------------------------------------------------
+def alias_list(*, actor: Principal) -> QuerySet[ModelAlias]:
+    """Every model alias (platform admins)."""
+    require(actor, Action.DEPLOYMENT_MANAGE)
+    return ModelAlias.objects.order_by("name").prefetch_related(
+        Prefetch("targets", AliasTarget.objects.select_related("deployment")),
+        Prefetch("fallbacks", AliasFallback.objects.select_related("deployment")))
+
+
+def alias_get(*, actor: Principal, name: str) -> ModelAlias:
+    alias = alias_list(actor=actor).filter(name=name).first()
+    if alias is None:
+        raise NotFound(f"The model alias '{name}' does not exist.", param="name")
+    return alias
+
+
+def route_of(alias: ModelAlias) -> Route:
+    """An alias as inference/routing.py reads it (its targets and fallbacks loaded)."""
+    def target(row: AliasTarget | AliasFallback, weight: int) -> Target:
+        return Target(row.deployment.name, weight, row.deployment.max_context,
+                      row.deployment.enabled)
+    return Route(alias=alias.name,
+                 targets=tuple(target(t, t.weight) for t in alias.targets.all()),
+                 fallbacks=tuple(target(f, 1) for f in alias.fallbacks.all()))
+
+
+def _load_route(name: str) -> Route | None:
+    alias = ModelAlias.objects.filter(name=name, enabled=True).prefetch_related(
+        Prefetch("targets", AliasTarget.objects.select_related("deployment")),
+        Prefetch("fallbacks", AliasFallback.objects.select_related("deployment"))).first()
+    return route_of(alias) if alias is not None else None
+
+
+_routes: AsyncTTLCache[str, Route | None] = AsyncTTLCache(max_entries=10_000)
+
+
+async def alias_route(name: str) -> Route | None:
+    """The enabled alias `name` for the hot path (None: no such enabled alias), cached
+    in-process like the deployment specs (inference/cache.py): an edit reaches every
+    gateway within SLUICE_REGISTRY_CACHE_TTL_S."""
+    return await _routes.get(name, lambda: async_db(_load_route)(name),
+                             float(settings.SLUICE_REGISTRY_CACHE_TTL_S))
+
+
+def clear_routes() -> None:
+    _routes.clear()

@@ -45,10 +45,13 @@ def test_a_failed_first_choice_moves_to_the_other_targets_by_weight_then_fallbac
 
 
 def test_unavailable_deployments_are_skipped_with_their_reason() -> None:
-    route = _route({"a": 1, "b": 1}, fallbacks=("f",))
+    route = Route(alias="chat", targets=(Target("a"), Target("b"), Target("off", 5,
+                                                                          enabled=False)),
+                  fallbacks=(Target("f"),))
     result = plan(route, rng=random.Random(0),
-                  unavailable={"a": Skip.BREAKER_OPEN, "f": Skip.DISABLED})
-    assert result == Plan(order=("b",), skipped={"a": Skip.BREAKER_OPEN, "f": Skip.DISABLED})
+                  unavailable={"a": Skip.BREAKER_OPEN, "f": Skip.BREAKER_OPEN})
+    assert result == Plan(order=("b",), skipped={
+        "a": Skip.BREAKER_OPEN, "off": Skip.DISABLED, "f": Skip.BREAKER_OPEN})
 
 
 def test_a_prompt_too_long_for_a_deployment_goes_to_one_with_room() -> None:
