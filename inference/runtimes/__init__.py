@@ -22,15 +22,18 @@ def load_runtime(spec: DeploymentSpec) -> ChatRuntime | EmbeddingRuntime:
         import torch
 
         torch.set_num_threads(int(threads))
-    if spec.runtime == RuntimeName.TINY_CAUSAL_LM:
-        from inference.runtimes.causal_lm import tiny_causal_lm
+    if spec.runtime in (RuntimeName.TINY_CAUSAL_LM, RuntimeName.CAUSAL_LM):
+        from inference.runtimes.causal_lm import runtime_class, tiny_causal_lm
+        from inference.runtimes.kv import DecodeOptions
 
-        return tiny_causal_lm(device=device, max_context=spec.max_context)
-    if spec.runtime == RuntimeName.CAUSAL_LM:
-        from inference.runtimes.causal_lm import CausalLMRuntime
-
-        return CausalLMRuntime.from_folder(resolve(spec.weights), device=device,
-                                           max_context=spec.max_context)
+        # The decode path and the KV cache's size (spec.extra; kv.py lists the keys).
+        options = DecodeOptions.parse(spec.extra, max_batch_size=spec.max_batch_size)
+        if spec.runtime == RuntimeName.TINY_CAUSAL_LM:
+            return tiny_causal_lm(device=device, max_context=spec.max_context,
+                                  options=options)
+        return runtime_class(options).from_folder(resolve(spec.weights), device=device,
+                                                  max_context=spec.max_context,
+                                                  options=options)
     from inference.runtimes.encoder import EncoderRuntime
 
     return EncoderRuntime.from_folder(resolve(spec.weights), device=device,

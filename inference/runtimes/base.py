@@ -9,6 +9,14 @@ Contract for chat runtimes (continuous batching, vLLM-style but small):
   a numerical fault of the model on that input) gets `FAILED` instead of a token, from
   `add` or `step`; the runtime stays consistent (the other sequences go on) and the
   caller drops it. One bad sequence never fails its batch.
+- KV cache capacity: `kv_capacity_tokens` (None: the runtime sets no bound) and
+  `kv_used_tokens()` describe the cache; before `add`, the caller asks
+  `kv_admission(seq, joining=...)` for each new sequence, passing the sequences it has
+  already accepted for the same `add`. None: it fits. A `KVRefusal` says why not:
+  `retriable` False (answer 400: the sequence alone is more than the cache can ever
+  hold) or True (answer 503 and retry: it fits once running sequences leave). `add`
+  raises `KVCapacityError` (and changes nothing) for a batch that does not fit, so a
+  caller that skips the check gets a typed error, never an out-of-memory crash.
 Tokenizer methods are pure and thread-safe. Embedding runtimes batch per call.
 """
 
@@ -71,9 +79,36 @@ class NewSequence:
     constraint: Any = None
 
 
+@dataclass(frozen=True)
+class KVRefusal:
+    """Why the KV cache cannot take a sequence: `retriable` False, never (the request
+    alone exceeds the cache: a 400); True, not now (it fits once running sequences
+    leave: a retriable 503). `needed` and `capacity` are in tokens."""
+
+    retriable: bool
+    code: str  # "kv_cache_too_small" | "kv_cache_full"
+    message: str
+    needed: int
+    capacity: int
+
+    @property
+    def status(self) -> int:
+        return 503 if self.retriable else 400
+
+
+class KVCapacityError(RuntimeError):
+    """`add` was given sequences the KV cache cannot hold; nothing was changed."""
+
+    def __init__(self, refusal: KVRefusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
 class ChatRuntime(ABC):
     eos_token_ids: frozenset[int] = frozenset()
     max_context: int = 2048
+    # Tokens the KV cache holds at most (None: the runtime sets no bound of its own).
+    kv_capacity_tokens: int | None = None
 
     @abstractmethod
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
@@ -107,6 +142,16 @@ class ChatRuntime(ABC):
     @property
     @abstractmethod
     def active(self) -> list[str]: ...
+
+    def kv_used_tokens(self) -> int:
+        """Tokens the KV cache takes now (padding included where the layout pads)."""
+        return 0
+
+    def kv_admission(self, seq: NewSequence,
+                     joining: Sequence[NewSequence] = ()) -> KVRefusal | None:
+        """None if `seq` can join the running sequences beside `joining` (those the
+        caller accepted for the same `add`), else why not. Pure: reserves nothing."""
+        return None
 
     def memory(self) -> tuple[int, int]:
         return process_memory()

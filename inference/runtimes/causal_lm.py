@@ -6,8 +6,15 @@ side is shorter on the left); finished ones are removed by row, and columns that
 padding for every row are trimmed. Each decode step is one forward pass for the whole
 batch with per-row position ids and an attention mask that hides the padding.
 
+The cache is bounded by `kv_capacity_tokens` (inference.runtimes.kv: a setting, or a
+share of the device's free memory on CUDA). Its footprint is rows x width, and the width
+is the longest row: a sequence reserves its prompt plus the tokens it may generate
+(capped at max_context), and `kv_admission` accepts it while rows x the longest
+reservation stays within the capacity.
+
 Works with full-attention decoder models (Llama, SmolLM, Qwen2, Mistral without sliding
-windows...). The weights may be any local transformers folder.
+windows...). The weights may be any local transformers folder. `static_lm.py` decodes
+the same models over preallocated slots instead (spec.extra "decode": "static").
 """
 
 from __future__ import annotations
@@ -24,19 +31,24 @@ from inference import masks as grammar_masks
 from inference.runtimes.base import (
     FAILED,
     ChatRuntime,
+    KVCapacityError,
+    KVRefusal,
     NewSequence,
     SamplingParams,
     TokenLogprob,
     TorchModel,
 )
+from inference.runtimes.kv import DecodeOptions, kv_bytes_per_token, kv_capacity
 from inference.runtimes.sampling import generator_for, sample
 
 T = TypeVar("T")
 
 
 class CausalLMRuntime(TorchModel, ChatRuntime):
-    def __init__(self, model: Any, tokenizer: Any, *, device: str, max_context: int) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, device: str, max_context: int,
+                 options: DecodeOptions | None = None) -> None:
         self._bind(model, tokenizer, device=device, max_context=max_context)
+        self.options = options or DecodeOptions()
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos else [])
@@ -53,6 +65,10 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._counts: list[dict[int, int] | None] = []
         # Per sequence that asks for them, its tokens' log probabilities not yet popped.
         self._logprobs: dict[str, deque[TokenLogprob]] = {}
+        # Per row, the most tokens it may take in the cache (kv_admission's unit).
+        self._reserved: list[int] = []
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model.config, self.model.dtype)
+        self.kv_capacity_tokens = self._size_cache()
         self._cache: Any = None
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=device)
         self._pos = torch.zeros((0,), dtype=torch.long, device=device)
@@ -65,13 +81,54 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
             tokenizer, "clean_up_tokenization_spaces", True) else None)
 
     @classmethod
-    def from_folder(cls, folder: Path, *, device: str, max_context: int) -> CausalLMRuntime:
+    def from_folder(cls, folder: Path, *, device: str, max_context: int,
+                    options: DecodeOptions | None = None) -> CausalLMRuntime:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=weights_dtype(device),
                                                      use_kernels=False)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        return cls(model, tokenizer, device=device, max_context=max_context)
+        return cls(model, tokenizer, device=device, max_context=max_context, options=options)
+
+    def _size_cache(self) -> int | None:
+        """The cache's capacity in tokens, once the weights are on the device."""
+        return kv_capacity(self.options, bytes_per_token=self.kv_bytes_per_token,
+                           device=self.device, max_context=self.max_context)
+
+    # -- KV cache capacity -----------------------------------------------------------
+    def reserved_tokens(self, seq: NewSequence) -> int:
+        """The most tokens `seq` may take in the cache: its prompt and what it may
+        generate, capped at max_context (the caller stops a sequence there)."""
+        prompt = len(seq.prompt_ids)
+        return max(prompt + 1, min(prompt + max(seq.params.max_tokens, 1), self.max_context))
+
+    def kv_used_tokens(self) -> int:
+        return len(self._rids) * int(self._mask.shape[1]) if self._rids else 0
+
+    def kv_admission(self, seq: NewSequence,
+                     joining: Sequence[NewSequence] = ()) -> KVRefusal | None:
+        capacity = self.kv_capacity_tokens
+        if capacity is None:
+            return None
+        need = self.reserved_tokens(seq)
+        if need > capacity:
+            return KVRefusal(False, "kv_cache_too_small",
+                             f"The request needs {need} tokens of KV cache (prompt and "
+                             f"max_tokens); this model's cache holds {capacity}.",
+                             need, capacity)
+        rows = [*self._reserved, *(self.reserved_tokens(j) for j in joining), need]
+        if len(rows) * max(rows) > capacity:
+            return KVRefusal(True, "kv_cache_full",
+                             f"The KV cache is full ({capacity} tokens); retry when running "
+                             f"requests finish.", need, capacity)
+        return None
+
+    def _check_fits(self, seqs: Sequence[NewSequence]) -> None:
+        """KVCapacityError for the first sequence of `seqs` that does not fit."""
+        for i, seq in enumerate(seqs):
+            refusal = self.kv_admission(seq, seqs[:i])
+            if refusal is not None:
+                raise KVCapacityError(refusal)
 
     # -- tokenizer -----------------------------------------------------------------
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
@@ -100,9 +157,17 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
     def add(self, seqs: Sequence[NewSequence]) -> dict[str, int]:
         if not seqs:
             return {}
+        self._check_fits(seqs)
+        cache, mask, logits = self._prefill(seqs)
+        first = self._first_tokens(seqs, logits)
+        lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=self.device)
+        self._splice(cache, mask, lengths, self._next_input(first))
+        return {s.rid: tok for s, tok in zip(seqs, first, strict=True)}
 
-        lengths = [len(s.prompt_ids) for s in seqs]
-        width = max(lengths)
+    def _prefill(self, seqs: Sequence[NewSequence]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One forward pass over the prompts, left-padded to the longest: its cache
+        (a DynamicCache), the padding mask and each row's last logits [B, V]."""
+        width = max(len(s.prompt_ids) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for row, seq in enumerate(seqs):
@@ -111,8 +176,15 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
+        # logits_to_keep=1: the last position's logits only (all of them were a
+        # [B, width, vocabulary] tensor that nothing read).
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         cache=cache, use_cache=True)
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        return cache, mask, out.logits[:, -1, :]
+
+    def _first_tokens(self, seqs: Sequence[NewSequence], logits: torch.Tensor) -> list[int]:
+        """Sample the new sequences' first tokens from their prefill `logits` and append
+        their rows to the per-row state (the caller appends their cache rows)."""
         params = [s.params for s in seqs]
         gens = [generator_for(p) for p in params]
         constraints = [s.constraint for s in seqs]
@@ -120,22 +192,21 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         counts = [_tally({}, s.prompt_ids[len(s.prompt_ids) - s.generated:])
                   if s.params.penalized else None for s in seqs]
         rids = [s.rid for s in seqs]
-        asked = _log_softmax(out.logits[:, -1, :], params)
-        first = sample(out.logits[:, -1, :], params, gens, constraints, counts)
+        asked = _log_softmax(logits, params)
+        first = sample(logits, params, gens, constraints, counts)
         self._keep_logprobs(rids, params, asked, first)
-        self._splice(cache, mask, torch.tensor(lengths, device=self.device),
-                     self._next_input(first))
         _tally_rows(counts, first)
         self._rids += rids
         self._params += params
         self._gens += gens
         self._constraints += constraints
         self._counts += counts
-        return {s.rid: tok for s, tok in zip(seqs, first, strict=True)}
+        self._reserved += [self.reserved_tokens(s) for s in seqs]
+        return first
 
     def _splice(self, cache: Any, mask: torch.Tensor, pos: torch.Tensor,
                 last: torch.Tensor) -> None:
-        if self._cache is None or not self._rids:
+        if self._cache is None:  # no running rows (drop clears it with the last one)
             self._cache, self._mask, self._pos, self._last = cache, mask, pos, last
             return
         old_w, new_w = self._mask.shape[1], mask.shape[1]
@@ -214,7 +285,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
             return
         self._rids, self._params = _rows(self._rids, keep), _rows(self._params, keep)
         self._gens, self._constraints = _rows(self._gens, keep), _rows(self._constraints, keep)
-        self._counts = _rows(self._counts, keep)
+        self._counts, self._reserved = _rows(self._counts, keep), _rows(self._reserved, keep)
         for rid in gone:
             self._logprobs.pop(rid, None)
         if not keep:
@@ -272,7 +343,8 @@ def weights_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def tiny_causal_lm(*, device: str, max_context: int, seed: int = 0) -> CausalLMRuntime:
+def tiny_causal_lm(*, device: str, max_context: int, seed: int = 0,
+                   options: DecodeOptions | None = None) -> CausalLMRuntime:
     """SmolLM2's architecture and tokenizer at a toy size with random weights: loads in
     about a second, for tests. Its output is gibberish by design."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -288,7 +360,17 @@ def tiny_causal_lm(*, device: str, max_context: int, seed: int = 0) -> CausalLMR
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    return CausalLMRuntime(model, tokenizer, device=device, max_context=max_context)
+    return runtime_class(options)(model, tokenizer, device=device, max_context=max_context,
+                                  options=options)
+
+
+def runtime_class(options: DecodeOptions | None) -> type[CausalLMRuntime]:
+    """The runtime that decodes as `options` say: this one, or the static one."""
+    if options is not None and options.static:
+        from inference.runtimes.static_lm import StaticCausalLMRuntime
+
+        return StaticCausalLMRuntime
+    return CausalLMRuntime
 
 
 def _log_softmax(logits: torch.Tensor, params: list[SamplingParams]
