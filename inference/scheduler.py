@@ -1,6 +1,8 @@
 """Which waiting requests a worker admits next: priority first, then round-robin across
 tenants (oldest request of each tenant in turn), so a tenant's flood cannot starve
-another tenant's single request. Pure functions: no Redis, no clock."""
+another tenant's single request; a request on its last allowed delivery runs alone; a
+request whose deadline passed is not admitted. Pure functions: no Redis, no clock (the
+caller passes the time)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,16 @@ class Waiting(Protocol):
     def priority(self) -> int: ...
 
 
+class Delivered(Waiting, Protocol):
+    @property
+    def deliveries(self) -> int: ...
+
+    @property
+    def deadline_ms(self) -> int: ...
+
+
 W = TypeVar("W", bound=Waiting)
+D = TypeVar("D", bound=Delivered)
 
 
 def pick(waiting: Sequence[W], capacity: int, *, after_tenant: str | None = None) -> list[W]:
@@ -43,3 +54,29 @@ def pick(waiting: Sequence[W], capacity: int, *, after_tenant: str | None = None
         if len(chosen) >= capacity:
             break
     return chosen
+
+
+def expired(waiting: Sequence[D], now_ms: int) -> list[D]:
+    """The items of `waiting` whose deadline is `now_ms` or earlier."""
+    return [w for w in waiting if w.deadline_ms <= now_ms]
+
+
+def admit(waiting: Sequence[D], *, running: int, max_batch_size: int, max_deliveries: int,
+          alone_running: bool = False, after_tenant: str | None = None
+          ) -> tuple[list[D], bool]:
+    """What joins a batch of `running` rows now, and whether it must run alone.
+
+    A request delivered `max(2, max_deliveries)` times or more (its batches kept
+    failing) may be what fails them, a poison pill, or the unlucky neighbour of one: on
+    that last allowed delivery it runs alone, once the running batch has ended, and
+    nothing joins it while it runs (`alone_running`). A neighbour then finishes, and a
+    poison pill fails by itself without taking others with it. Otherwise `pick` fills
+    the free slots."""
+    capacity = max_batch_size - running
+    if alone_running or capacity <= 0 or not waiting:
+        return [], False
+    limit = max(2, max_deliveries)
+    last = [w for w in waiting if w.deliveries >= limit]
+    if last:
+        return ([], False) if running else (last[:1], True)
+    return pick(waiting, capacity, after_tenant=after_tenant), False

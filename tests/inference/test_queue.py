@@ -17,7 +17,10 @@ import redis
 
 from inference import queue as q
 from inference.client import InferenceClient, RequestHandle
-from inference.jobs import FINAL_EVENTS, ChatJob, EmbedJob, encode_event
+from inference.engine.entries import Pending
+from inference.engine.intake import Intake
+from inference.engine.writer import Writer
+from inference.jobs import FINAL_EVENTS, ChatJob, EmbedJob, Event, encode_event
 from inference.runtimes.echo import EchoRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker, heartbeats
@@ -482,7 +485,7 @@ def test_emptied_streams_stay_watched_then_are_forgotten(thread_worker: StartWor
                                                          redis_url: str,
                                                          rds: redis.Redis) -> None:
     spec = echo()
-    worker = thread_worker(spec)
+    thread_worker(spec)
     suffix = q.stream_suffix("t", 0)
 
     async def once(client: InferenceClient) -> str:
@@ -492,9 +495,11 @@ def test_emptied_streams_stay_watched_then_are_forgotten(thread_worker: StartWor
     # Empty but kept: idle workers block on it, so the next request wakes them at once.
     assert rds.hget(q.streams_key(spec.name), suffix) == b"0"
     assert rds.exists(q.stream_key(spec.name, suffix))
-    worker._forget_empty_streams()  # first pass: noticed idle
+    # Another worker's intake, as its cleanup period comes round (every _CLEANUP_S).
+    intake = Intake(spec, rds, "cleaner", reclaim_after_ms=30_000, stopping=threading.Event())
+    intake.forget_empty_streams()  # first pass: noticed idle
     assert rds.exists(q.stream_key(spec.name, suffix))
-    worker._forget_empty_streams()  # still idle a period later: forgotten
+    intake.forget_empty_streams()  # still idle a period later: forgotten
     assert not rds.exists(q.stream_key(spec.name, suffix))
     assert not rds.hexists(q.streams_key(spec.name), suffix)
     assert run(once, redis_url) == "hi", "a new request recreates the stream"
@@ -531,8 +536,6 @@ def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_f
     it took it over from a stalled worker); a redelivery asks first and tells the
     gateway the final that stands. In the stall case the gateway gets both finals (it
     keeps the first) while the request's stream keeps the owner's, and it is logged."""
-    from inference.worker import Pending
-
     spec, tenant, gateway = echo(), unique("t"), unique("gw")
     url = urlsplit(redis_url)
 
@@ -540,8 +543,8 @@ def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_f
         return q.QueuedRequest(rid=rid, tenant=tenant, kind="chat", body=b"{}", gateway=gateway,
                                deadline_ms=q.now_ms() + 60_000)
 
-    def events(text: str) -> list[dict[str, Any]]:
-        return [{"t": "delta", "seq": 0, "text": text},
+    def events(text: str) -> list[Event]:
+        return [{"t": "delta", "seq": 0, "text": text, "ids": [1]},
                 {"t": "done", "seq": 1, "finish": "stop",
                  "usage": {"prompt_tokens": 1, "completion_tokens": 1}}]
 
@@ -556,10 +559,11 @@ def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_f
     async def scenario() -> list[int]:
         relay = ReplyCutter(url.hostname or "127.0.0.1", url.port or 6379)
         port = await relay.start()
-        worker = Worker(spec, redis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0)))
+        writer = Writer(redis.Redis(host="127.0.0.1", port=port, db=int(url.path[1:] or 0)),
+                        spec.name, unique("w"))
         writes = []
         try:
-            await asyncio.to_thread(worker.redis.ping)  # connected, the handshake done
+            await asyncio.to_thread(writer.redis.ping)  # connected, the handshake done
             for script in (q.FINALS_LUA, q.EVENTS_LUA, q.ACKS_LUA):
                 rds.script_load(script)  # known to Redis: no EVAL fallback round trip
             for rid, deliveries in (("fresh", 1), ("stalled", 1), ("redelivered", 2)):
@@ -569,11 +573,12 @@ def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_f
                     rds.eval(q.FINALS_LUA, 2, *keys, "w0", q.OUT_TTL_S, 2,
                              *(encode_event(e) for e in events("owner's")))
                 before = relay.writes
-                await asyncio.to_thread(worker._write, [(req, e) for e in events("mine")],
+                await asyncio.to_thread(writer.write, [(req, e) for e in events("mine")],
                                         [Pending(f"{tenant}:0", "1-1", req, deliveries)])
                 writes.append(relay.writes - before)
         finally:
-            worker.redis.close()
+            writer.close(wait=True)
+            writer.redis.close()
             await relay.close()
         return writes
 

@@ -1,0 +1,282 @@
+"""The output processor: a running request's tokens into the events of
+inference/jobs.py (vLLM v1's OutputProcessor, with our stop rules).
+
+Per token of a row: the end-of-sequence token ends it (stop, or tool_calls when its
+grammar was writing calls); otherwise the token is detokenized incrementally
+(inference/detokenize.py), its logprobs entry taken from the runtime when the job asked
+for them (inference/logprobs.py), and the new text checked against the stop strings:
+text is cut before the first stop string found, and anything that may be the start of
+one is held back, so the caller never sees half a stop sequence. The row then ends at
+its token budget (length), at its deadline (a 504), when its grammar's value is
+complete, or on the model's numerical fault (FAILED: a 500 that is not retried).
+
+Events: one `DeltaEvent` per token that completes text (a streamed request), or one at
+the end (a request nobody reads token by token: `stream` false); then one final event,
+a `DoneEvent` (finish, usage, tool calls, the stop string) or an `ErrorEvent`. Every
+event goes to the `Outbox` (inference/engine/writer.py) with its sequence number; a
+final event with the entry's acknowledgement. `handle` returns the rows that ended, for
+the engine to drop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from inference import queue as q
+from inference.detokenize import Detokenizer
+from inference.engine.entries import (
+    Pending,
+    RequestError,
+    expired_in_generation,
+    not_finite,
+)
+from inference.engine.writer import Outbox
+from inference.jobs import DeltaEvent, DoneEvent, ErrorEvent, ToolCall, usage
+from inference.logprobs import TokenTexts
+from inference.runtimes.base import (
+    FAILED,
+    ChatRuntime,
+    EmbeddingRuntime,
+    NewSequence,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from inference.constraint import Constraint
+
+
+@dataclass
+class Row:
+    """A running request's output state."""
+
+    pending: Pending
+    prompt_tokens: int
+    max_new: int
+    stop: tuple[str, ...]
+    ignore_eos: bool = False
+    # Tool calls and structured outputs: the reply is generated under its grammar and
+    # ends with the value (or the calls).
+    constraint: Constraint | None = None
+    logprobs: bool = False  # each token's entry goes out with it (`lp` of its delta)
+    # False: nobody reads the reply token by token, so it goes out in one piece at the
+    # end (per-token events would cost Redis writes and gateway work for nothing). A
+    # failover then regenerates it from the start.
+    streamed: bool = True
+    ids: list[int] = field(default_factory=list)
+    unsent_ids: list[int] = field(default_factory=list)
+    unsent_lps: list[dict[str, Any]] = field(default_factory=list)
+    text: str = ""  # all text decoded so far
+    sent_text: str = ""  # the part of it already streamed
+    seq: int = 0
+    detok: Detokenizer | None = None
+    stopped_by: str = ""  # the stop string that ended the reply, if one did
+
+    @property
+    def req(self) -> q.QueuedRequest:
+        return self.pending.req
+
+    def resume(self, deltas: list[DeltaEvent]) -> None:
+        """Continue after what an earlier delivery streamed (its delta events)."""
+        for event in deltas:
+            self.ids += event["ids"]
+            self.sent_text += event["text"]
+            self.seq = event["seq"] + 1
+        self.text = self.sent_text
+
+
+def done_event(seq: int, reason: str, *, prompt_tokens: int, completion_tokens: int,
+               tool_calls: list[ToolCall] | None = None, stop_sequence: str = "") -> DoneEvent:
+    """A request's end. `stop_sequence`: the stop string that ended the reply
+    (Anthropic's Messages API names it; finish stays "stop")."""
+    event: DoneEvent = {"t": "done", "seq": seq, "finish": reason,
+                        "usage": usage(prompt_tokens, completion_tokens)}
+    if tool_calls:
+        event["tool_calls"] = tool_calls
+    if stop_sequence:
+        event["stop_sequence"] = stop_sequence
+    return event
+
+
+def error_event(exc: RequestError, *, seq: int = 0, cost: tuple[int, int] = (0, 0)
+                ) -> ErrorEvent:
+    """A request's end in failure; `cost`: (prompt, completion) tokens spent on it."""
+    event: ErrorEvent = {"t": "error", "seq": seq, "status": exc.status, "code": exc.code,
+                         "message": exc.message, "usage": usage(*cost)}
+    if not exc.retry:
+        event["retry"] = False
+    return event
+
+
+class OutputProcessor:
+    def __init__(self, outbox: Outbox, runtime: ChatRuntime | EmbeddingRuntime) -> None:
+        self.outbox = outbox
+        self.rows: dict[str, Row] = {}  # the running requests, by request id
+        self._runtime = runtime
+        self._eos = runtime.eos_token_ids if isinstance(runtime, ChatRuntime) else frozenset()
+        self._token_texts: TokenTexts | None = None  # made on first use
+
+    # -- rows ----------------------------------------------------------------------
+    def start(self, row: Row, prompt: list[int], params: SamplingParams) -> NewSequence | None:
+        """Track `row` and return the sequence the engine runs for it: its prompt, then
+        what it already holds (a resumed row's tokens, as context). None when nothing is
+        left to generate: its final event is in the outbox already."""
+        constraint = row.constraint
+        if constraint is not None:
+            constraint.replay(row.ids)  # resumed: what was streamed was written under it
+            if constraint.complete:
+                self._finish(row, "tool_calls" if constraint.kind() == "calls" else "stop")
+                return None
+        left = row.max_new - len(row.ids)
+        if left <= 0:
+            self._finish(row, "length")
+            return None
+        runtime = self._runtime
+        assert isinstance(runtime, ChatRuntime)  # noqa: S101
+        row.detok = Detokenizer(runtime.decode, row.ids)
+        self.rows[row.req.rid] = row
+        return NewSequence(row.req.rid, prompt + row.ids, replace(params, max_tokens=left),
+                           generated=len(row.ids), constraint=constraint)
+
+    def handle(self, tokens: dict[str, int]) -> list[str]:
+        """One step's tokens (request id -> token, FAILED for a model fault); returns
+        the request ids of the rows that ended."""
+        ended = []
+        for rid, token in tokens.items():
+            row = self.rows.get(rid)
+            if row is not None and self._on_token(row, token):
+                ended.append(rid)
+        return ended
+
+    def finish(self, rid: str, reason: str) -> None:
+        """End a running row now (`reason`: its finish, e.g. "cancelled")."""
+        self._finish(self.rows[rid], reason)
+
+    def clear(self) -> None:
+        """Forget every row (their entries were handed back)."""
+        self.rows.clear()
+
+    def embedded(self, pending: Pending, vectors: list[list[float]], prompt_tokens: int
+                 ) -> None:
+        """An embedding request's vectors: its embedding event and its final event, or
+        a 500 when the model's output was not finite."""
+        # A vector is finite iff its sum is (floats; the check is C-speed).
+        if not all(math.isfinite(sum(v)) for v in vectors):
+            self.outbox.final(pending, error_event(not_finite(pending.req.rid, "embeddings")))
+            return
+        self.outbox.add(pending.req, {"t": "embedding", "seq": 0, "data": vectors})
+        self.outbox.final(pending, done_event(1, "stop", prompt_tokens=prompt_tokens,
+                                              completion_tokens=0))
+
+    # -- per token -----------------------------------------------------------------
+    def _on_token(self, row: Row, token: int) -> bool:
+        """Handle one token; True when it ended the row."""
+        if token == FAILED:
+            return self._finish(row, "model_error")
+        constraint = row.constraint
+        if token in self._eos and not row.ignore_eos:
+            calls = constraint is not None and constraint.kind() == "calls"
+            return self._finish(row, "tool_calls" if calls else "stop")
+        row.ids.append(token)
+        row.unsent_ids.append(token)
+        if row.logprobs:
+            self._logprob(row, token)
+        assert row.detok is not None  # noqa: S101
+        row.text += row.detok.push(token)
+        if constraint is not None and constraint.complete \
+                and len(row.ids) >= len(constraint.emitted):
+            # The whole value (or every call) is out: the constraint may be a token ahead
+            # of the tokens handled here (an overlapped step's), so it ends with its last.
+            return self._finish(row, "tool_calls" if constraint.kind() == "calls" else "stop")
+        if _cut_at_stop(row):
+            return self._finish(row, "stop", flush=False)
+        self._emit_text(row, final=False)
+        if len(row.ids) >= row.max_new:
+            return self._finish(row, "length")
+        if row.req.deadline_ms <= q.now_ms():
+            return self._finish(row, "deadline")
+        return False
+
+    def _logprob(self, row: Row, token: int) -> None:
+        runtime = self._runtime
+        assert isinstance(runtime, ChatRuntime)  # noqa: S101
+        logprob = runtime.pop_logprob(row.req.rid)
+        if logprob is None:
+            return  # a runtime that has none (echo)
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(runtime)
+        row.unsent_lps.append(self._token_texts.entry(token, logprob))
+
+    def _emit_text(self, row: Row, *, final: bool) -> None:
+        if row.constraint is not None and row.constraint.kind() != "text":
+            return  # a tool call (or maybe the start of one) is not content
+        text = row.text
+        if not final:
+            if not row.streamed:
+                return
+            # Hold back anything that may be the start of a stop string.
+            for stop in row.stop:
+                for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                    if text.endswith(stop[:n]):
+                        text = text[:-n]
+                        break
+        delta = text[len(row.sent_text):]
+        if not delta and not (final and row.unsent_ids):
+            return
+        event: DeltaEvent = {"t": "delta", "seq": row.seq, "text": delta,
+                             "ids": row.unsent_ids}
+        if row.logprobs:
+            event["lp"], row.unsent_lps = row.unsent_lps, []
+        self.outbox.add(row.req, event)
+        row.seq += 1
+        row.sent_text = text
+        row.unsent_ids = []
+
+    def _finish(self, row: Row, reason: str, *, flush: bool = True) -> bool:
+        """End `row`: the text held back goes out, then its final event. True."""
+        if flush and row.detok is not None:
+            # Text the detokenizer still held (a character split across tokens) goes
+            # out, less a character the generation stopped inside.
+            row.text += row.detok.flush()
+            if _cut_at_stop(row) and reason == "length":
+                reason = "stop"
+        self._emit_text(row, final=True)  # whatever was held back, if anything
+        self.rows.pop(row.req.rid, None)
+        pending, cost = row.pending, (row.prompt_tokens, len(row.ids))
+        if reason == "tool_calls" and row.constraint is not None:
+            rid = row.req.rid[:20]
+            calls: list[ToolCall] = [
+                {"id": f"call_{rid}" if i == 0 else f"call_{rid}_{i}", "name": name,
+                 "arguments": arguments}
+                for i, (name, arguments) in enumerate(row.constraint.calls())]
+            # Seen one token ahead (an overlapped step), the call's last token is in
+            # the constraint but not yet in ids.
+            self.outbox.final(pending, done_event(
+                row.seq, reason, prompt_tokens=row.prompt_tokens,
+                completion_tokens=max(len(row.ids), len(row.constraint.emitted)),
+                tool_calls=calls))
+        elif reason == "deadline":
+            self.outbox.final(pending, error_event(expired_in_generation(), seq=row.seq,
+                                                   cost=cost))
+        elif reason == "model_error":
+            self.outbox.final(pending, error_event(not_finite(row.req.rid, "logits"),
+                                                   seq=row.seq, cost=cost))
+        else:
+            self.outbox.final(pending, done_event(
+                row.seq, reason, prompt_tokens=row.prompt_tokens,
+                completion_tokens=len(row.ids), stop_sequence=row.stopped_by))
+        return True
+
+
+def _cut_at_stop(row: Row) -> bool:
+    """Cut the text before the first stop string in it, if any (only its new tail can
+    complete one)."""
+    if not row.stop:
+        return False
+    start = max(0, len(row.sent_text) - max(map(len, row.stop)))
+    hits = [(i, s) for s in row.stop if (i := row.text.find(s, start)) >= 0]
+    if hits:
+        cut, row.stopped_by = min(hits)
+        row.text = row.text[:cut]
+    return bool(hits)

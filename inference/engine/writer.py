@@ -1,0 +1,214 @@
+"""The writer: a step's events and acknowledgements, written to Redis off the loop's
+thread, in order, each request's final event once.
+
+The loop appends to an `Outbox` as it goes (events of any kind; a request's final event
+together with its entry's acknowledgement) and hands it to `Writer.flush` once per
+iteration. One write is in flight at a time, on the writer thread, so Redis I/O (and
+the events' JSON encoding) overlaps the next decode step; with nothing running it is
+written on the caller's thread instead.
+
+What one write does (`Writer.write`), in as few round trips as it can:
+- events first, acknowledgements after: a crash in between leaves the entry pending,
+  and its next delivery resumes from (or just acknowledges) what was written;
+- a request's final event (and its other events of the same step) is appended by
+  FINALS_LUA, which sets the request's `done` marker (SET NX) in the same script: the
+  first delivery to finish a request owns its one final event (one charge);
+- every other event is appended by EVENTS_LUA, one call per tenant and chunk;
+- the waiting gateway gets one message per write, with every event of the step;
+- ACKS_LUA acknowledges the finished entries and releases their counts.
+A first delivery's finals are claimed in the same round trip, ownership presumed; a
+redelivery asks first, and when another delivery finished the request, the gateway is
+told the final that stands (this delivery's own events are dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import redis
+
+from inference import queue as q
+from inference.engine.entries import Pending
+from inference.jobs import FINAL_EVENTS, Event, FinalEvent, encode_event
+from sluice.redis import ScriptBatch, chunks
+
+logger = logging.getLogger("sluice.worker")
+
+Outgoing = list[tuple[q.QueuedRequest, Event]]
+
+
+class Outbox:
+    """The events and acknowledgements of one iteration, in the order they were made.
+    `served(rid)` is called when a request's entry is to be acknowledged (its final
+    event, if any, is in the outbox): the batch span that holds it may end."""
+
+    def __init__(self, served: Callable[[str], None] = lambda rid: None) -> None:
+        self.events: Outgoing = []
+        self.acks: list[Pending] = []
+        self._served = served
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.acks)
+
+    def add(self, req: q.QueuedRequest, event: Event) -> None:
+        self.events.append((req, event))
+
+    def final(self, pending: Pending, event: FinalEvent) -> None:
+        """A request's last event; its entry is acknowledged after it is written."""
+        self.events.append((pending.req, event))
+        self.ack(pending)
+
+    def ack(self, pending: Pending) -> None:
+        """Acknowledge an entry with no event of this delivery (an earlier one wrote it)."""
+        self.acks.append(pending)
+        self._served(pending.req.rid)
+
+    def take(self) -> tuple[Outgoing, list[Pending]]:
+        """Everything appended so far; the outbox is empty after."""
+        taken = self.events, self.acks
+        self.events, self.acks = [], []
+        return taken
+
+
+class Writer:
+    def __init__(self, client: redis.Redis, deployment: str, worker_id: str) -> None:
+        self.redis = client
+        self.deployment = deployment
+        self.worker_id = worker_id
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-writer")
+        self._writing: Future[None] | None = None
+
+    def flush(self, outbox: Outbox, *, background: bool, wait: bool = False) -> None:
+        """Write what `outbox` holds: on the writer thread when `background` (a step
+        runs meanwhile: torch releases the GIL while it computes), after the write in
+        flight, so order is kept and a slow Redis slows the loop down; else on this
+        thread (a handoff would only add a thread switch, up to the GIL's 5 ms switch
+        interval while this thread runs on, to a lone request's latency). `wait`: return
+        once everything handed over is written."""
+        if outbox:
+            self.wait()
+            events, acks = outbox.take()
+            if background:
+                self._writing = self._thread.submit(self.write, events, acks)
+            else:
+                self.write(events, acks)
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until the write in flight, if any, is done (its error is raised here)."""
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            writing.result()
+
+    def abandon(self) -> None:
+        """Let the write in flight end, ignoring its failure."""
+        with contextlib.suppress(Exception):
+            self.wait()
+        self._writing = None
+
+    def close(self, *, wait: bool) -> None:
+        self._thread.shutdown(wait=wait)
+
+    def resend(self, req: q.QueuedRequest, final: FinalEvent) -> None:
+        """Tell the request's gateway its final event again, now (an earlier delivery
+        wrote it and may have died before telling the gateway; a gateway that has it
+        ignores the repeat)."""
+        q.add_gateway_message(self.redis, req.gateway,
+                              [q.gateway_item(req.rid, encode_event(final))])
+
+    def write(self, outbox: Outgoing, acks: list[Pending]) -> None:
+        """One step's events, then the acknowledgements of `acks` (see the module
+        docstring); any thread, one call at a time."""
+        encoded = [(req, event, encode_event(event)) for req, event in outbox]
+        finishing: dict[str, tuple[q.QueuedRequest, list[str]]] = {
+            req.rid: (req, []) for req, event, _data in encoded
+            if event["t"] in FINAL_EVENTS}
+        for req, _event, data in encoded:
+            if req.rid in finishing:
+                finishing[req.rid][1].append(data)
+        owned: set[str] = set()
+        stored: dict[str, str] = {}  # rid -> the final another delivery wrote
+        batch = ScriptBatch(self.redis)
+        presumed: list[list[str]] = []  # request ids per FINALS call, when presumed
+        if finishing:
+            first = {p.req.rid for p in acks if p.deliveries == 1}
+            if first.issuperset(finishing):
+                # First deliveries all: no other worker can have finished them unless
+                # it took one over from this worker while this one lived on (a stall
+                # past reclaim_after_ms). So the claims go in the same round trip as
+                # the rest, ownership presumed; in that rare case the gateway may get
+                # this worker's final as well as the owner's and keeps the first (one
+                # reply, once), and the request's stream keeps the owner's.
+                presumed = self._claims(batch, list(finishing.values()))
+                owned = set(finishing)
+            else:
+                # A redelivery may find its request finished: ask first, then tell
+                # the gateway the final that stands.
+                claims = ScriptBatch(self.redis)
+                calls = self._claims(claims, list(finishing.values()))
+                replies = [reply for call in claims.run() for reply in call]
+                for rid, reply in zip([r for c in calls for r in c], replies, strict=True):
+                    if reply == 1:
+                        owned.add(rid)
+                    elif reply:
+                        stored[rid] = _s(reply)
+        by_gateway: dict[str, list[str]] = {}
+        appends: dict[str, list[tuple[str, str, str]]] = {}  # tenant -> (stream, event, first)
+        for req, event, data in encoded:
+            if req.rid in finishing:
+                if req.rid not in owned:
+                    # Finished by another delivery: its events stand, and its final goes
+                    # to the gateway again (which fills any gap from the request's stream
+                    # and ignores a repeat); this delivery's own events are dropped.
+                    if event["t"] not in FINAL_EVENTS or req.rid not in stored:
+                        continue
+                    data = stored[req.rid]
+            else:
+                appends.setdefault(req.tenant, []).append(
+                    (q.out_key(req.tenant, req.rid), data, "1" if event["seq"] == 0 else "0"))
+            by_gateway.setdefault(req.gateway, []).append(q.gateway_item(req.rid, data))
+        for rows in appends.values():  # a tenant's streams share a cluster slot
+            for chunk in chunks(rows, q.EVENTS_PER_CALL):
+                batch.script(q.EVENTS_LUA, [stream for stream, _e, _f in chunk],
+                             [q.OUT_TTL_S, *(x for _stream, event, first in chunk
+                                             for x in (event, first))])
+        # One message per gateway per step carries every event of the step.
+        for gateway, items in by_gateway.items():
+            q.add_gateway_message(batch.pipe, gateway, items)
+        for done in chunks(acks, q.EVENTS_PER_CALL):
+            batch.script(q.ACKS_LUA, q.ack_keys(self.deployment, [p.stream for p in done]),
+                         [x for p in done for x in (p.req.tenant, p.stream, p.msg_id, p.req.rid)])
+        replies = batch.run()
+        if presumed:  # the FINALS calls went first
+            for rids, call in zip(presumed, replies, strict=False):
+                for rid, reply in zip(rids, call, strict=True):
+                    if reply != 1:
+                        logger.warning("request %s was finished by another worker too; "
+                                       "the gateway kept the first final it got", rid)
+
+    def _claims(self, batch: ScriptBatch,
+                finishing: list[tuple[q.QueuedRequest, list[str]]]) -> list[list[str]]:
+        """FINALS_LUA calls for the finishing requests (one per tenant and chunk) added
+        to `batch`; per call, its request ids in reply order."""
+        by_tenant: dict[str, list[tuple[q.QueuedRequest, list[str]]]] = {}
+        for req, events in finishing:
+            by_tenant.setdefault(req.tenant, []).append((req, events))
+        calls: list[list[str]] = []
+        for group in by_tenant.values():
+            for part in chunks(group, q.EVENTS_PER_CALL):
+                calls.append([req.rid for req, _events in part])
+                batch.script(q.FINALS_LUA,
+                             [key for req, _events in part
+                              for key in (q.done_key(req.tenant, req.rid),
+                                          q.out_key(req.tenant, req.rid))],
+                             [self.worker_id, q.OUT_TTL_S,
+                              *(x for _req, events in part for x in (len(events), *events))])
+        return calls
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
