@@ -1,0 +1,214 @@
+"""What Sluice sends an OpenAI-compatible upstream for a job, and how it reads the
+chunks that come back. Pure: no I/O (inference/upstream/client.py does the sending).
+
+Requests
+- A chat job (`messages`, after its `history`) goes to /chat/completions; a legacy
+  completion job (`prompt`) to /completions. Always streamed, with
+  `stream_options.include_usage`, so usage is the upstream's own count.
+- Passed through: max_tokens, temperature, top_p, seed, stop, presence and frequency
+  penalties, logit_bias (token ids of the upstream's vocabulary), logprobs /
+  top_logprobs, tools (name, parameters, strict), tool_choice, parallel_tool_calls,
+  response_format (json_object, json_schema). What the dialect (inference/spec.py
+  Dialect) accepts beyond OpenAI's parameters: `cache_salt` (vLLM: the tenant's salt,
+  so prefix caches are never shared across tenants), `ignore_eos` (vLLM, SGLang).
+  Nothing else of the caller's reaches the upstream: the model is the deployment's,
+  the URL the registry's.
+- A continuation (a takeover after a worker died mid-reply) sends the same request
+  with the text already streamed as the reply's start, and asks only for the tokens
+  still allowed:
+  * legacy completions: `prompt` + the text, to /completions (every dialect);
+  * chat, vLLM and SGLang: the text as a final assistant message with
+    `continue_final_message: true, add_generation_prompt: false`, so the chat template
+    leaves that message open and the model continues it;
+  * chat, other dialects: not possible (OpenAI's API has no way to continue a
+    message): `can_continue` is False and the call ends with a retriable error.
+
+Replies
+`ChunkReader` turns the SSE chunks of either endpoint into text, log-probability
+entries in the chat API's shape (the worker's `lp`), tool-call fragments joined per
+index, the finish reason, the stop string (vLLM's `stop_reason`) and the usage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from secrets import token_hex
+from typing import Any
+
+from inference.jobs import ChatJob, ToolCall, Usage, usage
+from inference.spec import Dialect, UpstreamSpec
+from inference.upstream.secrets import cache_salt
+
+_SALTED = (Dialect.VLLM,)
+_EXTENDED = (Dialect.VLLM, Dialect.SGLANG)  # continue_final_message, ignore_eos
+_MESSAGE_KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What an earlier attempt already streamed for this request: its text, the
+    sequence number the next event takes, and the completion tokens billed for the
+    text (the upstream's count when known, else the number of its delta events)."""
+
+    text: str
+    seq: int
+    completion_tokens: int
+
+
+def can_continue(job: ChatJob, dialect: Dialect) -> bool:
+    return job.prompt is not None or dialect in _EXTENDED
+
+
+def path_of(job: ChatJob) -> str:
+    return "/completions" if job.prompt is not None else "/chat/completions"
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    return {k: message[k] for k in _MESSAGE_KEYS if k in message}
+
+
+def _structure(job: ChatJob) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if job.tools:
+        out["tools"] = [{"type": "function", "function": {
+            "name": t.name, "parameters": t.parameters or {"type": "object"},
+            **({"strict": True} if t.strict else {})}} for t in job.tools]
+        out["tool_choice"] = job.tool_choice if job.tool_choice in ("auto", "required") \
+            else {"type": "function", "function": {"name": job.tool_choice}}
+        out["parallel_tool_calls"] = job.parallel_tool_calls
+    fmt = job.response_format
+    if fmt is not None and fmt.type == "json_object":
+        out["response_format"] = {"type": "json_object"}
+    elif fmt is not None:
+        out["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "response", "schema": fmt.schema or {"type": "object"},
+            "strict": fmt.strict}}
+    return out
+
+
+def request_body(job: ChatJob, upstream: UpstreamSpec, *, tenant: str, max_tokens: int,
+                 continuation: Continuation | None = None) -> dict[str, Any]:
+    """The JSON body for `path_of(job)`. `max_tokens`: the reply's whole budget (the
+    continuation's share is taken off here). Precondition: no continuation unless
+    `can_continue(job, upstream.dialect)`."""
+    done = continuation.completion_tokens if continuation is not None else 0
+    body: dict[str, Any] = {
+        "model": upstream.model, "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": max(1, max_tokens - done), "temperature": job.temperature,
+        "top_p": job.top_p,
+    }
+    if job.seed is not None:
+        body["seed"] = job.seed
+    if job.stop:
+        body["stop"] = list(job.stop)
+    if job.presence_penalty:
+        body["presence_penalty"] = job.presence_penalty
+    if job.frequency_penalty:
+        body["frequency_penalty"] = job.frequency_penalty
+    if job.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in job.logit_bias.items()}
+    if upstream.dialect in _SALTED:
+        body["cache_salt"] = cache_salt(tenant)
+    if job.ignore_eos and upstream.dialect in _EXTENDED:
+        body["ignore_eos"] = True
+    if job.prompt is not None:
+        body["prompt"] = job.prompt + (continuation.text if continuation else "")
+        if job.logprobs is not None:
+            body["logprobs"] = max(1, job.logprobs)
+        return body
+    messages = [_message(m) for m in (*job.history, *job.messages)]
+    if continuation is not None and continuation.text:
+        messages.append({"role": "assistant", "content": continuation.text})
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    body["messages"] = messages
+    if job.logprobs is not None:
+        body["logprobs"] = True
+        body["top_logprobs"] = job.logprobs
+    body.update(_structure(job))
+    return body
+
+
+# -- replies ---------------------------------------------------------------------------
+def _entry(token: str, logprob: float, top: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": top}
+
+
+def _chat_logprobs(raw: Any) -> list[dict[str, Any]]:
+    out = []
+    for item in (raw or {}).get("content") or []:
+        top = [{"token": t.get("token", ""), "logprob": t.get("logprob", 0.0),
+                "bytes": t.get("bytes") or list(str(t.get("token", "")).encode())}
+               for t in item.get("top_logprobs") or []]
+        entry = _entry(str(item.get("token", "")), float(item.get("logprob", 0.0)), top)
+        if item.get("bytes") is not None:
+            entry["bytes"] = item["bytes"]
+        out.append(entry)
+    return out
+
+
+def _legacy_logprobs(raw: Any) -> list[dict[str, Any]]:
+    """/completions' {tokens, token_logprobs, top_logprobs} as chat entries."""
+    if not raw:
+        return []
+    tokens, values = raw.get("tokens") or [], raw.get("token_logprobs") or []
+    tops = raw.get("top_logprobs") or [None] * len(tokens)
+    out = []
+    for token, value, top in zip(tokens, values, tops, strict=False):
+        alternatives = [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                        for t, v in (top or {}).items()]
+        out.append(_entry(str(token), float(value if value is not None else 0.0),
+                          alternatives))
+    return out
+
+
+@dataclass
+class _Call:
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass
+class ChunkReader:
+    """Reads one streamed reply, chunk by chunk (`read`), then says how it ended."""
+
+    finish: str | None = None
+    stop_sequence: str | None = None
+    usage: Usage | None = None
+    error: dict[str, Any] | None = None  # an error the upstream sent inside the stream
+    _calls: dict[int, _Call] = field(default_factory=dict)
+
+    def read(self, chunk: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+        """The new text and log-probability entries of one chunk."""
+        if isinstance(chunk.get("error"), dict):
+            self.error = chunk["error"]
+            return "", []
+        if isinstance(chunk.get("usage"), dict):
+            got = chunk["usage"]
+            self.usage = usage(int(got.get("prompt_tokens") or 0),
+                               int(got.get("completion_tokens") or 0))
+        choices = chunk.get("choices") or []
+        if not choices:
+            return "", []
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            self.finish = str(choice["finish_reason"])
+        if isinstance(choice.get("stop_reason"), str):
+            self.stop_sequence = choice["stop_reason"]
+        if "text" in choice:  # /completions
+            return str(choice.get("text") or ""), _legacy_logprobs(choice.get("logprobs"))
+        delta = choice.get("delta") or {}
+        for fragment in delta.get("tool_calls") or []:
+            call = self._calls.setdefault(int(fragment.get("index", 0)), _Call())
+            call.id = call.id or str(fragment.get("id") or "")
+            function = fragment.get("function") or {}
+            call.name += str(function.get("name") or "")
+            call.arguments += str(function.get("arguments") or "")
+        return str(delta.get("content") or ""), _chat_logprobs(choice.get("logprobs"))
+
+    def tool_calls(self) -> list[ToolCall]:
+        return [{"id": c.id or f"call_{token_hex(12)}", "name": c.name,
+                 "arguments": c.arguments or "{}"}
+                for _, c in sorted(self._calls.items())]
