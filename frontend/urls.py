@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from frontend import views
+from frontend import upstreams, views
 
 urlpatterns = [
     path("", views.home),
@@ -17,6 +17,12 @@ urlpatterns = [
     path("deployments", views.deployments),
     path("deployments/<str:name>", views.deployment),
     path("deployments/<str:name>/breaker", views.breaker),
+    path("upstreams", upstreams.upstream_list),
+    path("upstreams/new", upstreams.upstream_new),
+    path("upstreams/<str:name>", upstreams.upstream_edit),
+    path("aliases", upstreams.alias_list),
+    path("aliases/new", upstreams.alias_new),
+    path("aliases/<path:name>/edit", upstreams.alias_edit),
     path("quotas", views.quotas),
     path("quotas/new", views.quota_new),
     path("quotas/<int:quota_id>", views.quota_edit),

@@ -45,6 +45,8 @@ NAV: list[tuple[str, str, tuple[Action, ...]]] = [
     ("Dashboard", "/ui/dashboard", (Action.MODEL_LIST,)),
     ("Tenants", "/ui/tenants", (Action.TENANT_LIST,)),
     ("Deployments", "/ui/deployments", (Action.DEPLOYMENT_MANAGE,)),
+    ("Upstreams", "/ui/upstreams", (Action.DEPLOYMENT_MANAGE,)),
+    ("Model aliases", "/ui/aliases", (Action.DEPLOYMENT_MANAGE,)),
     ("Quotas", "/ui/quotas", (Action.GOVERNANCE_MANAGE,)),
     ("Rate limits", "/ui/limits", (Action.GOVERNANCE_MANAGE,)),
     ("Members", "/ui/members", (Action.MEMBER_READ,)),
