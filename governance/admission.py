@@ -33,7 +33,9 @@ from redis.exceptions import RedisError
 from governance import audit, breaker, cache, quota, ratelimit, signals
 from governance.models import BreakerPolicy, DegradeMode, Quota, RateLimitPolicy
 from governance.recorder import Recorder
+from inference import jobs
 from inference.client import InferenceClient
+from inference.jobs import FinalEvent
 from inference.spec import DeploymentSpec
 from sluice import telemetry
 from sluice.aio import finish_or_cancel
@@ -100,11 +102,11 @@ class Admission:
         refusal that caused it)."""
         await self.finish(None, charge=False, audited=False)
 
-    async def finish(self, final: dict[str, Any] | None, *, error: BaseException | None = None,
+    async def finish(self, final: FinalEvent | None, *, error: BaseException | None = None,
                      charge: bool = True, audited: bool = True) -> None:
         self.finish_now(final, error=error, charge=charge, audited=audited)
 
-    def finish_now(self, final: dict[str, Any] | None, *, error: BaseException | None = None,
+    def finish_now(self, final: FinalEvent | None, *, error: BaseException | None = None,
                    charge: bool = True, audited: bool = True,
                    ended: float | None = None) -> None:
         """Settle and audit the call (once): queued for the recorder, nothing awaited.
@@ -118,25 +120,26 @@ class Admission:
         if audited:
             self._audit(final, status, latency_ms)
 
-    def _audit(self, final: dict[str, Any] | None, status: int, latency_ms: float) -> None:
-        usage = (final or {}).get("usage") or {}
+    def _audit(self, final: FinalEvent | None, status: int, latency_ms: float) -> None:
+        usage = final["usage"] if final is not None else jobs.usage(0, 0)
         self.governor.recorder.audit(audit.call_event(
             principal=self.principal, action=self.action, model=self.spec.name,
             protocol=self.protocol, status=status,
             latency_ms=latency_ms,
-            prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            completion_tokens=int(usage.get("completion_tokens", 0)),
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
             request_id=self.request_id, trace_id=self.trace_id, request_text=self.request_text,
             response_text="".join(self.reply), patterns=self.patterns,
-            detail={"finish": (final or {}).get("finish"), "probe": self.probe,
+            detail={"finish": final["finish"] if final is not None and final["t"] == "done"
+                    else None, "probe": self.probe,
                     "degraded": self.max_tokens_cap is not None}))
 
 
-def call_status(final: dict[str, Any] | None, error: BaseException | None) -> int:
+def call_status(final: FinalEvent | None, error: BaseException | None) -> int:
     """How a call ended, as an HTTP status: the worker's error status, 200 when it was
     done, else the error the consumer met (499 when the client left)."""
     if final is not None:
-        return int(final.get("status", 500)) if final["t"] == "error" else 200
+        return final["status"] if final["t"] == "error" else 200
     return error.status if isinstance(error, ApiError) else 499
 
 
@@ -356,7 +359,7 @@ class Governor:
                               headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))})
 
     # -- settlement ------------------------------------------------------------------
-    def finish_later(self, adm: Admission, final: dict[str, Any] | None,
+    def finish_later(self, adm: Admission, final: FinalEvent | None,
                      error: BaseException | None, rid: str, deadline_ms: int, *,
                      charge: bool = True) -> None:
         """The consumer stopped before the call ended (client gone, stream left for a
@@ -369,21 +372,22 @@ class Governor:
                 with contextlib.suppress(ApiError, RedisError):
                     async for item in self.client.replay(adm.principal.tenant_slug, rid,
                                                          after_seq=2**62, timeout_s=timeout):
-                        event = item
+                        if item["t"] == "done" or item["t"] == "error":
+                            event = item
             await adm.finish(event, error=error, charge=charge)
 
         task = asyncio.create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def settle(self, adm: Admission, final: dict[str, Any] | None, status: int,
+    def settle(self, adm: Admission, final: FinalEvent | None, status: int,
                latency_ms: float, *,
                error: BaseException | None, charge: bool) -> None:
         """Queue the call's settlement (written by the recorder, off the response path);
         `status` is `call_status(final, error)`, `latency_ms` the call's duration."""
-        reported = (final or {}).get("usage") or {}
-        prompt = int(reported.get("prompt_tokens", 0))
-        completion = int(reported.get("completion_tokens", 0))
+        prompt, completion = ((final["usage"]["prompt_tokens"],
+                               final["usage"]["completion_tokens"]) if final is not None
+                              else (0, 0))
         if not charge:
             outcome = breaker.Outcome.IGNORED
         elif final is None:
@@ -392,7 +396,7 @@ class Governor:
                        else breaker.Outcome.IGNORED)
         elif status >= 500:
             outcome = breaker.Outcome.FAILURE
-        elif status >= 400 or final.get("finish") == "cancelled":
+        elif status >= 400 or (final["t"] == "done" and final["finish"] == "cancelled"):
             outcome = breaker.Outcome.IGNORED
         else:
             outcome = breaker.Outcome.SUCCESS

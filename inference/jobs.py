@@ -176,6 +176,7 @@ class EmbeddingEvent(TypedDict):
     t: Literal["embedding"]
     seq: int
     data: list[list[float]]
+    i: NotRequired[int]
 
 
 Event = DeltaEvent | DoneEvent | ErrorEvent | EmbeddingEvent

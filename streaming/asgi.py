@@ -7,8 +7,6 @@ only parses, calls the gateway pipeline and encodes; errors are OpenAI-shaped.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,19 +18,16 @@ from pydantic import TypeAdapter, ValidationError
 from redis.exceptions import RedisError
 
 from governance.observe import served
+from inference.jobs import Event, FinalEvent
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest, NotFound, ServerError
 from sluice.telemetry import RequestScope
 from streaming import apis, bodies, choices, replay
-from streaming.gateway import Submitted, error_from_event, queue_unavailable, shared_gateway
+from streaming.call import Call
+from streaming.gateway import error_from_event, queue_unavailable, shared_gateway
 from streaming.httpio import ClientGone, KeepAlive, Receive, Scope, Send, read_json
 from streaming.httpio import send_json as _send_json
-from streaming.schemas import (
-    ChatCompletionRequest,
-    ConversationId,
-    EmbeddingRequest,
-    validation_error,
-)
+from streaming.schemas import ChatCompletionRequest, ConversationId, EmbeddingRequest, parse
 from tenants.conversations import conversation_get
 from tenants.principal import Principal
 from tenants.throttle import asgi_source
@@ -45,7 +40,6 @@ class LeanApp:
 
     def __init__(self) -> None:
         self.gateway = shared_gateway()
-        self._background: set[asyncio.Task[None]] = set()
 
     def handles(self, path: str) -> bool:
         return path.rstrip("/") in self.ROUTES
@@ -59,7 +53,7 @@ class LeanApp:
     async def _serve(self, scope: Scope, headers: dict[str, str], receive: Receive,
                      send: Send, observed: RequestScope) -> None:
         started = False
-        call: dict[str, Any] = {"began": time.monotonic(), "observed": observed}
+        api = apis.APIS.get(scope["path"].rstrip("/"))
 
         async def tracked_send(message: dict[str, Any]) -> None:
             nonlocal started
@@ -69,19 +63,13 @@ class LeanApp:
             await send(message)
 
         try:
-            await self._dispatch(scope, headers, receive, tracked_send, call)
+            await self._dispatch(scope, headers, receive, tracked_send, api)
         except ClientGone:
             observed.status = observed.status or 499
-            return
         except (ApiError, RedisError) as caught:
             # Redis failing under a call (a restart, a failover) is retriable, not a 500.
             exc = queue_unavailable() if isinstance(caught, RedisError) else caught
-            if call.get("principal") is not None and not call.get("admitted"):
-                self.gateway.refused(call["principal"], exc, action=call.get("action", ""),
-                                     model=str(call.get("model", "")),
-                                     protocol=observed.protocol, began=call["began"])
             if not started:
-                api = apis.APIS.get(scope["path"].rstrip("/"))
                 status, body, extra = api.error(exc) if api else (exc.status, exc.body(),
                                                                   exc.headers)
                 await _send_json(tracked_send, status, body, extra)
@@ -89,42 +77,38 @@ class LeanApp:
             logger.exception("unhandled error on %s", scope.get("path"))
             if not started:
                 error = ServerError("The server had an error processing your request.")
-                api = apis.APIS.get(scope["path"].rstrip("/"))
                 status, body, extra = api.error(error) if api else (error.status,
                                                                     error.body(), None)
                 await _send_json(tracked_send, status, body, extra)
 
     async def _dispatch(self, scope: Scope, headers: dict[str, str], receive: Receive,
-                        send: Send, call: dict[str, Any]) -> None:
-        """`call` collects what the audit of a refused call needs."""
+                        send: Send, api: apis.Api | None) -> None:
         path = scope["path"].rstrip("/")
         if scope["method"] != "POST":
             raise BadRequest(f"{scope['method']} is not allowed on {path}; use POST.",
                              code="method_not_allowed")
-        api = apis.APIS.get(path)
         credential = api.credential(headers) if api else headers.get("authorization")
         principal = await self.gateway.authenticate(credential,
                                                     source=asgi_source(scope, headers))
-        call["principal"] = principal
-        call["action"] = api.action if api else (
+        action = api.action if api else (
             "embeddings" if path == "/v1/embeddings" else "chat.completions")
-        data = await read_json(headers, receive)
-        if api is not None:
-            await api.serve(apis.Context(self, principal, data, headers, receive, send, call))
-            return
-        try:
-            if path == "/v1/embeddings":
-                emb = EmbeddingRequest.model_validate(data)
-                call["model"] = emb.model
-                sub = await self.gateway.embed(principal, emb)
-                call["admitted"] = True
-                await self._embeddings(sub, emb, send)
-                return
-            req = ChatCompletionRequest.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
-        call["model"] = req.model
-        call["observed"].protocol = "sse" if req.stream else "rest"
+        async with Call(self.gateway, principal, action=action, protocol="rest") as call:
+            data = await read_json(headers, receive)
+            if api is not None:
+                await api.serve(apis.Context(self, call, data, headers, receive, send))
+            elif path == "/v1/embeddings":
+                emb = parse(EmbeddingRequest, data)
+                sub = await call.embed(emb)
+                await _send_json(send, 200, await bodies.embeddings(sub, emb), sub.headers)
+            else:
+                await self._chat(call, parse(ChatCompletionRequest, data), headers,
+                                 receive, send)
+
+    async def _chat(self, call: Call, req: ChatCompletionRequest, headers: dict[str, str],
+                    receive: Receive, send: Send) -> None:
+        call.model = req.model
+        call.protocol = "sse" if req.stream else "rest"
+        principal = call.principal
         resume = replay.parse_event_id(headers.get("last-event-id"))
         conversation = None
         if req.last_offset is not None:
@@ -140,9 +124,9 @@ class LeanApp:
             resume = (rid, req.last_offset)
         if req.stream and resume is not None:
             choices.check(req.n or 1, resume=True)
-            call["action"] = "chat.completions.resume"
+            call.action = "chat.completions.resume"
             await self._resume(principal, resume, req, send, conversation=conversation,
-                               began=call["began"])
+                               began=call.began)
             return
         header_conversation = headers.get("x-sluice-conversation-id")
         if header_conversation is not None and req.conversation_id is None:
@@ -152,48 +136,19 @@ class LeanApp:
             except ValidationError:
                 raise BadRequest("X-Sluice-Conversation-Id is not a conversation id.",
                                  param="conversation_id") from None
-        submitted = await self.gateway.chat(principal, req,
-                                            idempotency_key=headers.get("idempotency-key"),
-                                            protocol=call["observed"].protocol)
-        call["admitted"] = True
-        if req.stream and submitted.conversation_id is not None:
+        sub = await call.chat(req, idempotency_key=headers.get("idempotency-key"))
+        if req.stream and sub.conversation_id is not None:
             await self.gateway.client.remember_stream(principal.tenant_slug,
-                                                      submitted.conversation_id,
-                                                      submitted.handle.rid)
-        watcher = asyncio.create_task(self.watch_disconnect(
-            receive, submitted, req.stream and submitted.n == 1))
-        try:
+                                                      sub.conversation_id, sub.handle.rid)
+        async with call.watching(receive, resumable=req.stream):
             if req.stream:
-                await self._stream([h.rid for h in submitted.handles], submitted.events(),
-                                   req, send,
-                                   before_done=lambda text: self.gateway.remember(submitted,
-                                                                                   text),
-                                   headers=submitted.headers)
+                await self._stream([h.rid for h in sub.handles], sub.events(), req, send,
+                                   before_done=call.remember, headers=sub.headers)
             else:
-                await self._complete(submitted, req, send)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-
-    async def watch_disconnect(self, receive: Receive, submitted: Submitted,
-                                resumable: bool) -> None:
-        """A client that goes away cancels its generation (billed what was made). A
-        stream gets a grace period first, for a reconnect with Last-Event-ID."""
-        while True:
-            message = await receive()
-            if message["type"] != "http.disconnect":
-                continue
-            if not resumable:
-                await submitted.cancel()
-                return
-            handle = submitted.handle
-            task = asyncio.create_task(self.gateway.client.cancel_unless_resumed(
-                submitted.spec.name, handle.tenant, handle.rid,
-                settings.SLUICE_STREAM_RESUME_GRACE_S))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            return
+                body = await bodies.chat_completion(sub, req)
+                # Stored before the caller sees the reply: its next turn must find it.
+                await call.remember(body["choices"][0]["message"]["content"] or "")
+                await _send_json(send, 200, body, sub.headers)
 
     async def _resume(self, principal: Principal, resume: tuple[str, int],
                       req: ChatCompletionRequest, send: Send, *, conversation: str | None,
@@ -213,13 +168,7 @@ class LeanApp:
                                timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
         await self._stream([rid], events, req, send, replay=True)
 
-    async def _complete(self, sub: Submitted, req: ChatCompletionRequest, send: Send) -> None:
-        body = await bodies.chat_completion(sub, req)
-        # Stored before the caller sees the reply: its next turn must find this one.
-        await self.gateway.remember(sub, body["choices"][0]["message"]["content"] or "")
-        await _send_json(send, 200, body, sub.headers)
-
-    async def _stream(self, rids: list[str], events: AsyncIterator[dict[str, Any]],
+    async def _stream(self, rids: list[str], events: AsyncIterator[Event],
                       req: ChatCompletionRequest, send: Send, *, replay: bool = False,
                       before_done: Callable[[str], Awaitable[None]] | None = None,
                       headers: dict[str, str] | None = None) -> None:
@@ -256,13 +205,14 @@ class LeanApp:
                                          "finish_reason": finish}]}
 
         parts: list[str] = []  # the first choice's text
-        finals: list[dict[str, Any]] = []
+        finals: list[FinalEvent] = []
         several = len(rids) > 1  # events carry their choice's index only then
         try:
             if not replay:
                 for i in range(len(rids)):
                     await emit(i, "start", chunk(i, {"role": "assistant", "content": ""}))
-            event: dict[str, Any] | None = first
+            event: Event | None = first
+            last: Event = first
             while event is not None:
                 i = event["i"] if several else 0
                 if event["t"] == "delta" and req.logprobs:  # the slow path: a dict a chunk
@@ -300,6 +250,3 @@ class LeanApp:
             await before_done("".join(parts))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
-
-    async def _embeddings(self, sub: Submitted, req: EmbeddingRequest, send: Send) -> None:
-        await _send_json(send, 200, await bodies.embeddings(sub, req), sub.headers)

@@ -37,17 +37,17 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
-from pydantic import ValidationError
 
 from governance.privacy import Redactor, redact_json, redactor_now
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest, Conflict, NotFound, QuotaExceeded
 from sluice.private_files import open_private
 from streaming import bodies
+from streaming.call import Call
 from streaming.files import TERMINAL, file_get, files_dir, store
 from streaming.gateway import Gateway
 from streaming.models import Batch, BatchStatus, StoredFile
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse
 from tenants.models import ApiKey, Tenant
 from tenants.principal import AuthMethod, Principal
 from tenants.privacy import policy_of
@@ -300,18 +300,18 @@ async def _call(gateway: Gateway, principal: Principal, endpoint: str,
                 body: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
     """One line through the pipeline: (200, OpenAI body, request id); a refusal or an
     error raises its ApiError."""
-    try:
-        if endpoint == "/v1/embeddings":
-            emb = EmbeddingRequest.model_validate(body)
-            sub = await gateway.embed(principal, emb, protocol="batch")
+    embedding = endpoint == "/v1/embeddings"
+    async with Call(gateway, principal, protocol="batch",
+                    action="embeddings" if embedding else "chat.completions") as call:
+        if embedding:
+            emb = parse(EmbeddingRequest, body)
+            sub = await call.embed(emb)
             return 200, await bodies.embeddings(sub, emb), sub.handle.rid
-        req = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    if req.stream:
-        raise BadRequest("stream is not supported in a batch.", param="stream")
-    sub = await gateway.chat(principal, req, protocol="batch")
-    return 200, await bodies.chat_completion(sub, req), sub.handle.rid
+        req = parse(ChatCompletionRequest, body)
+        if req.stream:
+            raise BadRequest("stream is not supported in a batch.", param="stream")
+        sub = await call.chat(req)
+        return 200, await bodies.chat_completion(sub, req), sub.handle.rid
 
 
 def _finish(batch: Batch, principal: Principal, out_part: Path, err_part: Path) -> str:

@@ -9,15 +9,17 @@ import struct
 import time
 from typing import Any
 
+from inference.jobs import DoneEvent, FinalEvent, ToolCall
+from sluice.errors import ServerError
 from streaming.gateway import Submitted, error_from_event
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 
 
-def finish_reason(final: dict[str, Any]) -> str:
-    return {"length": "length", "tool_calls": "tool_calls"}.get(final.get("finish", ""), "stop")
+def finish_reason(final: DoneEvent) -> str:
+    return {"length": "length", "tool_calls": "tool_calls"}.get(final["finish"], "stop")
 
 
-def tool_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
+def tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c["id"], "type": "function",
              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
 
@@ -28,18 +30,17 @@ def choice_logprobs(req: ChatCompletionRequest,
     return {"content": content, "refusal": None} if req.logprobs else None
 
 
-def usage(*finals: dict[str, Any]) -> dict[str, int]:
+def usage(*finals: FinalEvent) -> dict[str, int]:
     """OpenAI's `usage` of final events: one call's, or its choices' summed."""
     prompt = completion = 0
     for final in finals:
-        reported = final.get("usage", {})
-        prompt += reported.get("prompt_tokens", 0)
-        completion += reported.get("completion_tokens", 0)
+        prompt += final["usage"]["prompt_tokens"]
+        completion += final["usage"]["completion_tokens"]
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
 
-def message(text: str, final: dict[str, Any]) -> dict[str, Any]:
+def message(text: str, final: DoneEvent) -> dict[str, Any]:
     """A choice's assistant message: its tool calls when it made some, else its text."""
     if final.get("tool_calls"):
         return {"role": "assistant", "content": None,
@@ -47,20 +48,19 @@ def message(text: str, final: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
 
 
-async def whole_reply(sub: Submitted) -> tuple[str, dict[str, Any]]:
+async def whole_reply(sub: Submitted) -> tuple[str, DoneEvent]:
     """A one-choice call's whole text and its final event; a worker error raises its
     ApiError (the codecs that answer in one piece share this)."""
     parts: list[str] = []
-    final: dict[str, Any] = {}
     async with contextlib.aclosing(sub.events()) as events:
         async for event in events:
             if event["t"] == "delta":
                 parts.append(event["text"])
             elif event["t"] == "error":
                 raise error_from_event(event)
-            else:
-                final = event
-    return "".join(parts), final
+            elif event["t"] == "done":
+                return "".join(parts), event
+    raise ServerError("The call ended without a final event.")
 
 
 async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
@@ -69,53 +69,61 @@ async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[st
     # Plain loops, not comprehensions: this runs for every call, nearly all of them n = 1.
     parts: list[list[str]] = []
     logprobs: list[list[dict[str, Any]]] = []
-    finals: list[dict[str, Any]] = []
+    finals: list[DoneEvent | None] = []
     for _ in sub.handles:
         parts.append([])
         logprobs.append([])
-        finals.append({})
+        finals.append(None)
     events = sub.events()
     async for event in events:
-        i = event.get("i", 0)
         if event["t"] == "delta":
+            i = event.get("i", 0)
             parts[i].append(event["text"])
             logprobs[i] += event.get("lp") or ()
         elif event["t"] == "error":
             await events.aclose()  # with n > 1, the other choices are cancelled now
             raise error_from_event(event)
-        else:
-            finals[i] = event
+        elif event["t"] == "done":
+            finals[event.get("i", 0)] = event
+    done = all_done(finals)
     choices = []
-    for i, final in enumerate(finals):
+    for i, final in enumerate(done):
         choices.append({"index": i, "message": message("".join(parts[i]), final),
                         "finish_reason": finish_reason(final),
                         "logprobs": choice_logprobs(req, logprobs[i])})
     body: dict[str, Any] = {
         "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
         "created": int(time.time()), "model": req.model, "system_fingerprint": None,
-        "choices": choices, "usage": usage(*finals),
+        "choices": choices, "usage": usage(*done),
     }
     if sub.conversation_id is not None:
         body["conversation_id"] = sub.conversation_id
     return body
 
 
+def all_done(finals: list[DoneEvent | None]) -> list[DoneEvent]:
+    """Every choice's final event (each choice ends with one, or the call raised)."""
+    done = [final for final in finals if final is not None]
+    if len(done) != len(finals):
+        raise ServerError("A choice ended without a final event.")
+    return done
+
+
 async def embeddings(sub: Submitted, req: EmbeddingRequest) -> dict[str, Any]:
     vectors: list[list[float]] = []
-    final: dict[str, Any] = {}
+    tokens = 0
     async for event in sub.events():
         if event["t"] == "embedding":
             vectors = event["data"]
         elif event["t"] == "error":
             raise error_from_event(event)
-        else:
-            final = event
+        elif event["t"] == "done":
+            tokens = event["usage"]["prompt_tokens"]
     data = []
     for i, vector in enumerate(vectors):
         value: Any = vector
         if req.encoding_format == "base64":
             value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
         data.append({"object": "embedding", "index": i, "embedding": value})
-    tokens = final.get("usage", {}).get("prompt_tokens", 0)
     return {"object": "list", "data": data, "model": req.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

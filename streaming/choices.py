@@ -22,14 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+import msgspec
 from redis.exceptions import RedisError
 
 from governance.admission import Admission
 from inference.client import RequestHandle
-from inference.queue import FINAL_EVENTS
+from inference.jobs import FINAL_EVENTS, ChatJob, Event, FinalEvent, Job, usage
 from sluice.aio import finish_or_cancel
 from sluice.errors import ApiError, BadRequest, DeadlineExceeded
 
@@ -54,14 +55,15 @@ def check(n: int, *, idempotency_key: str | None = None, resume: bool = False,
                          code="unsupported_parameter")
 
 
-def bodies(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """The queue body of each choice: the call's, seeded seed + i when it has a seed."""
-    seed = body.get("seed")
-    return [body if seed is None else {**body, "seed": seed + i} for i in range(n)]
+def jobs(job: ChatJob, n: int) -> list[ChatJob]:
+    """The job of each choice: the call's, seeded seed + i when it has a seed."""
+    seed = job.seed
+    return [job if seed is None else msgspec.structs.replace(job, seed=seed + i)
+            for i in range(n)]
 
 
-async def submit_all(submit: Callable[[dict[str, Any]], Awaitable[RequestHandle]],
-                     entries: list[dict[str, Any]]) -> list[RequestHandle]:
+async def submit_all(submit: Callable[[Job], Awaitable[RequestHandle]],
+                     entries: Sequence[Job]) -> list[RequestHandle]:
     """Enqueue every entry at once (their scripts share a Redis round trip). All or
     nothing: if one is refused (or the caller leaves), those enqueued are cancelled
     and the first error is raised."""
@@ -95,11 +97,11 @@ async def _abandon(handle: RequestHandle) -> None:
             pass
 
 
-async def merged(handles: list[RequestHandle]) -> AsyncGenerator[dict[str, Any]]:
+async def merged(handles: list[RequestHandle]) -> AsyncGenerator[Event]:
     """Every handle's events as they arrive, tagged `"i"` (the choice index), in order
     within a choice; ends after the last final event. An error raised by a handle (its
     deadline) is raised here; the other handles are left to the caller to cancel."""
-    queue: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+    queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
 
     async def pump(i: int, handle: RequestHandle) -> None:
         try:
@@ -125,7 +127,7 @@ async def merged(handles: list[RequestHandle]) -> AsyncGenerator[dict[str, Any]]
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
-def combined(finals: list[dict[str, Any]]) -> dict[str, Any] | None:
+def combined(finals: list[FinalEvent]) -> FinalEvent | None:
     """The final event the call settles with: its first choice's error if one failed,
     else a `done`; usage summed over the choices; `finish` "cancelled" if any choice
     was cancelled, else the first choice's. None when no choice ended."""
@@ -137,15 +139,17 @@ def combined(finals: list[dict[str, Any]]) -> dict[str, Any] | None:
     finishes = [e.get("finish") for e in ordered]
     prompt = completion = 0
     for event in ordered:
-        usage = event.get("usage") or {}
-        prompt += int(usage.get("prompt_tokens", 0))
-        completion += int(usage.get("completion_tokens", 0))
-    return {**base, "finish": "cancelled" if "cancelled" in finishes else base.get("finish"),
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion}}
+        prompt += event["usage"]["prompt_tokens"]
+        completion += event["usage"]["completion_tokens"]
+    merged = base.copy()
+    merged["usage"] = usage(prompt, completion)
+    if merged["t"] == "done" and "cancelled" in finishes:
+        merged["finish"] = "cancelled"
+    return merged
 
 
 def settle_later(admission: Admission, handles: list[RequestHandle],
-                 finals: list[dict[str, Any]], error: BaseException) -> None:
+                 finals: list[FinalEvent], error: BaseException) -> None:
     """The consumer stopped before every choice ended: cancel the ones still running,
     and settle the call once their final events arrive (within milliseconds of a
     cancel), or at the deadline (with what arrived)."""
@@ -154,7 +158,7 @@ def settle_later(admission: Admission, handles: list[RequestHandle],
         missing = [(i, h) for i, h in enumerate(handles) if i not in seen]
         with contextlib.suppress(ApiError, RedisError):
             await asyncio.gather(*(h.cancel() for _i, h in missing))
-        late: list[dict[str, Any]] = []
+        late: list[FinalEvent] = []
         if not isinstance(error, DeadlineExceeded):
             late = [e for e in await asyncio.gather(*(_final_of(i, h) for i, h in missing))
                     if e is not None]
@@ -163,13 +167,15 @@ def settle_later(admission: Admission, handles: list[RequestHandle],
     _in_background(run())
 
 
-async def _final_of(i: int, handle: RequestHandle) -> dict[str, Any] | None:
+async def _final_of(i: int, handle: RequestHandle) -> FinalEvent | None:
     timeout = max(0.0, handle.deadline_ms / 1000 - time.time()) + _SETTLE_WAIT_GRACE_S
     final = None
     with contextlib.suppress(ApiError, RedisError):
         async for event in handle.client.replay(handle.tenant, handle.rid,
                                                 after_seq=2**62, timeout_s=timeout):
-            final = {**event, "i": i}
+            if event["t"] == "done" or event["t"] == "error":
+                final = event
+                final["i"] = i
     return final
 
 

@@ -45,26 +45,20 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import Any
 
 import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from governance.observe import served
+from inference.jobs import DoneEvent
 from sluice.errors import ApiError, BadRequest, PermissionDenied, ServerError
 from streaming import bodies
-from streaming.gateway import (
-    Gateway,
-    Submitted,
-    error_from_event,
-    queue_unavailable,
-    shared_gateway,
-)
+from streaming.call import Call
+from streaming.gateway import Gateway, error_from_event, queue_unavailable, shared_gateway
 from streaming.nesting import MAX_JSON_DEPTH, check_depth
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.throttle import asgi_source
@@ -195,7 +189,6 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
     async def _run(self, principal: Principal, rid: str, kind: str,
                    request: dict[str, Any]) -> int:
         """Serve one request frame; returns its HTTP-equivalent status."""
-        began, sub = time.monotonic(), None
         action = "embeddings" if kind == "embeddings.request" else "chat.completions"
         try:
             try:
@@ -206,33 +199,21 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 self.principal = None  # frames still buffered are ignored
                 await self._refuse(rid, exc)
                 return exc.status
-            try:
+            async with Call(self.gateway, principal, action=action,
+                            protocol="websocket") as call:
+                call.model = str(request.get("model", ""))[:100]
                 if kind == "embeddings.request":
-                    emb = EmbeddingRequest.model_validate(request)
-                    sub = await self.gateway.embed(principal, emb, protocol="websocket")
+                    emb = parse(EmbeddingRequest, request)
+                    sub = await call.embed(emb)
                     await self._send(rid, "embeddings.result",
                                      body=await bodies.embeddings(sub, emb))
-                    return 200
-                req = ChatCompletionRequest.model_validate(request)
-            except ValidationError as exc:
-                raise validation_error(exc) from None
-            sub = await self.gateway.chat(principal, req, protocol="websocket", stream=True)
-            await self._stream(rid, sub)
+                else:
+                    await self._stream(rid, call, parse(ChatCompletionRequest, request))
             return 200
         except ApiError as exc:
-            if sub is None:
-                self.gateway.refused(principal, exc, action=action,
-                                     model=str(request.get("model", "")),
-                                     protocol="websocket", began=began)
             await self._error(rid, exc)
             return exc.status
-        except asyncio.CancelledError:
-            if sub is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(sub.cancel())
-            raise
-        except RedisError:
-            # Redis failing under a call (a restart, a failover) is retriable, as on REST.
+        except RedisError:  # under the sign-in: retriable, as on REST
             await self._error(rid, queue_unavailable())
             return 503
         except Exception:
@@ -250,11 +231,12 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             raise PermissionDenied(f"Your role ({principal.role}) may not call models.")
         return principal
 
-    async def _stream(self, rid: str, sub: Submitted) -> None:
+    async def _stream(self, rid: str, call: Call, req: ChatCompletionRequest) -> None:
         """The call's frames, each with its choice's `index`. A call's last `chat.done`
         carries its usage (with n > 1, every choice's summed; the others carry none)."""
+        sub = await call.chat(req, stream=True)
         parts: list[str] = []  # the first choice's text, for its conversation
-        finals: list[dict[str, Any]] = []
+        finals: list[DoneEvent] = []
         events = sub.events()
         async for event in events:
             i = event.get("i", 0)
@@ -274,7 +256,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                     done["tool_calls"] = bodies.tool_calls(event["tool_calls"])
                 if len(finals) == sub.n:  # the call's last frame
                     done["usage"] = bodies.usage(*finals)
-                    await self.gateway.remember(sub, "".join(parts))
+                    await call.remember("".join(parts))
                 await self._send(rid, "chat.done", **done)
 
     async def _send(self, rid: str | None, kind: str, **fields: Any) -> None:

@@ -17,21 +17,30 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from django.conf import settings
 from opentelemetry.trace import Status, StatusCode
 from redis.exceptions import RedisError
 
-from governance import audit, metrics
+from governance import metrics
 from governance.admission import Admission, Governor
 from governance.privacy import stored_messages
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
 from inference.grammar import TOOL_MARKER
-from inference.queue import FINAL_EVENTS
+from inference.jobs import (
+    ChatJob,
+    EmbedJob,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    Job,
+    default_max_tokens,
+)
 from inference.spec import DeploymentSpec, Kind
 from sluice import telemetry
 from sluice.db import async_db
@@ -71,6 +80,8 @@ class Submitted:
     conversation_id: str | None = None
     messages: list[dict[str, str]] | None = None
     more: list[RequestHandle] = field(default_factory=list)
+    charge: bool = True  # False: settled without charge (a token count)
+    read: bool = False  # its events are being (or were) read: they settle it
     # The request's trace context and start, for the wait span and time to first token.
     trace_context: Any = field(default_factory=telemetry.current_context)
     began: float = field(default_factory=lambda: _began())
@@ -85,6 +96,16 @@ class Submitted:
         return [self.handle, *self.more]
 
     @property
+    def charged(self) -> bool:
+        """Whether settlement charges the call (an idempotent replay was charged once)."""
+        return self.charge and not self.handle.replayed
+
+    @property
+    def ended(self) -> bool:
+        """Every choice's final event arrived: there is nothing left to cancel."""
+        return all(handle.finished for handle in self.handles)
+
+    @property
     def n(self) -> int:
         return 1 + len(self.more)
 
@@ -92,12 +113,13 @@ class Submitted:
         """Stop the call's generation on the worker, every choice of it."""
         await asyncio.gather(*(handle.cancel() for handle in self.handles))
 
-    async def events(self) -> AsyncGenerator[dict[str, Any]]:
+    async def events(self) -> AsyncGenerator[Event]:
         """The call's events; settles its admission when they end (or, when the consumer
         stops early, once the worker's final events arrive). With n > 1 choices: every
         choice's events as they arrive, each tagged with its index (`"i"`; absent means
         0), ending after the last choice's final event (streaming/choices.py)."""
-        finals: list[dict[str, Any]] = []
+        finals: list[FinalEvent] = []
+        self.read = True
         self.admission.request_id = self.handle.rid
         # Not the current span: a generator's consumer may resume it in another context.
         span = telemetry.child_span("sluice.wait", self.trace_context,
@@ -106,7 +128,7 @@ class Submitted:
         merged = choices.merged(self.handles) if self.more else None
         try:
             async for event in merged or self.handle.events():
-                if event["t"] in FINAL_EVENTS:
+                if event["t"] == "done" or event["t"] == "error":
                     finals.append(event)
                 elif event["t"] == "delta":
                     if first is None:
@@ -122,7 +144,7 @@ class Submitted:
             else:
                 self.admission.governor.finish_later(
                     self.admission, finals[0] if finals else None, exc, self.handle.rid,
-                    self.handle.deadline_ms, charge=not self.handle.replayed)
+                    self.handle.deadline_ms, charge=self.charged)
             self._observed(span, choices.combined(finals), first, exc)
             raise
         # Settlement, the audit event and the metrics (~0.15 ms of CPU, nothing awaited)
@@ -132,35 +154,37 @@ class Submitted:
             self._settle, span, choices.combined(finals), first,
             (time.perf_counter(), time.time_ns()), time.monotonic())
 
-    def _settle(self, span: Any, final: dict[str, Any] | None, first: float | None,
+    def _settle(self, span: Any, final: FinalEvent | None, first: float | None,
                 ended: tuple[float, int], ended_monotonic: float) -> None:
         try:
             self._observed(span, final, first, None, ended)
         finally:
-            self.admission.finish_now(final, charge=not self.handle.replayed,
+            self.admission.finish_now(final, charge=self.charged,
                                       ended=ended_monotonic)
 
-    def _observed(self, span: Any, final: dict[str, Any] | None, first: float | None,
+    def _observed(self, span: Any, final: FinalEvent | None, first: float | None,
                   error: BaseException | None,
                   ended: tuple[float, int] | None = None) -> None:
         """End the wait span; time to first token and decode rate go to the metrics
         (`ended`: when the events ended, as perf_counter() and time_ns(); default now)."""
-        usage = (final or {}).get("usage") or {}
-        prompt, completion = (int(usage.get("prompt_tokens", 0)),
-                              int(usage.get("completion_tokens", 0)))
+        prompt, completion = ((final["usage"]["prompt_tokens"],
+                               final["usage"]["completion_tokens"]) if final is not None
+                              else (0, 0))
+        finish = final["finish"] if final is not None and final["t"] == "done" else ""
+        failed = final["code"] if final is not None and final["t"] == "error" else None
         now, end_ns = ended if ended is not None else (time.perf_counter(), None)
         if span.is_recording():
             span.set_attributes({
                 "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
-                "sluice.finish_reason": str((final or {}).get("finish") or ""),
+                "sluice.finish_reason": finish,
                 "sluice.time_to_first_token_ms":
                     round((first - self.began) * 1000, 3) if first is not None else -1.0})
-            if (final or {}).get("t") == "error" or error is not None:
-                code = (final or {}).get("code") or getattr(error, "code", None)
+            if failed is not None or error is not None:
+                code = failed or getattr(error, "code", None)
                 span.set_attribute("error.type", str(code or type(error).__name__))
                 span.set_status(Status(StatusCode.ERROR))
         span.end(end_time=end_ns)
-        if final is not None and not self.handle.replayed:
+        if final is not None and self.charged:
             if first is not None:  # the dashboard's cluster-wide TTFT
                 self.admission.governor.recorder.latency(
                     self.spec.name, (first - self.began) * 1000, metric="ttft")
@@ -216,12 +240,32 @@ def _message(message: Any) -> dict[str, str]:
     return {"role": message.role, "content": content}
 
 
-def error_from_event(event: dict[str, Any]) -> ApiError:
+def _chat_job(req: ChatCompletionRequest) -> tuple[ChatJob, list[dict[str, str]]]:
+    """The job of a chat request (messages, the tool prompt before them, sampling,
+    structure; no history, max_tokens or stream yet) and the turn its conversation
+    keeps (the caller's messages)."""
+    structured = structured_body(req)
+    turn = [_message(m) for m in req.messages]
+    messages = list(turn)
+    if structured.tools and req.tools:
+        messages[:0] = tool_prompt(req.tools, parallel=structured.parallel_tool_calls)
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    return msgspec.structs.replace(
+        structured, messages=messages, stop=stop, seed=req.seed,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None), turn
+
+
+def error_from_event(event: ErrorEvent) -> ApiError:
     """A worker's error event as the typed error every adapter knows how to send. One
     the worker marks as certain to fail again (`"retry": false`: a model fault on this
     input, a dead-lettered request) tells the OpenAI SDKs not to retry it, as they
     would any 5xx (`x-should-retry: false`, a header they honour)."""
-    status, code, message = int(event.get("status", 500)), event.get("code"), event["message"]
+    status, code, message = event["status"], event["code"], event["message"]
     headers = {"x-should-retry": "false"} if event.get("retry") is False else None
     if status == 504:
         return DeadlineExceeded(message, code=code, headers=headers)
@@ -268,7 +312,7 @@ class Gateway:
             await client.close()
 
     async def _submit(self, principal: Principal, spec: DeploymentSpec,
-                      entries: list[dict[str, Any]], admission: Admission,
+                      entries: Sequence[Job], admission: Admission,
                       timeout_s: float | None = None, **kw: Any) -> list[RequestHandle]:
         """Enqueue each of `entries` (a call's choices; all or none); the deadline is the
         server's timeout, or the caller's if sooner."""
@@ -280,9 +324,9 @@ class Gateway:
             limit = min(limit, timeout_s)
         try:
             with telemetry.stage("sluice.enqueue", **{"sluice.deployment": spec.name}) as span:
-                def submit(body: dict[str, Any]) -> Awaitable[RequestHandle]:
+                def submit(job: Job) -> Awaitable[RequestHandle]:
                     return self.client.submit(
-                        spec, tenant=principal.tenant_slug, body=body, timeout_s=limit,
+                        spec, tenant=principal.tenant_slug, job=job, timeout_s=limit,
                         priority=principal.priority,
                         traceparent=telemetry.traceparent_of(span), **kw)
                 handles = ([await submit(entries[0])] if len(entries) == 1
@@ -298,22 +342,6 @@ class Gateway:
         if scope is not None:
             scope.request_id = handles[0].rid
         return handles
-
-    def refused(self, principal: Principal, exc: ApiError, *, action: str, model: str,
-                protocol: str, began: float) -> None:
-        """Audit a call refused before admission (bad input, permissions, limits, quotas,
-        shedding); an admitted call is audited by its settlement. Unauthenticated calls
-        are not audited: there is no tenant to file them under, nor those refused because
-        the audit log is not keeping up (each would add to what it cannot take)."""
-        scope = telemetry.current_scope()
-        metrics.observe_refusal(scope.model if scope is not None else "", exc.code)
-        if exc.code == "audit_unavailable":
-            return
-        self.governor.recorder.audit(audit.call_event(
-            principal=principal, action=action or "unknown", model=model[:100],
-            protocol=protocol, status=exc.status,
-            latency_ms=(time.monotonic() - began) * 1000, trace_id=telemetry.ids()[0],
-            detail={"code": exc.code, "type": exc.type}))
 
     async def authenticate(self, authorization: str | None, *,
                            source: str | None = None) -> Principal:
@@ -370,51 +398,56 @@ class Gateway:
             raise BadRequest(f"max_tokens is {max_tokens}; this model's context is "
                              f"{spec.max_context} tokens.", param="max_tokens",
                              code="max_tokens_too_large")
-        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        structured = structured_body(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true.",
                              param="top_logprobs", code="invalid_value")
+        job, turn = _chat_job(req)
         key, fingerprint = replay.idempotency(principal, idempotency_key, req)
-        turn = [_message(m) for m in req.messages]  # what the conversation keeps
-        messages = list(turn)
-        if structured.get("tools") and req.tools:
-            messages[:0] = tool_prompt(req.tools, parallel=structured["parallel_tool_calls"])
-        max_tokens = max_tokens or min(1024, spec.max_context // 2)
-        texts = [m["content"] for m in messages] + [m.get("content", "") for m in history]
+        max_tokens = max_tokens or default_max_tokens(spec.max_context)
+        texts = [m["content"] for m in job.messages] + [m.get("content", "") for m in history]
         # One admission for every choice: one request, n times the tokens.
-        admission = await self.governor.admit(
-            principal, spec, tokens=n * (prompt_bound(texts, spec) + max_tokens))
-        admission.action, admission.protocol = action, protocol
-        admission.request_text = next((m["content"] for m in reversed(messages)
-                                       if m["role"] == "user"), "")
+        admission = await self._admit(principal, spec, action, protocol, job,
+                                      tokens=n * (prompt_bound(texts, spec) + max_tokens))
         if admission.max_tokens_cap is not None:
             max_tokens = min(max_tokens, admission.max_tokens_cap)
-        body: dict[str, Any] = {
-            **structured,
-            **({"logprobs": req.top_logprobs or 0} if req.logprobs else {}),
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": req.top_p or 1.0,
-            "stop": stop,
-            "seed": req.seed,
-            **{name: value for name in ("presence_penalty", "frequency_penalty", "logit_bias")
-               if (value := getattr(req, name))},
-            "stream": req.stream if stream is None else stream,
+        stream = req.stream if stream is None else stream
+        if raw_prompt:
+            job = msgspec.structs.replace(job, prompt=job.messages[-1]["content"],
+                                          messages=[])
+        else:
             # Older turns; the worker drops the oldest until the prompt fits (exact
             # token counts with the model's own tokenizer).
-            "history": history,
-        }
-        if raw_prompt:  # the worker encodes `prompt` as it is (Worker._prepare)
-            body["prompt"] = body.pop("messages")[-1]["content"]
-            del body["history"]
+            job = msgspec.structs.replace(job, history=history)
+        job = msgspec.structs.replace(job, max_tokens=max_tokens, stream=stream)
         handle, *more = await self._submit(
-            principal, spec, choices.bodies(body, n), admission, timeout_s=timeout_s,
+            principal, spec, choices.jobs(job, n), admission, timeout_s=timeout_s,
             idempotency_key=key, fingerprint=fingerprint,
             owner=replay.ownership(principal, req.model, conversation_id)
-            if body["stream"] and n == 1 else None)
+            if stream and n == 1 else None)
         return Submitted(principal, spec, handle, admission, conversation_id, turn, more)
+
+    async def count(self, principal: Principal, req: ChatCompletionRequest, *,
+                    action: str, protocol: str = "rest") -> Submitted:
+        """Admit and enqueue a count of `req`'s prompt as the worker tokenizes it (the
+        messages `chat` would send, tool prompt included; nothing generated): its final
+        event's usage has the count. Admitted as a call (role, model access, limits,
+        shedding) and settled without charge."""
+        spec = await self._model(principal, req.model, Kind.CHAT)
+        job, _turn = _chat_job(req)
+        admission = await self._admit(principal, spec, action, protocol, job, tokens=0)
+        # max_tokens 1: a worker that predates count_only still reports the exact
+        # prompt count, after generating a single token.
+        [handle] = await self._submit(principal, spec, [msgspec.structs.replace(
+            job, max_tokens=1, stream=False, count_only=True)], admission)
+        return Submitted(principal, spec, handle, admission, charge=False)
+
+    async def _admit(self, principal: Principal, spec: DeploymentSpec, action: str,
+                     protocol: str, job: ChatJob, *, tokens: int) -> Admission:
+        admission = await self.governor.admit(principal, spec, tokens=tokens)
+        admission.action, admission.protocol = action, protocol
+        admission.request_text = next((m["content"] for m in reversed(job.messages)
+                                       if m["role"] == "user"), "")
+        return admission
 
     async def remember(self, sub: Submitted, reply: str) -> None:
         """Append the request's messages and the reply to its conversation."""
@@ -437,7 +470,7 @@ class Gateway:
             principal, spec, tokens=sum(prompt_bound([t], spec) for t in inputs))
         admission.action, admission.protocol = "embeddings", protocol
         admission.request_text = inputs[0]
-        [handle] = await self._submit(principal, spec, [{"input": inputs}], admission,
+        [handle] = await self._submit(principal, spec, [EmbedJob(input=inputs)], admission,
                                       timeout_s=timeout_s)
         return Submitted(principal, spec, handle, admission)
 

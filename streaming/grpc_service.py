@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,11 +30,12 @@ from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
 from streaming import bodies
-from streaming.gateway import Gateway, Submitted, error_from_event
+from streaming.call import Call
+from streaming.gateway import Gateway, error_from_event
 from streaming.nesting import check_depth
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, validation_error
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse, validation_error
 from tenants.principal import Principal
 from tenants.throttle import grpc_source
 
@@ -158,117 +158,84 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         remaining = context.time_remaining()
         return None if remaining is None else float(remaining)
 
-    async def _guard(self, context: grpc.aio.ServicerContext, action: str, model: str,
-                     run: Callable[[Principal, dict[str, bool]], Awaitable[T]]) -> T:
-        """Authenticate, run, and turn ApiErrors into statuses. A call refused before
-        admission is audited here; `run` marks admission in its dict (the settlement
-        audits admitted calls)."""
-        began = time.monotonic()
-        principal: Principal | None = None
-        call = {"admitted": False}
+    @contextlib.asynccontextmanager
+    async def _call(self, context: grpc.aio.ServicerContext, action: str,
+                    model: str) -> AsyncIterator[Call]:
+        """Authenticate and open the call (streaming/call.py: a refusal's audit,
+        settlement, cancellation when the RPC is cancelled); ApiErrors become statuses."""
         try:
             principal = await self._principal(context)
-            return await run(principal, call)
+            async with Call(self.gateway, principal, action=action, protocol="grpc") as call:
+                call.model = model
+                yield call
         except ApiError as exc:
-            if principal is not None and not call["admitted"]:
-                self.gateway.refused(principal, exc, action=action, model=model,
-                                     protocol="grpc", began=began)
             await _abort(context, exc)
-            raise  # unreachable: abort() raises
 
     async def Chat(self, request: pb.ChatRequest,
                    context: grpc.aio.ServicerContext) -> pb.ChatResponse:
-        async def run(principal: Principal, call: dict[str, bool]) -> pb.ChatResponse:
+        async with self._call(context, "chat.completions", request.model) as call:
             req = _chat_request(request)
-            sub = await self.gateway.chat(principal, req, protocol="grpc",
-                                          timeout_s=self._timeout(context), stream=False)
-            call["admitted"] = True
-            try:
-                body = await bodies.chat_completion(sub, req)
-            except asyncio.CancelledError:
-                await _cancel(sub)
-                raise
+            sub = await call.chat(req, timeout_s=self._timeout(context), stream=False)
+            body = await bodies.chat_completion(sub, req)
             answers = [_choice(choice) for choice in body["choices"]]
-            await self.gateway.remember(sub, answers[0].message.content)
+            await call.remember(answers[0].message.content)
             return pb.ChatResponse(
                 id=body["id"], model=body["model"], message=answers[0].message,
                 finish_reason=answers[0].finish_reason, logprobs=answers[0].logprobs,
                 usage=_usage(body["usage"]), choices=answers,
                 conversation_id=body.get("conversation_id") or "")
-        return await self._guard(context, "chat.completions", request.model, run)
+        raise AssertionError("unreachable: _call aborts on every error")
 
     async def ChatStream(self, request: pb.ChatRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatChunk]:
-        began = time.monotonic()
-        principal: Principal | None = None
-        sub: Submitted | None = None
-        ended = False  # the worker sent its final event
-        try:
-            principal = await self._principal(context)
+        async with self._call(context, "chat.completions", request.model) as call:
             req = _chat_request(request)
-            sub = await self.gateway.chat(principal, req, protocol="grpc",
-                                          timeout_s=self._timeout(context), stream=True)
+            sub = await call.chat(req, timeout_s=self._timeout(context), stream=True)
             rid, parts, finals = f"chatcmpl-{sub.handle.rid}", [], []
-            events = sub.events()
-            async for event in events:
-                i = event.get("i", 0)
-                if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                    if i == 0:
-                        parts.append(event["text"])
-                    yield pb.ChatChunk(id=rid, index=i, delta=event["text"],
-                                       logprobs=_logprobs(event.get("lp") or []))
-                elif event["t"] == "error":
-                    ended = True
-                    await events.aclose()  # with n > 1, the other choices are cancelled now
-                    raise error_from_event(event)
-                elif event["t"] == "done":
-                    finals.append(event)
-                    ended = len(finals) == sub.n
-                    yield pb.ChatChunk(
-                        id=rid, index=i, finish_reason=bodies.finish_reason(event),
-                        tool_calls=_tool_calls(bodies.tool_calls(event.get("tool_calls") or [])),
-                        # The stream's last chunk: every choice's usage.
-                        usage=_usage(bodies.usage(*finals)) if ended else None)
-            await self.gateway.remember(sub, "".join(parts))
-        except ApiError as exc:
-            if principal is not None and sub is None:
-                self.gateway.refused(principal, exc, action="chat.completions",
-                                     model=request.model, protocol="grpc", began=began)
-            await _abort(context, exc)
-        finally:
-            # However the stream stopped before its end (the call cancelled while we
-            # waited for a token, or while gRPC was sending one and the generator was
-            # closed instead), the generation stops on the worker too.
-            if sub is not None and not ended:
-                await _cancel(sub)
+            async with contextlib.aclosing(sub.events()) as events:
+                async for event in events:
+                    if event["t"] == "delta" and (event["text"] or event.get("lp")):
+                        i = event.get("i", 0)
+                        if i == 0:
+                            parts.append(event["text"])
+                        yield pb.ChatChunk(id=rid, index=i, delta=event["text"],
+                                           logprobs=_logprobs(event.get("lp") or []))
+                    elif event["t"] == "error":
+                        raise error_from_event(event)  # with n > 1: the others cancelled
+                    elif event["t"] == "done":
+                        finals.append(event)
+                        yield pb.ChatChunk(
+                            id=rid, index=event.get("i", 0),
+                            finish_reason=bodies.finish_reason(event),
+                            tool_calls=_tool_calls(bodies.tool_calls(
+                                event.get("tool_calls") or [])),
+                            # The stream's last chunk: every choice's usage.
+                            usage=_usage(bodies.usage(*finals))
+                            if len(finals) == sub.n else None)
+            await call.remember("".join(parts))
 
     async def Embed(self, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        async def run(principal: Principal, call: dict[str, bool]) -> pb.EmbedResponse:
-            try:
-                req = EmbeddingRequest.model_validate({"model": request.model,
-                                                       "input": list(request.input)})
-            except ValidationError as exc:
-                raise validation_error(exc) from None
-            sub = await self.gateway.embed(principal, req, protocol="grpc",
-                                           timeout_s=self._timeout(context))
-            call["admitted"] = True
+        async with self._call(context, "embeddings", request.model) as call:
+            req = parse(EmbeddingRequest, {"model": request.model,
+                                           "input": list(request.input)})
+            sub = await call.embed(req, timeout_s=self._timeout(context))
             body = await bodies.embeddings(sub, req)
             return pb.EmbedResponse(model=body["model"], usage=pb.Usage(
                 prompt_tokens=body["usage"]["prompt_tokens"],
                 total_tokens=body["usage"]["total_tokens"]),
                 data=[pb.Embedding(index=d["index"], embedding=d["embedding"])
                       for d in body["data"]])
-        return await self._guard(context, "embeddings", request.model, run)
+        raise AssertionError("unreachable: _call aborts on every error")
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        async def run(principal: Principal, call: dict[str, bool]) -> pb.ListModelsResponse:
-            rows = await async_db(lambda: list(models_for(actor=principal)))()
+        async with self._call(context, "models.list", "") as call:
+            rows = await async_db(lambda: list(models_for(actor=call.principal)))()
             return pb.ListModelsResponse(data=[
                 pb.Model(id=d.name, created=int(d.created_at.timestamp()), owned_by="sluice")
                 for d in rows])
-        return await self._guard(context, "models.list", "", run)
+        raise AssertionError("unreachable: _call aborts on every error")
 
 
 _SUCCESS = 200
@@ -355,12 +322,6 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
             return Undecodable(BadRequest("The request is not a valid message of this "
                                           "method.", code="invalid_message"))
     return parse
-
-
-async def _cancel(sub: Submitted) -> None:
-    """The client went away: stop the generation (billed what was made)."""
-    with contextlib.suppress(Exception):
-        await asyncio.shield(sub.cancel())
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: ApiError) -> None:

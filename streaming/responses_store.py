@@ -128,7 +128,9 @@ def response_create(*, actor: Principal, body: dict[str, Any],
                     clean: Redactor | None = None) -> StoredResponse:
     """Store a response object `body` and the call's own `input_items`, redacted with
     `clean` (default: the tenant's policy, read now). One INSERT: no transaction of its
-    own (on the hot path, BEGIN and COMMIT would be two more round trips)."""
+    own (on the hot path, BEGIN and COMMIT would be two more round trips). Storing the
+    same response id again stores nothing (an idempotent retry of the call replays the
+    first one's events, and its response is the same)."""
     require(actor, Action.MODEL_USE)
     clean = _stored(clean or redactor_now(actor.tenant_id))
     details = redact_json({k: v for k, v in body.items() if k not in _COLUMNS}, _no_nul,
@@ -137,7 +139,7 @@ def response_create(*, actor: Principal, body: dict[str, Any],
                                if isinstance(details.get("instructions"), str) else None)
     details["metadata"] = redact_json(details.get("metadata") or {}, clean, keys=True)
     created = body.get("created_at")
-    return StoredResponse.objects.create(
+    row = StoredResponse(
         tenant_id=actor.tenant_id, public_id=body["id"], created_by=actor.subject,
         model=body["model"], status=body["status"],
         previous_response_id=body.get("previous_response_id") or "",
@@ -146,6 +148,8 @@ def response_create(*, actor: Principal, body: dict[str, Any],
         usage=body.get("usage"), details=details,
         created_at=(datetime.fromtimestamp(created, tz=timezone.get_current_timezone())
                     if isinstance(created, int | float) else timezone.now()))
+    StoredResponse.objects.bulk_create([row], ignore_conflicts=True)  # ON CONFLICT DO NOTHING
+    return row
 
 
 async def response_save(*, actor: Principal, body: dict[str, Any],

@@ -3,7 +3,7 @@ OpenAI does ("Unrecognized request argument supplied")."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -108,6 +108,17 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def parse(model: type[_Model], data: Any) -> _Model:
+    """`data` as `model`, or OpenAI's 400 naming the first field that is wrong."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
 
 
 def validation_error(exc: ValidationError) -> BadRequest:

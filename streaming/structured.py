@@ -9,6 +9,7 @@ from typing import Any
 
 from inference import grammar
 from inference.grammar import TOOL_MARKER
+from inference.jobs import ChatJob, ResponseFormat, ToolSpec
 from sluice.errors import BadRequest
 from streaming.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
 
@@ -54,23 +55,24 @@ def _example_arguments(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def structured_body(req: ChatCompletionRequest) -> dict[str, Any]:
-    """The validated tools, tool_choice, parallel_tool_calls and response_format for
-    the worker ({} for a free-text reply). Every schema is compiled here, without a
-    tokenizer, so a schema the engine cannot enforce is a 400 naming it before anything
-    is queued."""
+def structured_body(req: ChatCompletionRequest) -> ChatJob:
+    """A job with the request's validated tools, tool_choice, parallel_tool_calls and
+    response_format (all defaults for a free-text reply). Every schema is compiled
+    here, without a tokenizer, so a schema the engine cannot enforce is a 400 naming it
+    before anything is queued."""
     choice, fmt = req.tool_choice, req.response_format
-    body: dict[str, Any] = {}
+    response_format = None
     if fmt is not None and fmt.type == "json_object":
-        body["response_format"] = {"type": "json_object"}
+        response_format = ResponseFormat(type="json_object")
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise BadRequest("Missing required parameter: 'response_format.json_schema'.",
                              param="response_format.json_schema",
                              code="missing_required_parameter")
-        body["response_format"] = {
-            "schema": fmt.json_schema.schema_ or {"type": "object", "properties": {}},
-            "strict": bool(fmt.json_schema.strict)}
+        response_format = ResponseFormat(
+            schema=fmt.json_schema.schema_ or {"type": "object", "properties": {}},
+            strict=bool(fmt.json_schema.strict))
+    job = ChatJob(response_format=response_format)
     if not req.tools:
         if choice not in (None, "none"):
             raise BadRequest("tool_choice is set but no tools are given.", param="tool_choice")
@@ -83,23 +85,20 @@ def structured_body(req: ChatCompletionRequest) -> dict[str, Any]:
         if isinstance(choice, NamedToolChoice) and wanted not in names:
             raise BadRequest(f"tool_choice names '{wanted}', which is not among the tools.",
                              param="tool_choice")
-        body.update(tools=[{"name": t.function.name, "parameters": t.function.parameters,
-                            "strict": bool(t.function.strict)} for t in req.tools],
-                    tool_choice=wanted, parallel_tool_calls=req.parallel_tool_calls is not False)
-    if body:
-        _check_grammar(body)
-    return body
+        job = ChatJob(response_format=response_format, tools=[
+            ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict))
+            for t in req.tools], tool_choice=wanted,
+            parallel_tool_calls=req.parallel_tool_calls is not False)
+    if job.constrained:
+        _check_grammar(job)
+    return job
 
 
-def _check_grammar(body: dict[str, Any]) -> None:
-    """Compile the request's grammar as the worker will (a 400 naming what cannot be
+def _check_grammar(job: ChatJob) -> None:
+    """Compile the job's grammar as the worker will (a 400 naming what cannot be
     enforced)."""
     try:
-        grammar.plan(tools=[grammar.Tool(t["name"], t["parameters"] or {}, t["strict"])
-                            for t in body.get("tools", [])],
-                     choice=body.get("tool_choice", "auto"),
-                     parallel=body.get("parallel_tool_calls", True),
-                     response_format=body.get("response_format"))
+        grammar.job_plan(job)
     except grammar.GrammarError as exc:
         where = str(exc).split(":")[0]
         raise BadRequest(f"Invalid schema: {exc}", param=where,

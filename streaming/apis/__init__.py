@@ -3,12 +3,11 @@ Completions, Responses, Anthropic Messages), each a codec over the one gateway c
 
 An `Api` is registered under its path in APIS. The lean app (streaming/asgi.py) does
 for every one of them what it does for chat: authenticates the credential the API
-names (`credential`), throttles wrong ones, reads the JSON body within the size and
-nesting limits, audits a call refused before admission, and sends any error in the
-API's own shape (`error`). `serve` does the rest: parse the body into the gateway's
-request (a 400 in the API's shape for anything wrong), `Gateway.chat`, encode the
-call's events, and set `ctx.call["model"]` once known and `ctx.call["admitted"]` once
-the gateway admitted the call (an admitted call is audited by its settlement).
+names (`credential`), throttles wrong ones, opens the call (streaming/call.py: the
+audit of a refusal, settlement, cancellation), reads the JSON body within the size and
+nesting limits, and sends any error in the API's own shape (`error`). `serve` does the
+rest: parse the body into the gateway's request (a 400 in the API's shape for anything
+wrong), admit it through `ctx.call`, and encode the call's events.
 """
 
 from __future__ import annotations
@@ -20,22 +19,26 @@ from sluice.errors import ApiError
 
 if TYPE_CHECKING:
     from streaming.asgi import LeanApp
+    from streaming.call import Call
     from streaming.httpio import Receive, Send
     from tenants.principal import Principal
 
 
 @dataclass
 class Context:
-    """One request to an Api: the app (its gateway and background tasks), the caller,
-    the parsed body, the headers, the ASGI channels, and the audit notes of the call."""
+    """One request to an Api: the app (its gateway), the call, the parsed body, the
+    headers and the ASGI channels."""
 
     app: LeanApp
-    principal: Principal
+    call: Call
     data: dict[str, Any]
     headers: dict[str, str]
     receive: Receive
     send: Send
-    call: dict[str, Any]
+
+    @property
+    def principal(self) -> Principal:
+        return self.call.principal
 
 
 class Api:

@@ -30,11 +30,12 @@ import orjson
 from django.conf import settings
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from inference.jobs import DoneEvent, Event, FinalEvent
 from sluice.errors import BadRequest
 from streaming import bodies
 from streaming.apis import Api, Context, register
 from streaming.gateway import Submitted, error_from_event
-from streaming.httpio import KeepAlive, Receive, Send, send_json
+from streaming.httpio import KeepAlive, Send, send_json
 from streaming.schemas import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -112,23 +113,20 @@ class Completions(Api):
 
     async def serve(self, ctx: Context) -> None:
         req = parse(ctx.data)
-        ctx.call["model"] = req.model
-        ctx.call["observed"].protocol = "sse" if req.stream else "rest"
+        call = ctx.call
+        call.model = req.model
+        call.protocol = "sse" if req.stream else "rest"
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        subs = await _admit(ctx, req, prompts)
-        ctx.call["admitted"] = True
-        watcher = asyncio.create_task(_cancel_on_disconnect(ctx.receive, subs))
-        try:
+        # One admitted gateway call per prompt, all or none (the call cancels those
+        # admitted when one is refused).
+        subs = [await call.chat(as_chat(req, prompt), raw_prompt=True) for prompt in prompts]
+        async with call.watching(ctx.receive, resumable=False):
             events = _events(subs, req.n or 1)
             if req.stream:
                 await _stream(ctx.send, req, prompts, subs, events)
             else:
                 body = await _completion(req, prompts, subs, events)
                 await send_json(ctx.send, 200, body, subs[-1].headers)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
 
 
 def parse(data: dict[str, Any]) -> CompletionRequest:
@@ -183,48 +181,14 @@ def as_chat(req: CompletionRequest, prompt: str) -> ChatCompletionRequest:
                          code=error.code) from None
 
 
-async def _admit(ctx: Context, req: CompletionRequest, prompts: list[str]) -> list[Submitted]:
-    """One admitted gateway call per prompt; all or none."""
-    subs: list[Submitted] = []
-    try:
-        for prompt in prompts:
-            sub = await ctx.app.gateway.chat(ctx.principal, as_chat(req, prompt),
-                                             protocol="sse" if req.stream else "rest",
-                                             action=Completions.action, raw_prompt=True)
-            subs.append(sub)
-    except BaseException:
-        for sub in subs:
-            task = asyncio.create_task(_abandon(sub))
-            ctx.app._background.add(task)
-            task.add_done_callback(ctx.app._background.discard)
-        raise
-    return subs
-
-
-async def _abandon(sub: Submitted) -> None:
-    """Cancel an admitted call nobody will read; reading its events to their end
-    settles it (billed what was made)."""
-    await sub.cancel()
-    with contextlib.suppress(Exception):
-        async for _event in sub.events():
-            pass
-
-
-async def _cancel_on_disconnect(receive: Receive, subs: list[Submitted]) -> None:
-    """A client that goes away cancels every prompt's generation."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    await asyncio.gather(*(sub.cancel() for sub in subs))
-
-
-async def _events(subs: list[Submitted], n: int) -> AsyncGenerator[dict[str, Any]]:
+async def _events(subs: list[Submitted], n: int) -> AsyncGenerator[Event]:
     """Every call's events as they arrive, `"i"` set to the reply's choice index."""
     if len(subs) == 1:
         async with contextlib.aclosing(subs[0].events()) as events:
             async for event in events:
                 yield event
         return
-    queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
 
     async def pump(p: int, sub: Submitted) -> None:
         try:
@@ -288,12 +252,12 @@ def _base(req: CompletionRequest, subs: list[Submitted]) -> dict[str, Any]:
 
 
 async def _completion(req: CompletionRequest, prompts: list[str], subs: list[Submitted],
-                      events: AsyncGenerator[dict[str, Any]]) -> dict[str, Any]:
+                      events: AsyncGenerator[Event]) -> dict[str, Any]:
     n = req.n or 1
     count = len(prompts) * n
     texts: list[list[str]] = [[prompts[i // n]] if req.echo else [] for i in range(count)]
     entries: list[list[dict[str, Any]]] = [[] for _ in range(count)]
-    finals: list[dict[str, Any]] = [{} for _ in range(count)]
+    finals: list[DoneEvent | None] = [None] * count
     async with contextlib.aclosing(events):
         async for event in events:
             i = event.get("i", 0)
@@ -302,18 +266,19 @@ async def _completion(req: CompletionRequest, prompts: list[str], subs: list[Sub
                 entries[i] += event.get("lp") or ()
             elif event["t"] == "error":
                 raise error_from_event(event)
-            else:
+            elif event["t"] == "done":
                 finals[i] = event
+    done = bodies.all_done(finals)
     return {**_base(req, subs), "choices": [
         {"text": "".join(texts[i]), "index": i,
          "logprobs": None if req.logprobs is None else legacy_logprobs(entries[i],
                                                                        _Offsets()),
-         "finish_reason": bodies.finish_reason(finals[i])} for i in range(count)],
-        "usage": bodies.usage(*finals)}
+         "finish_reason": bodies.finish_reason(done[i])} for i in range(count)],
+        "usage": bodies.usage(*done)}
 
 
 async def _stream(send: Send, req: CompletionRequest, prompts: list[str],
-                  subs: list[Submitted], events: AsyncGenerator[dict[str, Any]]) -> None:
+                  subs: list[Submitted], events: AsyncGenerator[Event]) -> None:
     """SSE chunks of `text_completion` objects (choice i's with `index` i), a last
     usage chunk with `stream_options.include_usage`, then `data: [DONE]`."""
 
@@ -339,12 +304,12 @@ async def _stream(send: Send, req: CompletionRequest, prompts: list[str],
                                          "finish_reason": finish}]}
 
         offsets = [_Offsets() for _ in range(len(prompts) * n)]
-        finals: list[dict[str, Any]] = []
+        finals: list[FinalEvent] = []
         try:
             if req.echo:
                 for i in range(len(prompts) * n):
                     await emit(chunk(i, prompts[i // n]))
-            event: dict[str, Any] | None = first
+            event: Event | None = first
             while event is not None:
                 i = event.get("i", 0)
                 if event["t"] == "delta" and (event["text"] or event.get("lp")):

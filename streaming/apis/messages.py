@@ -27,8 +27,6 @@ audited and free: no tokens are charged.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -40,16 +38,12 @@ from pydantic import (
     ValidationError,
 )
 
-from inference.queue import FINAL_EVENTS
-from inference.spec import Kind
 from sluice.errors import ApiError, BadRequest
 from sluice.schemas import Line
 from streaming.apis import Api, Context, register
 from streaming.apis import messages_stream as encode
-from streaming.gateway import _message, error_from_event
 from streaming.httpio import send_json
 from streaming.schemas import ChatCompletionRequest
-from streaming.structured import structured_body, tool_prompt
 
 _CHAT_DESCRIPTION_MAX = 4096  # chat's (OpenAI's) cap on a function's description
 
@@ -273,27 +267,17 @@ class Messages(Api):
 
     async def serve(self, ctx: Context) -> None:
         req = parse(AnthropicMessagesRequest, ctx.data)
-        ctx.call["model"] = req.model
-        ctx.call["observed"].protocol = "sse" if req.stream else "rest"
-        chat = to_chat(req)
-        app = ctx.app
-        sub = await app.gateway.chat(ctx.principal, chat,
-                                     idempotency_key=ctx.headers.get("idempotency-key"),
-                                     protocol=ctx.call["observed"].protocol,
-                                     action=self.action)
-        ctx.call["admitted"] = True
+        call = ctx.call
+        call.model = req.model
+        call.protocol = "sse" if req.stream else "rest"
+        sub = await call.chat(to_chat(req), idempotency_key=ctx.headers.get("idempotency-key"))
         headers = {**sub.headers, "request-id": sub.handle.rid}
-        watcher = asyncio.create_task(app.watch_disconnect(ctx.receive, sub, False))
-        try:
+        async with call.watching(ctx.receive, resumable=False):
             if req.stream:
                 await encode.stream(sub, req.model, ctx.send, headers)
             else:
                 await send_json(ctx.send, 200, await encode.message_body(sub, req.model),
                                 headers)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
 
 
 class CountTokens(Messages):
@@ -302,45 +286,8 @@ class CountTokens(Messages):
 
     async def serve(self, ctx: Context) -> None:
         req = parse(AnthropicCountTokensRequest, ctx.data)
-        ctx.call["model"] = req.model
-        tokens = await self.count(ctx, to_chat(req))
+        tokens = await ctx.call.count(to_chat(req))
         await send_json(ctx.send, 200, {"input_tokens": tokens})
-
-    async def count(self, ctx: Context, chat: ChatCompletionRequest) -> int:
-        """The prompt's tokens as the worker counts them: the messages `Gateway.chat`
-        would send, tool prompt included, in a count-only job. Admitted as a call
-        (role, model access, rate limits, shedding), settled without charge."""
-        gateway, principal = ctx.app.gateway, ctx.principal
-        spec = await gateway._model(principal, chat.model, Kind.CHAT)
-        structured = structured_body(chat)
-        messages = [_message(m) for m in chat.messages]
-        if structured.get("tools") and chat.tools:
-            messages[:0] = tool_prompt(chat.tools,
-                                       parallel=structured["parallel_tool_calls"])
-        admission = await gateway.governor.admit(principal, spec, tokens=0)
-        admission.action, admission.protocol = self.action, "rest"
-        admission.request_text = next((m["content"] for m in reversed(messages)
-                                       if m["role"] == "user"), "")
-        # max_tokens 1: a worker that predates count_only still reports the exact
-        # prompt count, after generating a single token.
-        [handle] = await gateway._submit(principal, spec, [{
-            "messages": messages, "max_tokens": 1, "stream": False, "count_only": True}],
-            admission)
-        ctx.call["admitted"] = True
-        admission.request_id = handle.rid
-        final: dict[str, Any] | None = None
-        try:
-            async for event in handle.events():
-                if event["t"] in FINAL_EVENTS:
-                    final = event
-        except BaseException as exc:
-            await handle.cancel()
-            admission.finish_now(None, error=exc, charge=False)
-            raise
-        admission.finish_now(final, charge=False)
-        if final is None or final["t"] == "error":
-            raise error_from_event(final or {"message": "The count ended without a result."})
-        return int(final["usage"]["prompt_tokens"])
 
 
 register(Messages())

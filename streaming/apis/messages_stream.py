@@ -21,6 +21,7 @@ import orjson
 from django.conf import settings
 from pydantic import BaseModel
 
+from inference.jobs import DoneEvent, Event
 from sluice.errors import ApiError
 from streaming import bodies
 from streaming.gateway import Submitted, error_from_event
@@ -56,8 +57,8 @@ def error_body(exc: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": error}
 
 
-def stop_reason(final: dict[str, Any]) -> str:
-    finish = final.get("finish")
+def stop_reason(final: DoneEvent) -> str:
+    finish = final["finish"]
     if finish == "length":
         return "max_tokens"
     if finish == "tool_calls":
@@ -65,7 +66,7 @@ def stop_reason(final: dict[str, Any]) -> str:
     return "stop_sequence" if final.get("stop_sequence") else "end_turn"
 
 
-def tool_uses(final: dict[str, Any]) -> list[dict[str, Any]]:
+def tool_uses(final: DoneEvent) -> list[dict[str, Any]]:
     """The final event's tool calls as tool_use blocks (input an object)."""
     return [{"type": "tool_use", "id": _tool_id(call["id"]), "name": call["name"],
              "input": orjson.loads(call["arguments"] or "{}")}
@@ -76,10 +77,9 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def usage(final: dict[str, Any]) -> dict[str, int]:
-    reported = final.get("usage") or {}
-    return {"input_tokens": int(reported.get("prompt_tokens", 0)),
-            "output_tokens": int(reported.get("completion_tokens", 0))}
+def usage(final: DoneEvent) -> dict[str, int]:
+    return {"input_tokens": final["usage"]["prompt_tokens"],
+            "output_tokens": final["usage"]["completion_tokens"]}
 
 
 async def message_body(sub: Submitted, model: str) -> dict[str, Any]:
@@ -117,7 +117,7 @@ async def stream(sub: Submitted, model: str, send: Send,
                 "id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
                 "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": 0, "output_tokens": 0}}}))
-            event: dict[str, Any] | None = first
+            event: Event | None = first
             while event is not None:
                 if event["t"] == "delta" and event["text"]:
                     await blocks.text(event["text"])
@@ -161,7 +161,7 @@ class _Blocks:
         # Most of a stream: the event's fixed bytes around the encoded text.
         await self._send(self._TEXT_DELTA % (self._count, orjson.dumps(text)))
 
-    async def finish(self, final: dict[str, Any]) -> None:
+    async def finish(self, final: DoneEvent) -> None:
         if self._text_open:
             await self._stop()
             self._text_open = False

@@ -16,7 +16,6 @@ Everything the caller got wrong is a 400 in OpenAI's shape naming the Responses 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 import time
@@ -26,6 +25,7 @@ from typing import Annotated, Any, Literal
 from django.conf import settings
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from inference.jobs import DoneEvent, Event
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
 from streaming import bodies
@@ -303,8 +303,9 @@ class ResponsesApi(Api):
             req = ResponsesRequest.model_validate(ctx.data)
         except ValidationError as exc:
             raise invalid(exc) from None
-        ctx.call["model"] = req.model
-        ctx.call["observed"].protocol = "sse" if req.stream else "rest"
+        call = ctx.call
+        call.model = req.model
+        call.protocol = "sse" if req.stream else "rest"
         items = input_items(req.input)
         before = (await async_db(response_context)(actor=ctx.principal,
                                                    response_id=req.previous_response_id)
@@ -312,21 +313,15 @@ class ResponsesApi(Api):
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         chat = chat_request(req, system + chat_messages([*before, *items]))
         try:
-            sub = await ctx.app.gateway.chat(ctx.principal, chat, protocol=ctx.call[
-                "observed"].protocol, stream=req.stream, action=self.action)
+            sub = await call.chat(chat, stream=req.stream,
+                                  idempotency_key=ctx.headers.get("idempotency-key"))
         except ApiError as exc:
             raise renamed(exc) from None
-        ctx.call["admitted"] = True
-        watcher = asyncio.create_task(ctx.app.watch_disconnect(ctx.receive, sub, False))
-        try:
+        async with call.watching(ctx.receive, resumable=False):
             if req.stream:
                 await self._stream(ctx, sub, req, items)
             else:
                 await self._complete(ctx, sub, req, items)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
 
     async def _complete(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
                         items: list[dict[str, Any]]) -> None:
@@ -354,7 +349,7 @@ class ResponsesApi(Api):
             stream = EventStream(out, head(req, rid), rid)
             try:
                 await stream.start()
-                event: dict[str, Any] | None = first
+                event: Event | None = first
                 while event is not None:
                     if event["t"] == "delta" and event["text"]:
                         await stream.text(event["text"])
@@ -369,7 +364,7 @@ class ResponsesApi(Api):
         await ctx.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _finish(self, ctx: Context, stream: EventStream, req: ResponsesRequest,
-                      items: list[dict[str, Any]], *, final: dict[str, Any] | None = None,
+                      items: list[dict[str, Any]], *, final: DoneEvent | None = None,
                       error: ApiError | None = None) -> None:
         """The stream's last events: the output closed, the response stored (when asked),
         then completed / incomplete / failed."""

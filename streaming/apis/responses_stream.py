@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 from pydantic import BaseModel
 
+from inference.jobs import DoneEvent, ToolCall
 from sluice.errors import ApiError
 from streaming import bodies
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # streaming.asgi imports the APIs: theirs is a run-time impor
 
 
 # -- the response object ----------------------------------------------------------------
-def usage(final: dict[str, Any]) -> dict[str, Any]:
+def usage(final: DoneEvent) -> dict[str, Any]:
     counted = bodies.usage(final)
     return {"input_tokens": counted["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0},
@@ -46,18 +47,18 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_item(item_id: str, call: dict[str, str], status: str = "completed",
+def call_item(item_id: str, call: ToolCall, status: str = "completed",
               arguments: str | None = None) -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "status": status,
             "call_id": call["id"], "name": call["name"],
             "arguments": call["arguments"] if arguments is None else arguments}
 
 
-def _status(final: dict[str, Any]) -> str:
+def _status(final: DoneEvent) -> str:
     return "incomplete" if final.get("finish") == "length" else "completed"
 
 
-def output(rid: str, text: str, final: dict[str, Any]) -> list[dict[str, Any]]:
+def output(rid: str, text: str, final: DoneEvent) -> list[dict[str, Any]]:
     """The output items of a finished call: its text as a message (also when it said
     nothing and called nothing), then one item per function call."""
     calls = final.get("tool_calls") or []
@@ -66,7 +67,7 @@ def output(rid: str, text: str, final: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def finished(head: dict[str, Any], items: list[dict[str, Any]],
-             final: dict[str, Any]) -> dict[str, Any]:
+             final: DoneEvent) -> dict[str, Any]:
     """The response object once the call ended with `final` (a worker's done event)."""
     status = _status(final)
     return {**head, "status": status, "output": items, "usage": usage(final),
@@ -142,7 +143,7 @@ class EventStream:
         self.items.append(item)
         self.message_open = False
 
-    async def end(self, final: dict[str, Any]) -> dict[str, Any]:
+    async def end(self, final: DoneEvent) -> dict[str, Any]:
         """Close the call's output after its final event; the response object."""
         calls = final.get("tool_calls") or []
         if self.message_open or not calls:

@@ -194,6 +194,22 @@ def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
         client.responses.retrieve(response.id)
 
 
+def test_an_idempotency_key_answers_a_retry_with_the_first_response(
+        client: openai.OpenAI) -> None:
+    # Given a stored response made with an Idempotency-Key
+    key = {"Idempotency-Key": "order-42"}
+    first = client.responses.create(model="echo", input="charge me once", extra_headers=key)
+    # When the same call is sent again with the key (a retry after a lost reply)
+    again = client.responses.create(model="echo", input="charge me once", extra_headers=key)
+    # Then it is the same response, stored once
+    assert again.id == first.id and again.output_text == first.output_text
+    assert StoredResponse.objects.filter(public_id=first.id).count() == 1
+    # and the key with another body is refused, not answered with the first reply
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        client.responses.create(model="echo", input="something else", extra_headers=key)
+    assert refused.value.code == "idempotency_key_reused"
+
+
 def test_previous_response_id_continues_the_chain(client: openai.OpenAI, tiny: str) -> None:
     # Given a first turn
     first = client.responses.create(model=tiny, input="My name is Ada.",

@@ -1,0 +1,199 @@
+"""One API call's life after authentication, owned once for every API and transport.
+
+    async with Call(gateway, principal, action="chat.completions", protocol="rest") as call:
+        sub = await call.chat(req)           # admission and submission (or a refusal)
+        async for event in sub.events():     # the typed events (inference/jobs.py)
+            ...                              # the codec encodes them, nothing more
+        await call.remember(text)            # the conversation's turn
+
+The codecs (streaming/asgi.py's chat, streaming/apis/*, the gRPC servicer, the WebSocket
+consumer) parse a request into a call and encode its events; the block's exit does the
+rest, whatever the codec did:
+- an error before admission (bad input, rights, limits, quotas, shedding) is audited as
+  a refused call; Redis failing under the call becomes the retriable 503
+  `queue_unavailable` (audited too);
+- an admitted call settles itself as its events end (Submitted.events: quota, breaker,
+  audit event, metrics), also when the codec stops reading early;
+- leaving the block before every choice's final event (the client went away, the task
+  was cancelled, the codec failed) stops the generation on the worker, billed what was
+  made; except after `client_gone(resumable=True)` of a one-choice stream, which is
+  cancelled only if no client resumes it within SLUICE_STREAM_RESUME_GRACE_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from redis.exceptions import RedisError
+
+from governance import audit, metrics
+from sluice import telemetry
+from sluice.errors import ApiError, ServerError
+from streaming.gateway import Gateway, Submitted, error_from_event, queue_unavailable
+from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from tenants.principal import Principal
+
+if TYPE_CHECKING:
+    from streaming.httpio import Receive
+
+_background: set[asyncio.Task[None]] = set()  # cancellations after the block
+
+
+class Call:
+    """See the module docstring. `model` is what the refused call's audit names (set
+    from the request as soon as it is parsed); `protocol` the audit's and metrics'
+    transport name ("rest", "sse", "grpc", "websocket", "batch")."""
+
+    def __init__(self, gateway: Gateway, principal: Principal, *, action: str,
+                 protocol: str, began: float | None = None) -> None:
+        self.gateway, self.principal, self.action = gateway, principal, action
+        self._protocol = protocol
+        self.began = time.monotonic() if began is None else began
+        self.model = ""
+        self.subs: list[Submitted] = []  # admitted (a legacy completion: one a prompt)
+        self._admitting = False
+        self._left = False  # the client went away and its cancellation is decided
+
+    @property
+    def protocol(self) -> str:
+        return self._protocol
+
+    @protocol.setter
+    def protocol(self, value: str) -> None:
+        """Also the served request's (its metrics' label)."""
+        self._protocol = value
+        scope = telemetry.current_scope()
+        if scope is not None:
+            scope.protocol = value
+
+    @property
+    def sub(self) -> Submitted:
+        """The admitted call (the first, when there are several)."""
+        return self.subs[0]
+
+    async def __aenter__(self) -> Call:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        for sub in self.subs:
+            if not sub.read:  # nobody will: cancel it and read it out (that settles it)
+                _in_background(_drain(sub))
+            elif not sub.ended and not self._left:
+                with contextlib.suppress(Exception):  # it must not hide the call's error
+                    await asyncio.shield(sub.cancel())
+        refused = not self.subs or self._admitting
+        if isinstance(exc, RedisError):
+            error = queue_unavailable()
+            if refused:
+                self._refused(error)
+            raise error from None
+        if isinstance(exc, ApiError) and refused:
+            self._refused(exc)
+
+    def _refused(self, exc: ApiError) -> None:
+        """Audit the call refused before admission (an admitted call is audited by its
+        settlement). Not those refused because the audit log is not keeping up: each
+        would add to what it cannot take. (Unauthenticated calls never get a Call:
+        there is no tenant to file them under.)"""
+        scope = telemetry.current_scope()
+        metrics.observe_refusal(scope.model if scope is not None else "", exc.code)
+        if exc.code == "audit_unavailable":
+            return
+        self.gateway.governor.recorder.audit(audit.call_event(
+            principal=self.principal, action=self.action or "unknown",
+            model=self.model[:100], protocol=self.protocol, status=exc.status,
+            latency_ms=(time.monotonic() - self.began) * 1000,
+            trace_id=telemetry.ids()[0], detail={"code": exc.code, "type": exc.type}))
+
+    async def chat(self, req: ChatCompletionRequest, **options: Any) -> Submitted:
+        """Admit and submit a chat call (Gateway.chat's options: idempotency_key,
+        conversation_id, timeout_s, stream, raw_prompt). A call may admit several (a
+        legacy completion's prompts); a refusal of any is the call's."""
+        self.model = req.model
+        return await self._admit(self.gateway.chat(
+            self.principal, req, protocol=self.protocol, action=self.action, **options))
+
+    async def embed(self, req: EmbeddingRequest, *, timeout_s: float | None = None
+                    ) -> Submitted:
+        self.model = req.model
+        return await self._admit(self.gateway.embed(
+            self.principal, req, protocol=self.protocol, timeout_s=timeout_s))
+
+    async def _admit(self, admission: Awaitable[Submitted]) -> Submitted:
+        self._admitting = True
+        sub = await admission
+        self.subs.append(sub)
+        self._admitting = False
+        return sub
+
+    async def count(self, req: ChatCompletionRequest) -> int:
+        """The prompt's tokens as the model's worker counts them (template and tool
+        prompt included); admitted as a call, never charged."""
+        self.model = req.model
+        sub = await self._admit(self.gateway.count(self.principal, req, action=self.action,
+                                                   protocol=self.protocol))
+        async for event in sub.events():
+            if event["t"] == "error":
+                raise error_from_event(event)
+            if event["t"] == "done":
+                return event["usage"]["prompt_tokens"]
+        raise ServerError("The count ended without a result.")
+
+    async def remember(self, reply: str) -> None:
+        """The call's turn (its messages and `reply`) into its conversation, if any."""
+        await self.gateway.remember(self.sub, reply)
+
+    def client_gone(self, *, resumable: bool) -> None:
+        """The client went away. A resumable stream (one choice, streamed) stays alive
+        for the resume grace: cancelled then unless a client re-attached; anything else
+        is cancelled when the block exits."""
+        if len(self.subs) != 1 or self._left or not resumable or self.sub.n > 1:
+            return
+        sub = self.sub
+        self._left = True
+        handle = sub.handle
+        _in_background(self.gateway.client.cancel_unless_resumed(
+            sub.spec.name, handle.tenant, handle.rid,
+            float(settings.SLUICE_STREAM_RESUME_GRACE_S)))
+
+    @contextlib.asynccontextmanager
+    async def watching(self, receive: Receive, *, resumable: bool) -> AsyncIterator[None]:
+        """While the block runs, an ASGI client's disconnect is `client_gone` (for a
+        plain reply, the disconnect cancels the call at once: the codec's pending read
+        of its events is cancelled with the task that waits on them)."""
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.client_gone(resumable=resumable)
+            if not self._left:
+                await asyncio.gather(*(sub.cancel() for sub in self.subs))
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+
+async def _drain(sub: Submitted) -> None:
+    """Cancel a call nobody reads and read its events to their end: that settles it
+    (billed what was made)."""
+    await sub.cancel()
+    with contextlib.suppress(Exception):
+        async for _event in sub.events():
+            pass
+
+
+def _in_background(work: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.create_task(work)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
