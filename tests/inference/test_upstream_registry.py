@@ -16,6 +16,7 @@ from governance.models import AuditEvent
 from inference import selectors
 from inference.models import Deployment, ModelAlias
 from inference.routing import Route, Target
+from inference.spec import DeploymentSpec
 from inference.upstream import secrets
 from inference.upstream.urls import UpstreamURLError, address_refusal, validate_url
 from streaming.apis.completions import CompletionRequest
@@ -60,6 +61,7 @@ def test_an_upstream_key_is_write_only_and_sealed_at_rest(ops: Org, private_ok: 
     spec = row.to_spec()
     assert spec.upstream is not None and spec.upstream.secret_sealed == row.upstream_secret
     assert KEY not in spec.to_json()
+    assert DeploymentSpec.from_json(spec.to_json()) == spec  # what a worker process gets
 
 
 def test_a_new_key_replaces_the_old_and_an_empty_one_removes_it(ops: Org,
