@@ -266,7 +266,11 @@ class Worker:
             seq = self.output.start(row, prepared.prompt, prepared.params)
             if seq is not None:
                 new.append(seq)
-        self.engine.add(new)
+        for seq, refusal in self.engine.add(new):
+            # The KV cache cannot hold it: now (503: the client may retry once running
+            # requests leave) or ever (400).
+            self.output.fail(seq.rid, RequestError(refusal.status, refusal.code,
+                                                   refusal.message, retry=refusal.retriable))
 
     def _embed(self, chosen: list[Pending]) -> None:
         texts: list[str] = []

@@ -1,8 +1,9 @@
 """The engine: a runtime's sequences and the decode steps that advance them.
 
 Contract with the loop (the only caller; one thread):
-- `add(seqs)` starts sequences (their prefill); their first tokens come out of the next
-  `step()`, after the tokens of the step that ended as they joined;
+- `add(seqs)` starts the sequences the runtime's KV cache can hold (their prefill) and
+  returns the others with the runtime's `KVRefusal`; the first tokens of those started
+  come out of the next `step()`, after the tokens of the step that ended as they joined;
 - `step()` yields the batch's next tokens ({request id: token}, FAILED for a row the
   model failed on), in order, in up to three dicts; the caller handles each before it
   asks for the next, and `drop`s what finished meanwhile;
@@ -34,7 +35,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from inference.runtimes.base import ChatRuntime, EmbeddingRuntime, NewSequence
+from inference.runtimes.base import ChatRuntime, EmbeddingRuntime, KVRefusal, NewSequence
 
 Tokens = dict[str, int]
 OVERLAP_MIN_STEP_S = 0.001
@@ -64,13 +65,26 @@ class Engine:
         assert isinstance(runtime, ChatRuntime)  # noqa: S101
         return runtime
 
-    def add(self, seqs: Sequence[NewSequence]) -> None:
-        """Start `seqs` (their prefill runs now, at a barrier between steps)."""
+    def add(self, seqs: Sequence[NewSequence]) -> list[tuple[NewSequence, KVRefusal]]:
+        """Start `seqs` (their prefill runs now, at a barrier between steps), those the
+        runtime's KV cache can hold beside the running ones; returns the others, each
+        with the runtime's reason (the caller answers them)."""
         if not seqs:
-            return
-        self.collect()
-        self._firsts.update(self.chat.add(seqs))
-        self.rows.update(seq.rid for seq in seqs)
+            return []
+        self.collect()  # rows that ended during the running step leave first
+        chat = self.chat
+        accepted: list[NewSequence] = []
+        refused: list[tuple[NewSequence, KVRefusal]] = []
+        for seq in seqs:
+            refusal = chat.kv_admission(seq, accepted)
+            if refusal is None:
+                accepted.append(seq)
+            else:
+                refused.append((seq, refusal))
+        if accepted:
+            self._firsts.update(chat.add(accepted))
+            self.rows.update(seq.rid for seq in accepted)
+        return refused
 
     def step(self) -> Iterator[Tokens]:
         """The batch's next tokens, in order: those of the step that ended, then the

@@ -9,7 +9,8 @@ it), with these fields:
   mem_used, mem_total    the runtime's memory reading (bytes)
   batches                batches admitted since the worker started
   in_rotation            the memory guard's verdict (inference/memory.py)
-  kv_capacity            the runtime's KV cache capacity in tokens, when it has one
+  kv_capacity_tokens     the runtime's KV cache capacity in tokens, when it sets one,
+  kv_used_tokens         and the tokens it holds now
 The same round trip adds the batch sizes admitted since the last beat to the
 deployment's histogram, reads the guard's thresholds for the next beat, and learns
 whether any other live worker is in rotation (a worker out of rotation keeps serving a
@@ -85,9 +86,14 @@ class Health:
             "batch": batch, "backlog": backlog, "load": batch + backlog,
             "max_batch": self.spec.max_batch_size, "mem_used": used, "mem_total": total,
             "batches": self.batches, "in_rotation": in_rotation}
-        capacity = getattr(self.runtime, "kv_capacity", None)
+        # A runtime without a bound of its own (or one that predates the attribute)
+        # reports neither.
+        capacity = getattr(self.runtime, "kv_capacity_tokens", None)
         if isinstance(capacity, int):
-            beat["kv_capacity"] = capacity
+            beat["kv_capacity_tokens"] = capacity
+            kv_used = getattr(self.runtime, "kv_used_tokens", None)
+            if callable(kv_used):
+                beat["kv_used_tokens"] = int(kv_used())
         pipe = self.redis.pipeline(transaction=False)
         sizes, self.batch_sizes = self.batch_sizes, {}
         for size, count in sizes.items():  # the /metrics batch-size histogram

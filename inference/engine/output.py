@@ -153,6 +153,13 @@ class OutputProcessor:
         """End a running row now (`reason`: its finish, e.g. "cancelled")."""
         self._finish(self.rows[rid], reason)
 
+    def fail(self, rid: str, exc: RequestError) -> None:
+        """End a row that never ran (the engine refused it) with `exc`'s error event; its
+        cost is what earlier deliveries generated, if any."""
+        row = self.rows.pop(rid)
+        cost = (row.prompt_tokens, len(row.ids)) if row.ids else (0, 0)
+        self.outbox.final(row.pending, error_event(exc, seq=row.seq, cost=cost))
+
     def clear(self) -> None:
         """Forget every row (their entries were handed back)."""
         self.rows.clear()

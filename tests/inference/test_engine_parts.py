@@ -194,6 +194,37 @@ def test_the_input_processor_refuses_what_cannot_run_and_counts_a_prompt() -> No
 # -- engine ---------------------------------------------------------------------------
 
 
+def test_what_the_kv_cache_cannot_hold_is_refused_and_answered_400_or_503() -> None:
+    """The tiny model with a cache of two short rows: two start; a third would fit once
+    they leave (a retriable 503); one longer than the whole cache never fits (a 400).
+    The refused ones change nothing in the runtime."""
+    probe = load_runtime(DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM))
+    assert isinstance(probe, ChatRuntime)
+    prompt = len(probe.encode_chat([{"role": "user", "content": "hi"}]))
+    capacity = 2 * (prompt + 8)
+    runtime = load_runtime(DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM,
+                                          extra={"kv_cache_tokens": capacity}))
+    assert isinstance(runtime, ChatRuntime) and runtime.kv_capacity_tokens == capacity
+    h = Harness(runtime)
+    engine = Engine(runtime)
+    a, b, c = (h.start(chat("hi", max_tokens=8)) for _ in range(3))
+    huge = h.start(chat("hi", max_tokens=capacity))
+    refused = engine.add([a, b, c, huge])
+    assert [(seq.rid, r.status, r.retriable) for seq, r in refused] == [
+        (c.rid, 503, True), (huge.rid, 400, False)]
+    assert sorted(runtime.active) == sorted([a.rid, b.rid]) == sorted(engine.rows)
+    for seq, refusal in refused:  # as the worker answers them
+        h.output.fail(seq.rid, RequestError(refusal.status, refusal.code, refusal.message,
+                                            retry=refusal.retriable))
+    [full] = h.events(c.rid)
+    [small] = h.events(huge.rid)
+    assert full["t"] == "error" and full["code"] == "kv_cache_full" and "retry" not in full
+    assert small["t"] == "error" and small["code"] == "kv_cache_too_small"
+    assert small["status"] == 400 and small.get("retry") is False
+    assert set(h.output.rows) == {a.rid, b.rid}
+    engine.close(wait=True)
+
+
 def sequence(rid: str, text: bytes) -> NewSequence:
     return NewSequence(rid, list(text), SamplingParams(max_tokens=100))
 
@@ -374,7 +405,12 @@ def test_a_request_on_its_last_delivery_runs_alone() -> None:
 
 
 class _Sized(EchoRuntime):
-    kv_capacity = 4096  # a runtime that knows its KV cache's size in tokens
+    """A runtime whose KV cache has a size (in tokens)."""
+
+    kv_capacity_tokens = 4096
+
+    def kv_used_tokens(self) -> int:
+        return 96
 
 
 def test_a_heartbeat_reports_the_workers_load_and_batches_and_spans_end_when_served(
@@ -387,9 +423,9 @@ def test_a_heartbeat_reports_the_workers_load_and_batches_and_spans_end_when_ser
     health.beat_if_due(time.monotonic(), batch=3, backlog=2)
     beat = heartbeats(rds, spec.name)["w"]
     assert {k: beat[k] for k in ("batch", "backlog", "load", "max_batch", "batches",
-                                 "in_rotation", "kv_capacity")} == {
+                                 "in_rotation", "kv_capacity_tokens", "kv_used_tokens")} == {
         "batch": 3, "backlog": 2, "load": 5, "max_batch": 8, "batches": 2,
-        "in_rotation": True, "kv_capacity": 4096}
+        "in_rotation": True, "kv_capacity_tokens": 4096, "kv_used_tokens": 96}
     assert 0 < beat["mem_used"] <= beat["mem_total"]
     assert rds.hgetall(q.batch_sizes_key(spec.name)) == {b"2": b"1", b"1": b"1"}
     health.served(batch[0].req.rid)
@@ -401,3 +437,6 @@ def test_a_heartbeat_reports_the_workers_load_and_batches_and_spans_end_when_ser
     assert len([s for s in spans.get_finished_spans() if s.name == "inference.batch"]) == 2
     health.leave()
     assert "w" not in heartbeats(rds, spec.name)
+    # A runtime that sets no bound (echo; the CPU's dynamic cache) reports none.
+    Health(spec, rds, "u", EchoRuntime(), heartbeat_s=60).beat(batch=0, backlog=0)
+    assert "kv_capacity_tokens" not in heartbeats(rds, spec.name)["u"]

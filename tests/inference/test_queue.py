@@ -387,6 +387,23 @@ def test_bad_requests_get_typed_errors(thread_worker: StartWorker, redis_url: st
     assert malformed.final["status"] == 400
 
 
+def test_a_request_the_kv_cache_can_never_hold_is_a_400_and_its_neighbours_run(
+        thread_worker: StartWorker, redis_url: str) -> None:
+    spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=4,
+                          extra={"kv_cache_tokens": 200})
+    thread_worker(spec)
+
+    async def go(client: InferenceClient) -> list[Result]:
+        handles = [await client.submit(spec, tenant="t", job=chat("hi", max_tokens=n),
+                                       timeout_s=60) for n in (250, 4)]
+        return [await collect(h) for h in handles]
+
+    huge, fits = run(go, redis_url)
+    assert huge.final["t"] == "error" and huge.final["status"] == 400
+    assert huge.final["code"] == "kv_cache_too_small" and huge.final.get("retry") is False
+    assert fits.final["t"] == "done" and fits.final["usage"]["completion_tokens"] > 0
+
+
 def test_embeddings_are_batched_per_call(thread_worker: StartWorker, redis_url: str) -> None:
     from inference.weights import MINILM
 
