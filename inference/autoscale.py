@@ -4,7 +4,10 @@ observation and a clock, so every rule is testable without waiting.
 
     demand      requests queued or running (the deployment's depth counter)
     raw         ceil(demand / target in-flight per worker), one more when the oldest
-                request has waited longer than max_queue_age_s, within [min, max]
+                request has waited longer than max_queue_age_s while every worker
+                counted is ready (a queue that ages during a cold start says nothing
+                about whether the workers keep up: they are not serving yet), within
+                [min, max]
     scale up    to the lowest raw of the last up_delay_s (demand must last that long);
                 from zero at once: a waiting request must not wait for a delay
     scale down  to the highest raw of the last down_delay_s (a dip must last that long),
@@ -13,7 +16,10 @@ observation and a clock, so every rule is testable without waiting.
 
 Both delays are stabilization windows, as Kubernetes' HPA uses: a load that hovers at
 a threshold does not make the count flap, since a change needs the whole window to
-agree.
+agree. The window is wall-clock time, not a number of observations: each observation
+holds until the next one, so the one taken before the window opened counts too. A
+starved loop that observes once after a long pause decides on what held over the whole
+window, not on that one reading.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class ScalePolicy:
 class Observation:
     depth: int  # queued or running
     oldest_age_s: float  # of the oldest queued request (0 when none)
+    starting: int = 0  # workers counted in the replicas that are not ready yet
 
 
 @dataclass(frozen=True)
@@ -67,8 +74,8 @@ class Scaler:
         """The count this observation alone asks for."""
         p = self.policy
         want = math.ceil(obs.depth / p.target_inflight) if obs.depth > 0 else 0
-        if obs.depth > 0 and obs.oldest_age_s > p.max_queue_age_s:
-            want = max(want, self.replicas + 1)  # they cannot keep up: one more
+        if obs.depth > 0 and obs.oldest_age_s > p.max_queue_age_s and obs.starting <= 0:
+            want = max(want, self.replicas + 1)  # ready and not keeping up: one more
         return max(p.min_replicas, min(p.max_replicas, want))
 
     def decide(self, obs: Observation, now: float) -> Decision | None:
@@ -79,7 +86,8 @@ class Scaler:
         raw = self.raw(obs)
         self.history.append((now, raw))
         keep = max(p.up_delay_s, p.down_delay_s)
-        while self.history and self.history[0][0] < now - keep:
+        # The newest observation at or before the longest window's start still holds there.
+        while len(self.history) > 1 and self.history[1][0] <= now - keep:
             self.history.popleft()
         self.idle_since = (self.idle_since if self.idle_since is not None else now) \
             if obs.depth == 0 else None
@@ -111,11 +119,16 @@ class Scaler:
 
     def _window(self, now: float, span: float,
                 pick: Callable[[list[int]], int]) -> int | None:
-        """min/max of the recommendations over the last `span` seconds, or None until
-        the scaler has watched that long."""
+        """min/max of the recommendations that held during the last `span` seconds
+        (those made in it and the one in force when it opened), or None until the
+        scaler has watched that long."""
         if self.started_at is None or now - self.started_at < span:
             return None
-        values = [r for at, r in self.history if at >= now - span]
+        opened = now - span
+        values = [r for at, r in self.history if at > opened]
+        held = [r for at, r in self.history if at <= opened]
+        if held:
+            values.append(held[-1])
         return pick(values) if values else None
 
     def _to(self, replicas: int, reason: str) -> Decision:

@@ -141,9 +141,10 @@ class Autoscaler:
         for i, name in enumerate(names):
             raw_depth, beats, suffixes = replies[3 * i: 3 * i + 3]
             live = q.live_heartbeats(beats)
-            obs = Observation(depth=int(raw_depth or 0),
-                              oldest_age_s=self._oldest_age_s(name, suffixes))
             target = self.targets[name]
+            obs = Observation(depth=int(raw_depth or 0),
+                              oldest_age_s=self._oldest_age_s(name, suffixes),
+                              starting=max(0, target.scaler.replicas - len(live)))
             before = target.scaler.replicas
             decision = target.scaler.decide(obs, now)
             if decision is not None:
