@@ -257,10 +257,13 @@ CASES: dict[str, Case] = {
                                lambda i: f"/ui/audit/exports/{i.export}/download"),
 }
 
-# Routes with an id that names no tenant's object: deployments, breakers and models are
-# platform-wide (and their writes platform admins' alone); static files are the UI's.
+# Routes with an id that names no tenant's object: deployments (upstreams among them),
+# model aliases, breakers and models are platform-wide (and their writes platform
+# admins' alone); static files are the UI's.
 NOT_TENANT_OBJECTS = {
     "ui/deployments/<str:name>", "ui/deployments/<str:name>/breaker",
+    "ui/upstreams/<str:name>", "ui/aliases/<path:name>/edit",
+    "api/v1/model-aliases/<path:name>",
     "ui/static/<str:name>", "api/v1/deployments/<name>", "api/v1/deployments/<name>/scaling",
     "api/v1/governance/breakers/<name>", "api/v1/governance/breakers/<name>/reset",
     "v1/models/<model>",

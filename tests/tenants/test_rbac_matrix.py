@@ -16,7 +16,7 @@ from django.contrib.auth import get_user_model
 from django.urls import get_resolver
 
 from governance.models import AuditExport, Quota, RateLimitPolicy, RedactionPattern
-from inference.models import Deployment
+from inference.models import AliasTarget, Deployment, ModelAlias
 from streaming.responses_store import response_create
 from tenants.conversations import conversation_create
 from tenants.models import Member
@@ -46,6 +46,13 @@ class Ctx:
     def deployment(self) -> str:
         Deployment.objects.get_or_create(name="echo-matrix", defaults={"runtime": "echo"})
         return "echo-matrix"
+
+    def alias(self) -> str:
+        """A model alias over the matrix's deployment (made as a platform admin would)."""
+        alias, _ = ModelAlias.objects.get_or_create(name="alias-matrix")
+        AliasTarget.objects.get_or_create(alias=alias, deployment_id=Deployment.objects.get(
+            name=self.deployment()).pk)
+        return alias.name
 
     def fresh_conversation(self) -> str:
         return conversation_create(actor=principal_for(self.member)).public_id
@@ -151,6 +158,23 @@ MATRIX: dict[str, Row] = {
     "deployment scaling": Row("GET", lambda c: f"/api/v1/deployments/{c.deployment()}/scaling",
                               None, {PA: 200, TA: 403, DEV: 403, AUD: 403},
                               "api/v1/deployments/<name>/scaling"),
+    # Model aliases are platform-wide, like deployments: platform admins' alone.
+    "alias list": Row("GET", lambda c: "/api/v1/model-aliases", None,
+                      {PA: 200, TA: 403, DEV: 403, AUD: 403}, "api/v1/model-aliases"),
+    "alias create": Row("POST", lambda c: "/api/v1/model-aliases",
+                        lambda c: {"name": f"alias-{c.role}",
+                                   "targets": [{"deployment": c.deployment()}]},
+                        {PA: 201, TA: 403, DEV: 403, AUD: 403}, "api/v1/model-aliases"),
+    "alias get": Row("GET", lambda c: f"/api/v1/model-aliases/{c.alias()}", None,
+                     {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                     "api/v1/model-aliases/<path:name>"),
+    "alias update": Row("PATCH", lambda c: f"/api/v1/model-aliases/{c.alias()}",
+                        lambda c: {"description": "d"},
+                        {PA: 200, TA: 403, DEV: 403, AUD: 403},
+                        "api/v1/model-aliases/<path:name>"),
+    "alias delete": Row("DELETE", lambda c: f"/api/v1/model-aliases/{c.alias()}", None,
+                        {PA: 204, TA: 403, DEV: 403, AUD: 403},
+                        "api/v1/model-aliases/<path:name>"),
     # Auditors use no models, so they have no conversations; the others their own.
     "conversation list": Row("GET", lambda c: "/api/v1/conversations", None,
                              {PA: 200, TA: 200, DEV: 200, AUD: 403}, "api/v1/conversations"),

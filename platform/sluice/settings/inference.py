@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.settings.env import env_int
+from sluice.settings.env import env_bool, env_int
 
 SLUICE_REQUEST_TIMEOUT_S = env_int("SLUICE_REQUEST_TIMEOUT_S", 120, minimum=1)
 SLUICE_MAX_INFERENCE_BODY_BYTES = env_int("SLUICE_MAX_INFERENCE_BODY_BYTES", 4 * 1024 * 1024,
@@ -16,3 +16,6 @@ SLUICE_SSE_HEARTBEAT_S = env_int("SLUICE_SSE_HEARTBEAT_MS", 15_000, minimum=10) 
 SLUICE_REGISTRY_CACHE_TTL_S = env_int("SLUICE_REGISTRY_CACHE_TTL_S", 5, minimum=0)
 # Files API uploads (Batch API input); Django's own upload limit follows it.
 SLUICE_MAX_FILE_BYTES = env_int("SLUICE_MAX_FILE_BYTES", 100 * 1024 * 1024, minimum=1024)
+# Upstream URLs on loopback or private networks (where vLLM usually runs) are refused
+# unless the operator allows them (inference/upstream/urls.py: the SSRF guard).
+SLUICE_UPSTREAM_ALLOW_PRIVATE = env_bool("SLUICE_UPSTREAM_ALLOW_PRIVATE", False)
