@@ -11,8 +11,9 @@ from typing import Any
 
 from inference.jobs import DoneEvent, FinalEvent, ToolCall
 from sluice.errors import ServerError
-from streaming.gateway import Submitted, error_from_event
+from streaming.gateway import error_from_event
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from streaming.submitted import Submitted
 
 
 def finish_reason(final: DoneEvent) -> str:

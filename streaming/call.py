@@ -35,8 +35,9 @@ from redis.exceptions import RedisError
 from governance import audit, metrics
 from sluice import telemetry
 from sluice.errors import ApiError, ServerError
-from streaming.gateway import Gateway, Submitted, error_from_event, queue_unavailable
+from streaming.gateway import Gateway, error_from_event, queue_unavailable
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from streaming.submitted import Submitted
 from tenants.principal import Principal
 
 if TYPE_CHECKING:

@@ -6,38 +6,32 @@
     -> events back (Submitted.events) -> governance settlement (real usage) and the
     call's audit event
 
-Every adapter (REST, SSE, the WebSocket, gRPC, the Batch API) goes through here, so
-each gets limits, quotas, breakers and audit at once; a chat call's `n` choices are
-fanned out here too (streaming/choices.py).
+Every adapter (REST, SSE, the WebSocket, gRPC, the Batch API) goes through here,
+through one call object (streaming/call.py), so each gets limits, quotas, breakers and
+audit at once; a chat call's `n` choices are fanned out here too (streaming/choices.py).
+The request becomes a typed job (streaming/prompting.py, inference/jobs.py); an
+admitted call is a Submitted (streaming/submitted.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import msgspec
 from django.conf import settings
-from opentelemetry.trace import Status, StatusCode
 from redis.exceptions import RedisError
 
-from governance import metrics
 from governance.admission import Admission, Governor
 from governance.privacy import stored_messages
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
-from inference.grammar import TOOL_MARKER
 from inference.jobs import (
     ChatJob,
     EmbedJob,
     ErrorEvent,
-    Event,
-    FinalEvent,
     Job,
     default_max_tokens,
 )
@@ -55,209 +49,22 @@ from sluice.errors import (
     Unavailable,
 )
 from streaming import choices, replay
+from streaming.prompting import chat_job, prompt_bound
 from streaming.schemas import (
     ChatCompletionRequest,
     EmbeddingRequest,
 )
-from streaming.structured import structured_body, tool_prompt
+from streaming.submitted import Submitted
 from tenants.cache import authenticate_cached
 from tenants.conversations import conversation_append, conversation_history
 from tenants.principal import Principal
 from tenants.roles import Action
-
-_MESSAGE_OVERHEAD = 8  # chat-template tokens around one message, generously
-
-
-@dataclass
-class Submitted:
-    """An admitted call: its queued request (`handle`; the first choice's when the call
-    asks for n > 1, the others' in `more`), its admission and what settles it."""
-
-    principal: Principal
-    spec: DeploymentSpec
-    handle: RequestHandle
-    admission: Admission
-    conversation_id: str | None = None
-    messages: list[dict[str, str]] | None = None
-    more: list[RequestHandle] = field(default_factory=list)
-    charge: bool = True  # False: settled without charge (a token count)
-    read: bool = False  # its events are being (or were) read: they settle it
-    # The request's trace context and start, for the wait span and time to first token.
-    trace_context: Any = field(default_factory=telemetry.current_context)
-    began: float = field(default_factory=lambda: _began())
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """Response headers the pipeline adds (x-ratelimit-*, degradation notes)."""
-        return self.admission.headers
-
-    @property
-    def handles(self) -> list[RequestHandle]:
-        return [self.handle, *self.more]
-
-    @property
-    def charged(self) -> bool:
-        """Whether settlement charges the call (an idempotent replay was charged once)."""
-        return self.charge and not self.handle.replayed
-
-    @property
-    def ended(self) -> bool:
-        """Every choice's final event arrived: there is nothing left to cancel."""
-        return all(handle.finished for handle in self.handles)
-
-    @property
-    def n(self) -> int:
-        return 1 + len(self.more)
-
-    async def cancel(self) -> None:
-        """Stop the call's generation on the worker, every choice of it."""
-        await asyncio.gather(*(handle.cancel() for handle in self.handles))
-
-    async def events(self) -> AsyncGenerator[Event]:
-        """The call's events; settles its admission when they end (or, when the consumer
-        stops early, once the worker's final events arrive). With n > 1 choices: every
-        choice's events as they arrive, each tagged with its index (`"i"`; absent means
-        0), ending after the last choice's final event (streaming/choices.py)."""
-        finals: list[FinalEvent] = []
-        self.read = True
-        self.admission.request_id = self.handle.rid
-        # Not the current span: a generator's consumer may resume it in another context.
-        span = telemetry.child_span("sluice.wait", self.trace_context,
-                                    {"sluice.request_id": self.handle.rid})
-        first: float | None = None
-        merged = choices.merged(self.handles) if self.more else None
-        try:
-            async for event in merged or self.handle.events():
-                if event["t"] == "done" or event["t"] == "error":
-                    finals.append(event)
-                elif event["t"] == "delta":
-                    if first is None:
-                        first = time.perf_counter()
-                        span.add_event("first_token")
-                    if merged is None or event["i"] == 0:  # the audit's: the first choice
-                        self.admission.note_reply(event.get("text", ""))
-                yield event
-        except BaseException as exc:
-            if merged is not None:
-                await merged.aclose()  # its readers of the n requests stop now
-                choices.settle_later(self.admission, self.handles, finals, exc)
-            else:
-                self.admission.governor.finish_later(
-                    self.admission, finals[0] if finals else None, exc, self.handle.rid,
-                    self.handle.deadline_ms, charge=self.charged)
-            self._observed(span, choices.combined(finals), first, exc)
-            raise
-        # Settlement, the audit event and the metrics (~0.15 ms of CPU, nothing awaited)
-        # run at the loop's next turn: by then the adapter has written the reply, which
-        # no longer waits for them. Their durations end here, not when they run.
-        asyncio.get_running_loop().call_soon(
-            self._settle, span, choices.combined(finals), first,
-            (time.perf_counter(), time.time_ns()), time.monotonic())
-
-    def _settle(self, span: Any, final: FinalEvent | None, first: float | None,
-                ended: tuple[float, int], ended_monotonic: float) -> None:
-        try:
-            self._observed(span, final, first, None, ended)
-        finally:
-            self.admission.finish_now(final, charge=self.charged,
-                                      ended=ended_monotonic)
-
-    def _observed(self, span: Any, final: FinalEvent | None, first: float | None,
-                  error: BaseException | None,
-                  ended: tuple[float, int] | None = None) -> None:
-        """End the wait span; time to first token and decode rate go to the metrics
-        (`ended`: when the events ended, as perf_counter() and time_ns(); default now)."""
-        prompt, completion = ((final["usage"]["prompt_tokens"],
-                               final["usage"]["completion_tokens"]) if final is not None
-                              else (0, 0))
-        finish = final["finish"] if final is not None and final["t"] == "done" else ""
-        failed = final["code"] if final is not None and final["t"] == "error" else None
-        now, end_ns = ended if ended is not None else (time.perf_counter(), None)
-        if span.is_recording():
-            span.set_attributes({
-                "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
-                "sluice.finish_reason": finish,
-                "sluice.time_to_first_token_ms":
-                    round((first - self.began) * 1000, 3) if first is not None else -1.0})
-            if failed is not None or error is not None:
-                code = failed or getattr(error, "code", None)
-                span.set_attribute("error.type", str(code or type(error).__name__))
-                span.set_status(Status(StatusCode.ERROR))
-        span.end(end_time=end_ns)
-        if final is not None and self.charged:
-            if first is not None:  # the dashboard's cluster-wide TTFT
-                self.admission.governor.recorder.latency(
-                    self.spec.name, (first - self.began) * 1000, metric="ttft")
-            metrics.observe_generation(
-                self.spec.name, ttft_s=first - self.began if first is not None else None,
-                decode_s=now - first if first is not None else 0.0,
-                prompt_tokens=prompt, completion_tokens=completion)
 
 
 def queue_unavailable() -> Unavailable:
     """What a caller gets when Redis (the queue) fails under its call: retriable."""
     return Unavailable("The request queue is unavailable; try again shortly.",
                        code="queue_unavailable", headers={"Retry-After": "1"})
-
-
-def _began() -> float:
-    scope = telemetry.current_scope()
-    return scope.began if scope is not None else time.perf_counter()
-
-
-def prompt_bound(texts: list[str], spec: DeploymentSpec) -> int:
-    """An upper bound of the prompt's tokens without the model's tokenizer: byte-level
-    BPE makes at most one token per UTF-8 byte, plus the template's own tokens."""
-    bound = sum(len(t.encode()) + _MESSAGE_OVERHEAD for t in texts) + 2 * _MESSAGE_OVERHEAD
-    return min(bound, spec.max_context)
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-    return "".join(str(p) for p in parts)
-
-
-def _message(message: Any) -> dict[str, str]:
-    """An OpenAI message as role + text, tool traffic written the way the tool prompt
-    tells the model to write it."""
-    content = _text(message.content)
-    if message.role not in ("assistant", "tool"):
-        return {"role": message.role, "content": content}
-    # Tool traffic rides in the message's extra fields (a plain getattr on a missing one
-    # costs pydantic an exception: this runs for every message of every call).
-    extra = message.model_extra or {}
-    calls = extra.get("tool_calls") or []
-    if message.role == "assistant" and calls:
-        content += "".join(
-            f'{TOOL_MARKER}{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
-            f'{c["function"].get("arguments") or "{}"}}}' for c in calls)
-    if message.role == "tool":
-        content = f"[result of {extra.get('tool_call_id', 'the call')}] {content}"
-    return {"role": message.role, "content": content}
-
-
-def _chat_job(req: ChatCompletionRequest) -> tuple[ChatJob, list[dict[str, str]]]:
-    """The job of a chat request (messages, the tool prompt before them, sampling,
-    structure; no history, max_tokens or stream yet) and the turn its conversation
-    keeps (the caller's messages)."""
-    structured = structured_body(req)
-    turn = [_message(m) for m in req.messages]
-    messages = list(turn)
-    if structured.tools and req.tools:
-        messages[:0] = tool_prompt(req.tools, parallel=structured.parallel_tool_calls)
-    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    return msgspec.structs.replace(
-        structured, messages=messages, stop=stop, seed=req.seed,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None), turn
 
 
 def error_from_event(event: ErrorEvent) -> ApiError:
@@ -401,7 +208,7 @@ class Gateway:
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true.",
                              param="top_logprobs", code="invalid_value")
-        job, turn = _chat_job(req)
+        job, turn = chat_job(req)
         key, fingerprint = replay.idempotency(principal, idempotency_key, req)
         max_tokens = max_tokens or default_max_tokens(spec.max_context)
         texts = [m["content"] for m in job.messages] + [m.get("content", "") for m in history]
@@ -433,7 +240,7 @@ class Gateway:
         event's usage has the count. Admitted as a call (role, model access, limits,
         shedding) and settled without charge."""
         spec = await self._model(principal, req.model, Kind.CHAT)
-        job, _turn = _chat_job(req)
+        job, _turn = chat_job(req)
         admission = await self._admit(principal, spec, action, protocol, job, tokens=0)
         # max_tokens 1: a worker that predates count_only still reports the exact
         # prompt count, after generating a single token.

@@ -34,7 +34,7 @@ from inference.jobs import DoneEvent, Event, FinalEvent
 from sluice.errors import BadRequest
 from streaming import bodies
 from streaming.apis import Api, Context, register
-from streaming.gateway import Submitted, error_from_event
+from streaming.gateway import error_from_event
 from streaming.httpio import KeepAlive, Send, send_json
 from streaming.schemas import (
     MAX_CHOICES,
@@ -43,6 +43,7 @@ from streaming.schemas import (
     StreamOptions,
     validation_error,
 )
+from streaming.submitted import Submitted
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for this API
 MAX_LOGPROBS = 5

@@ -24,8 +24,9 @@ from pydantic import BaseModel
 from inference.jobs import DoneEvent, Event
 from sluice.errors import ApiError
 from streaming import bodies
-from streaming.gateway import Submitted, error_from_event
+from streaming.gateway import error_from_event
 from streaming.httpio import KeepAlive
+from streaming.submitted import Submitted
 
 if TYPE_CHECKING:
     from streaming.httpio import Send

@@ -31,10 +31,11 @@ from sluice.errors import ApiError, BadRequest
 from streaming import bodies
 from streaming.apis import Api, Context, register
 from streaming.apis.responses_stream import EventStream, finished, output
-from streaming.gateway import Submitted, error_from_event
+from streaming.gateway import error_from_event
 from streaming.httpio import KeepAlive, send_json
 from streaming.responses_store import response_context, response_save
 from streaming.schemas import ChatCompletionRequest, ModelName
+from streaming.submitted import Submitted
 
 MAX_ITEMS = 4096
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]

@@ -23,7 +23,8 @@ from governance.models import AuditEvent, Quota
 from inference import queue as q
 from inference.models import Deployment
 from streaming.batches import _call
-from streaming.gateway import Gateway, prompt_bound
+from streaming.gateway import Gateway
+from streaming.prompting import prompt_bound
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
