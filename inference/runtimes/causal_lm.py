@@ -233,9 +233,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
                          position_ids=self._pos[:, None], cache=self._cache,
                          use_cache=True)
         try:
-            asked = _log_softmax(out.logits[:, -1, :], self._params)
-            tokens = sample(out.logits[:, -1, :], self._params, self._gens, self._constraints,
-                            self._counts, masks.result() if masks is not None else None)
+            tokens = self._sample_rows(out.logits[:, -1, :], masks)
         except Exception:
             # The forward pass already grew the cache by a column: take it back, so the
             # batch stays consistent for the caller that handles the error.
@@ -245,9 +243,18 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._mask = mask
         self._pos = self._pos + 1
         self._last = self._next_input(tokens)
+        return dict(zip(self._rids, tokens, strict=True))
+
+    def _sample_rows(self, logits: torch.Tensor, masks: Any) -> list[int]:
+        """Each running row's token from its step `logits` [n, V] (scratch: adjusted in
+        place) and its grammar `masks` (a pending `grammar_masks.start`, or None); the
+        rows' log probabilities are queued and their penalty counts updated."""
+        asked = _log_softmax(logits, self._params)
+        tokens = sample(logits, self._params, self._gens, self._constraints, self._counts,
+                        masks.result() if masks is not None else None)
         _tally_rows(self._counts, tokens)
         self._keep_logprobs(self._rids, self._params, asked, tokens)
-        return dict(zip(self._rids, tokens, strict=True))
+        return tokens
 
     def _keep_logprobs(self, rids: list[str], params: list[SamplingParams],
                        asked: tuple[list[int], torch.Tensor] | None,
@@ -283,9 +290,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         keep = [i for i, rid in enumerate(self._rids) if rid not in gone]
         if len(keep) == len(self._rids):
             return
-        self._rids, self._params = _rows(self._rids, keep), _rows(self._params, keep)
-        self._gens, self._constraints = _rows(self._gens, keep), _rows(self._constraints, keep)
-        self._counts, self._reserved = _rows(self._counts, keep), _rows(self._reserved, keep)
+        self._take_rows(keep)
         for rid in gone:
             self._logprobs.pop(rid, None)
         if not keep:
@@ -301,6 +306,13 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         for layer in self._cache.layers:
             layer.keys = layer.keys[index][:, :, start:, :]
             layer.values = layer.values[index][:, :, start:, :]
+
+
+    def _take_rows(self, order: list[int]) -> None:
+        """Keep the per-row state of rows `order`, in that order (the cache apart)."""
+        self._rids, self._params = _rows(self._rids, order), _rows(self._params, order)
+        self._gens, self._constraints = _rows(self._gens, order), _rows(self._constraints, order)
+        self._counts, self._reserved = _rows(self._counts, order), _rows(self._reserved, order)
 
 
 def _rows(column: list[T], keep: list[int]) -> list[T]:

@@ -19,6 +19,7 @@ from inference.runtimes import load_runtime
 from inference.runtimes.base import FAILED, ChatRuntime, NewSequence, SamplingParams
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.runtimes.encoder import EncoderRuntime
+from inference.runtimes.static_lm import StaticCausalLMRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.weights import MINILM, SMOLLM2
 
@@ -27,10 +28,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module", params=DEVICES)
-def tiny(request: pytest.FixtureRequest) -> CausalLMRuntime:
-    runtime = load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM,
-                                          device=request.param))
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module", params=["dynamic", "static"])
+def tiny(device: str, request: pytest.FixtureRequest) -> CausalLMRuntime:
+    """The toy model on each device, decoding over a DynamicCache (the default) and
+    over static slots (StaticCausalLMRuntime, test_static_cache.py)."""
+    runtime = load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM, device=device,
+                                          extra={"decode": request.param}))
     assert isinstance(runtime, CausalLMRuntime)
+    assert isinstance(runtime, StaticCausalLMRuntime) == (request.param == "static")
     return runtime
 
 
@@ -74,6 +83,8 @@ def test_continuous_batching_matches_running_alone(tiny: CausalLMRuntime) -> Non
 
 
 def test_cache_shrinks_when_long_sequence_leaves(tiny: CausalLMRuntime) -> None:
+    if isinstance(tiny, StaticCausalLMRuntime):
+        pytest.skip("a DynamicCache's trimming; static slots do not shrink")
     short, long = tiny.encode("a"), tiny.encode("word " * 100)
     tiny.add([NewSequence("s", short), NewSequence("l", long)])
     tiny.step()
@@ -117,7 +128,9 @@ def test_cuda_and_the_cpu_give_the_same_greedy_tokens() -> None:
     # float32 on both sides (the toy runtime): the device changes kernels, not answers.
     runtimes = [load_runtime(DeploymentSpec("tiny", RuntimeName.TINY_CAUSAL_LM, device=d))
                 for d in ("cpu", "cuda")]
-    cpu, cuda = [[alone(rt, p, 12) for p in prompts(rt)] for rt in runtimes]
+    assert all(isinstance(rt, CausalLMRuntime) for rt in runtimes)
+    cpu, cuda = [[alone(rt, p, 12) for p in prompts(rt)] for rt in runtimes
+                 if isinstance(rt, CausalLMRuntime)]
     assert cuda == cpu
 
 
@@ -170,7 +183,8 @@ def test_penalties_follow_openais_formula_in_the_running_batch(tiny: CausalLMRun
     # a dozen, so positive penalties would change nothing here (test_sampling.py checks
     # them); these make it repeat.
     params = SamplingParams(max_tokens=n, presence_penalty=-1.5, frequency_penalty=-2.0)
-    ids, expected, counts = list(prompt), [], {}
+    ids, expected = list(prompt), []
+    counts: dict[int, int] = {}
     with torch.inference_mode():
         for _ in range(n):
             logits = tiny.model(input_ids=torch.tensor([ids], device=tiny.device)).logits[0, -1]
