@@ -70,7 +70,9 @@ class StepGraphs:
                 self.forward(rows, length)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the worker's other threads may call CUDA meanwhile (its health
+        # thread reads the device's free memory); only this thread's calls are captured.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self.forward(rows, length)
             self.out[:rows].copy_(logits)
             del logits  # freed inside the pool: the next capture reuses its memory
