@@ -75,6 +75,29 @@ class StaticCausalLMRuntime(CausalLMRuntime):
         self._next: list[int] = []
         self._faulted: list[bool] = []
 
+    @torch.inference_mode()
+    def capture_graphs(self, batch_sizes: Sequence[int] | None = None,
+                       max_length: int | None = None) -> int:
+        """Capture the decode graphs ahead of serving: for these batch buckets (default
+        all) and every length bucket up to `max_length` (default a slot's length); a
+        step that meets a shape first otherwise captures it then (two eager forwards and
+        a capture). Call it with no sequence running: the captures' warm-up forwards
+        write into free slots only. How many graphs it captured; 0 without graphs."""
+        if self.graphs is None:
+            return 0
+        if self._rids:
+            raise RuntimeError("capture_graphs runs before any sequence joins")
+        limit = self.max_context
+        top = length_bucket(max_length or limit, limit)
+        lengths = {min(limit, 1 << k) for k in range(6, limit.bit_length() + 1)} | {limit}
+        before = len(self.graphs.graphs)
+        for rows in batch_sizes or self.buckets:
+            for length in sorted(n for n in lengths if n <= top):
+                self._io.zero_()
+                if (rows, length) not in self.graphs.graphs:
+                    self.graphs.graphs[rows, length] = self.graphs.capture(rows, length)
+        return len(self.graphs.graphs) - before
+
     # -- KV cache capacity -----------------------------------------------------------
     def kv_used_tokens(self) -> int:
         return sum(self._lengths)

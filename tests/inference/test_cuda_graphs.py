@@ -44,6 +44,16 @@ def test_replayed_steps_give_the_eager_steps_tokens() -> None:
     assert set(graphs.graphs.graphs) == captured
 
 
+def test_graphs_captured_ahead_are_all_that_steps_use() -> None:
+    rt = static()
+    captured = rt.capture_graphs()
+    assert captured == len(graph_batch_sizes(8)) * 3  # lengths 64, 128 and 256
+    ps = prompts(rt)
+    got = run_schedule(rt, ps, 0)
+    assert len(rt.graphs.graphs) == captured  # type: ignore[union-attr]
+    assert got == run_schedule(static(cuda_graphs=False), ps, 0)
+
+
 def test_replayed_logits_equal_eager_logits() -> None:
     rt = static()
     assert rt.graphs is not None

@@ -273,6 +273,11 @@ def test_grammar_masks_apply_to_the_static_steps_logits(
         assert isinstance(json.loads(text), dict), text
 
 
+def test_no_graphs_off_cuda(static: StaticCausalLMRuntime) -> None:
+    assert static.graphs is None and static.buckets == ()
+    assert static.capture_graphs() == 0
+
+
 def test_admission_in_slots() -> None:
     rt = runtime({"decode": "static", "kv_cache_tokens": 2 * 32}, max_batch_size=2)
     assert (rt.max_context, rt.kv_capacity_tokens) == (32, 64)
