@@ -17,14 +17,13 @@ from secrets import token_hex
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 
 from inference import queue as q
 from inference.jobs import FINAL_EVENTS, Event, Job
 from inference.spec import DeploymentSpec
 from sluice import gctuning
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable, Unprocessable
-from sluice.redis import Coalescer, DirectConnection, fast_pool_options, reconnecting
+from sluice.redis import Coalescer, DirectConnection, async_client
 
 logger = logging.getLogger("sluice.inference")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
@@ -81,19 +80,18 @@ class InferenceClient:
     def __init__(self, redis_url: str, *, gateway_id: str | None = None,
                  max_connections: int = 64) -> None:
         # A bounded pool that makes callers wait for a free connection: a burst of
-        # submits must queue here, not fail with "Too many connections".
-        pool = aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=max_connections, timeout=10, socket_timeout=10,
-            socket_connect_timeout=5, **fast_pool_options(redis_url), **reconnecting())
-        self.redis = aioredis.Redis(connection_pool=pool)
-        # Blocking reads (the router's, replays) get their own connections and a longer
-        # timeout; the router reads on a direct connection of its own.
-        self._reader = aioredis.Redis.from_url(redis_url, socket_timeout=30,
-                                               socket_connect_timeout=5, **reconnecting())
-        self._routing = DirectConnection(self._reader)
-        self._trim_due = 0.0
+        # submits must queue here, not fail with "Too many connections" (on a Redis
+        # Cluster: at most that many per node).
+        self.redis = async_client(redis_url, max_connections=max_connections, hot=True,
+                                  socket_timeout=10, socket_connect_timeout=5)
         self.gateway_id = gateway_id or token_hex(8)
         self.key = q.gateway_key(self.gateway_id)
+        # Blocking reads (the router's, replays) get their own connections and a longer
+        # timeout; the router reads on a direct connection of its own (on a cluster, to
+        # the node that serves this gateway's stream).
+        self._reader = async_client(redis_url, socket_timeout=30, socket_connect_timeout=5)
+        self._routing = DirectConnection(self._reader, key=self.key)
+        self._trim_due = 0.0
         self._waiting: dict[str, asyncio.Queue[Event | None]] = {}
         self._router: asyncio.Task[None] | None = None
         # Enqueues (and the governance scripts that run before them) of concurrent

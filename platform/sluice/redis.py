@@ -1,21 +1,45 @@
-"""Shared Redis clients (one pool per process and event loop), and Lua scripts in pipelines."""
+"""Redis clients for every part of Sluice, on a single Redis or a Redis Cluster, and Lua
+scripts in pipelines.
+
+One URL says which: `redis://` / `rediss://` is one server (redis-py's URL), and
+`redis+cluster://[user:password@]host:port,host:port,.../` (`rediss+cluster://` with TLS)
+names seed nodes of a Redis Cluster, whose topology redis-py's cluster clients discover
+and follow (MOVED, failovers). `sync_client` / `async_client` build either from a URL;
+`sync_redis` / `async_redis` from settings.REDIS_URL. Every key Sluice writes carries a
+`{tenant}` or `{deployment}` hash tag, and every script's keys share one tag, so each
+script runs on one node; pipelines are non-transactional (on a cluster, redis-py's
+cluster pipeline sends each command to its slot's node).
+
+A cluster that cannot be reached at all fails as `ClusterUnavailable`, a
+redis.ConnectionError, as a single Redis that cannot be reached does (redis-py raises
+RedisClusterException there, which is not a RedisError): every caller's handling of
+Redis failing (a retriable 503, a loop that waits and retries) applies unchanged.
+DirectConnection and Coalescer (the hot path's own round trips) are in sluice.redisdirect
+and importable from here.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
-import math
-import time
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.cluster as synccluster
 from django.conf import settings
-from redis.exceptions import NoScriptError
-
-from sluice.aio import finish_or_cancel
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import EqualJitterBackoff
+from redis.exceptions import (
+    NoScriptError,
+    RedisClusterException,
+    RedisClusterUnreachableError,
+    SlotNotCoveredError,
+)
+from redis.retry import Retry
 
 _hiredis_pack: Any
 try:
@@ -30,9 +54,71 @@ try:
 except ImportError:  # redis-py before 7 has no maintenance notifications
     _maint_config = None
 
-_sync: redis.Redis | None = None
+# redis.Redis | redis.cluster.RedisCluster, and their asyncio twins (mypy skips redis-py's
+# own types: its replies are Any to us).
+SyncClient: TypeAlias = Any
+AsyncClient: TypeAlias = Any
+
+_sync: SyncClient | None = None
 
 
+# -- URLs ----------------------------------------------------------------------------
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+@dataclass(frozen=True)
+class ClusterSeeds:
+    """A cluster URL taken apart: its seed nodes, and the same URL as redis-py's single
+    server URL of the first seed (credentials, TLS and query options, for parse_url)."""
+
+    nodes: tuple[tuple[str, int], ...]
+    node_url: str
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.partition("://")[0].lower() in _CLUSTER_SCHEMES
+
+
+def cluster_seeds(url: str) -> ClusterSeeds:
+    """The seeds of a `redis+cluster://` URL; ValueError naming what is wrong (never the
+    password) when it is not one: no node, a port outside 1..65535, a database other
+    than 0 (a cluster has only 0)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in _CLUSTER_SCHEMES:
+        raise ValueError("a cluster URL starts with redis+cluster:// or rediss+cluster://")
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    userinfo, at, hosts = netloc.rpartition("@")
+    path, _, query = tail.partition("?")
+    if path.strip("/") not in ("", "0"):
+        raise ValueError("a Redis Cluster has only database 0: the URL's path must be / or /0")
+    nodes = []
+    for item in hosts.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.startswith("["):  # [IPv6]:port
+            host, _, port_text = item[1:].partition("]")
+            port_text = port_text.removeprefix(":")
+        else:
+            host, _, port_text = item.rpartition(":") if ":" in item else (item, "", "")
+        try:
+            port = int(port_text or 6379)
+        except ValueError:
+            raise ValueError(f"cluster node {item!r}: the port is not a number") from None
+        if not host or not 1 <= port <= 65535:
+            raise ValueError(f"cluster node {item!r}: expected host:port, port 1..65535")
+        nodes.append((host, port))
+    if not nodes:
+        raise ValueError("a cluster URL names at least one node (host:port)")
+    first_host, first_port = nodes[0]
+    shown = f"[{first_host}]" if ":" in first_host else first_host
+    node_url = (f"{_CLUSTER_SCHEMES[scheme.lower()]}://{userinfo + at}{shown}:{first_port}/0"
+                + (f"?{query}" if query else ""))
+    return ClusterSeeds(tuple(nodes), node_url)
+
+
+# -- connections ---------------------------------------------------------------------
 def reconnecting() -> dict[str, Any]:
     """Options for every Redis client of ours, so that a Redis restart costs no call.
 
@@ -67,29 +153,163 @@ def fast_pool_options(url: str) -> dict[str, Any]:
     return {"connection_class": PackedConnection} if url.startswith("redis://") else {}
 
 
-def sync_redis() -> redis.Redis:
+# -- cluster clients -----------------------------------------------------------------
+class ClusterUnavailable(redis.ConnectionError):
+    """No node of the cluster could be reached, or a slot has no node serving it."""
+
+
+def _unavailable(exc: RedisClusterException) -> ClusterUnavailable | None:
+    """The retriable error a cluster-wide outage is raised as; None for the errors that
+    are a program's or a configuration's (cross-slot keys, cluster mode off), which keep
+    their type."""
+    if isinstance(exc, RedisClusterUnreachableError | SlotNotCoveredError) or \
+            str(exc).startswith("All slots are not covered"):
+        return ClusterUnavailable(str(exc))
+    return None
+
+
+def _retry_policy(retry_class: type[Retry] | type[AsyncRetry]) -> Any:
+    """Retries of a cluster command (a connection error, a timeout, CLUSTERDOWN): what a
+    master failover costs. EqualJitterBackoff's shortest waits (half of each step,
+    0.025 s doubling to 0.25 s) add up to settings.REDIS_CLUSTER_RETRY_S, so a command
+    keeps trying for at least that long, each attempt after a topology refresh that
+    finds a promoted replica; an attempt on a node that does not answer (rather than
+    refusing) also waits its connect timeout. MOVED and ASK are followed apart from
+    these retries."""
+    budget, waited, retries = settings.REDIS_CLUSTER_RETRY_S, 0.0, 0
+    while waited < budget:
+        waited += min(0.5, 0.05 * 2 ** retries) / 2
+        retries += 1
+    return retry_class(EqualJitterBackoff(cap=0.5, base=0.05), retries)
+
+
+def _cluster_kwargs(url: str, options: dict[str, Any]) -> tuple[list[tuple[str, int]],
+                                                                 dict[str, Any]]:
+    seeds = cluster_seeds(url)
+    kwargs = {k: v for k, v in redis.connection.parse_url(seeds.node_url).items()
+              if k not in ("host", "port", "db")}
+    if kwargs.pop("connection_class", None) is redis.connection.SSLConnection:
+        kwargs["ssl"] = True
+    return list(seeds.nodes), {**kwargs, **reconnecting(), **options}
+
+
+class _SyncClusterPipeline(synccluster.ClusterPipeline):
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise _unavailable(exc) or exc from exc
+
+
+class SyncCluster(synccluster.RedisCluster):
+    """redis-py's cluster client; a cluster that cannot be reached raises
+    ClusterUnavailable."""
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise _unavailable(exc) or exc from exc
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        # The same object with execute() mapping errors as the client's commands do
+        # (redis-py builds it from the client's internals; a subclass adds no state).
+        pipe.__class__ = _SyncClusterPipeline
+        return pipe
+
+
+class _AsyncClusterPipeline(aiocluster.ClusterPipeline):
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise _unavailable(exc) or exc from exc
+
+
+class AsyncCluster(aiocluster.RedisCluster):
+    """redis-py's asyncio cluster client; a cluster that cannot be reached raises
+    ClusterUnavailable."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> AsyncCluster:
+        try:
+            await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise _unavailable(exc) or exc from exc
+        return self
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise _unavailable(exc) or exc from exc
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return _AsyncClusterPipeline(self, transaction)
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, synccluster.RedisCluster | aiocluster.RedisCluster)
+
+
+# -- factories -----------------------------------------------------------------------
+def sync_client(url: str, **options: Any) -> SyncClient:
+    """A blocking client of `url`, single Redis or cluster. `options`: redis-py's
+    (socket_timeout, socket_connect_timeout, health_check_interval, ...); on a cluster
+    they apply to each node's connections, and max_connections is per node. A cluster
+    is contacted at once (redis-py's sync cluster client reads the topology when
+    built): ClusterUnavailable when no seed answers."""
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url, **reconnecting(), **options)
+    nodes, kwargs = _cluster_kwargs(url, options)
+    try:
+        return SyncCluster(startup_nodes=[synccluster.ClusterNode(h, p) for h, p in nodes],
+                           retry=_retry_policy(Retry), **kwargs)
+    except RedisClusterException as exc:
+        raise _unavailable(exc) or exc from exc
+
+
+def async_client(url: str, *, max_connections: int | None = None, hot: bool = False,
+                 **options: Any) -> AsyncClient:
+    """An asyncio client of `url` (one per event loop), single Redis or cluster; nothing
+    is contacted before the first command. `max_connections`: on a single Redis a
+    bounded pool whose callers wait for a free connection (up to socket_timeout), on a
+    cluster the most per node (a call that finds none free fails with a
+    ConnectionError). `hot`: commands packed by hiredis (the gateway's hot path)."""
+    if not is_cluster_url(url):
+        fast = fast_pool_options(url) if hot else {}
+        if max_connections is None:
+            return aioredis.Redis.from_url(url, **fast, **reconnecting(), **options)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=options.get("socket_timeout"),
+            **fast, **reconnecting(), **options)
+        return aioredis.Redis(connection_pool=pool)
+    nodes, kwargs = _cluster_kwargs(url, options)
+    if max_connections is not None:
+        kwargs["max_connections"] = max_connections
+    return AsyncCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in nodes],
+                        retry=_retry_policy(AsyncRetry), **kwargs)
+
+
+def sync_redis() -> SyncClient:
+    """The process's blocking client of settings.REDIS_URL (thread-safe)."""
     global _sync
     if _sync is None:
-        _sync = redis.Redis.from_url(
-            settings.REDIS_URL,
-            socket_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
-            health_check_interval=30,
-            **reconnecting(),
-        )
+        _sync = sync_client(settings.REDIS_URL, socket_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
+                            socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
+                            health_check_interval=30)
     return _sync
 
 
-def async_redis() -> aioredis.Redis:
-    """A new asyncio client; callers keep one per event loop."""
-    return aioredis.Redis.from_url(
-        settings.REDIS_URL,
-        socket_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
-        socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
-        **reconnecting(),
-    )
+def async_redis() -> AsyncClient:
+    """A new asyncio client of settings.REDIS_URL; callers keep one per event loop."""
+    return async_client(settings.REDIS_URL, socket_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
+                        socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT_S)
 
 
+# -- scripts -------------------------------------------------------------------------
 T = TypeVar("T")
 
 
@@ -106,16 +326,22 @@ class ScriptBatch:
     script Redis does not know (first use, or after a restart) is run once with EVAL,
     which also caches it; no other command of the batch runs twice.
 
-    Works with a sync or an asyncio client: `run()` or `await run_async()`."""
+    Works with a sync or an asyncio client, single Redis or cluster (where each script
+    goes to the node of its keys' slot: they must share one): `run()` or
+    `await run_async()`."""
 
-    def __init__(self, client: redis.Redis | aioredis.Redis) -> None:
+    def __init__(self, client: Any) -> None:
         self.client = client
         self.pipe = client.pipeline(transaction=False)
         self._scripts: dict[int, tuple[str, list[Any]]] = {}
 
+    def __len__(self) -> int:
+        """Commands queued (scripts and the pipe's own)."""
+        return len(self.pipe)
+
     def script(self, source: str, keys: list[str], args: list[Any]) -> None:
         argv = [len(keys), *keys, *args]
-        self._scripts[len(self.pipe.command_stack)] = (source, argv)
+        self._scripts[len(self.pipe)] = (source, argv)
         self.pipe.evalsha(sha1(source), *argv)
 
     def _missing(self, replies: list[Any]) -> list[tuple[int, str, list[Any]]]:
@@ -142,199 +368,17 @@ class ScriptBatch:
         return list(replies)
 
 
-class DirectConnection:
-    """One Redis connection for a single task's sequential round trips (the Coalescer's
-    batches, the result router's reads), used directly instead of through the client's
-    pool: one write of the packed commands, then the replies read in order under one
-    deadline. redis-py's per-command path (a pool checkout and release with their locks
-    and bookkeeping, a task per write and a timer per reply, reply callbacks) had cost
-    more than the commands' own packing and parsing. Replies are Redis's raw ones.
-
-    A connection idle for a while is checked before use (Redis may have restarted
-    meanwhile), as the pool checks the ones it hands out. Nothing is sent twice: a round
-    trip that fails raises a RedisError (a deadline too: redis.TimeoutError) and drops
-    the connection; the next one reconnects."""
-
-    IDLE_CHECK_S = 1.0
-
-    def __init__(self, client: aioredis.Redis, *, timeout_s: float | None = None) -> None:
-        pool = client.connection_pool
-        self._class = pool.connection_class
-        # The round trip's deadline replaces the connection's per-read timeouts.
-        self._kwargs = {**pool.connection_kwargs, "socket_timeout": None}
-        self.timeout_s = float(timeout_s or pool.connection_kwargs.get("socket_timeout")
-                               or 10.0)
-        self._conn: aioredis.Connection | None = None
-        self._used = 0.0
-
-    async def _connection(self) -> aioredis.Connection:
-        conn = self._conn
-        if conn is not None and time.monotonic() - self._used > self.IDLE_CHECK_S:
-            try:
-                if await conn.can_read():  # unread data on an idle connection: unusable
-                    raise redis.ConnectionError("unexpected data")
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                await conn.disconnect(nowait=True)
-                conn = None
-        if conn is None:
-            conn = self._conn = self._class(**self._kwargs)
-        if not conn.is_connected:
-            await conn.connect()
-        return conn
-
-    async def run(self, commands: Sequence[Sequence[Any]], *,
-                  timeout_s: float | None = None) -> list[Any]:
-        """The replies to `commands`, in order; a reply that is an error is returned as
-        its exception (redis.ResponseError). `timeout_s`: this round trip's deadline
-        (connecting included), when not the default."""
-        deadline = self.timeout_s if timeout_s is None else timeout_s
-        replies: list[Any] = []
-        try:
-            async with asyncio.timeout(deadline):
-                conn = await self._connection()
-                await conn.send_packed_command(conn.pack_commands(commands),
-                                               check_health=False)
-                for _ in commands:
-                    try:
-                        replies.append(await conn.read_response(timeout=math.inf))
-                    except redis.ResponseError as exc:
-                        replies.append(exc)
-        except BaseException as exc:
-            # A reply half read, or one never read: the connection cannot be reused.
-            dead, self._conn = self._conn, None
-            if dead is not None:
-                await dead.disconnect(nowait=True)
-            if isinstance(exc, TimeoutError) and not isinstance(exc, redis.RedisError):
-                raise redis.TimeoutError(f"Redis did not answer {len(commands)} "
-                                         f"command(s) within {deadline:g} s") from None
-            raise
-        finally:
-            self._used = time.monotonic()
-        return replies
-
-    async def aclose(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            await conn.disconnect()
-
-
-class Coalescer:
-    """Scripts that many concurrent calls run go to Redis together: each call awaits
-    its own reply, and what the calls of one event-loop turn ask for leaves as one
-    write. Under load, dozens of calls share a round trip; idle, a call waits for
-    nothing but its own round trip. One per asyncio client (and so per event loop).
-
-    Up to `in_flight` batches are out at once, each on a DirectConnection of the
-    coalescer's own (the most recently used first, so a lightly loaded coalescer keeps
-    to one). With one batch at a time, every call that arrived meanwhile waited for the
-    batch's reply and then for the next batch's whole round trip, and at 64 concurrent
-    calls that wait was most of a call's latency while the gateway sat idle (see
-    docs/BENCHMARKS.md, "eighth pass"). Calls of one turn that find every connection
-    busy leave together when the first one comes back.
-
-    A reply that is an error fails only its own call; a failed round trip fails the
-    calls of its batch (each sees the RedisError) and is not sent again. A script Redis
-    does not know (first use, or after a restart) is run once more with EVAL, which
-    caches it."""
-
-    IN_FLIGHT = 4
-
-    def __init__(self, client: aioredis.Redis, *, in_flight: int = IN_FLIGHT) -> None:
-        self.client = client
-        self.connections = [DirectConnection(client) for _ in range(max(1, in_flight))]
-        self._idle = self.connections[::-1]  # a stack: pop() takes the latest returned
-        self._queued: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]] = []
-        self._due = False  # a batch leaves at the loop's next turn
-        self._batches: set[asyncio.Task[None]] = set()
-        self._closed = False
-
-    def script(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
-        """The script's reply, as a future to await."""
-        if self._closed:
-            raise redis.ConnectionError("the coalescer is closed")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._queued.append((source, keys, args, future))
-        self._send_soon(loop)
-        return future
-
-    def _send_soon(self, loop: asyncio.AbstractEventLoop) -> None:
-        # At the next turn: the scripts the calls of this turn add go with this one.
-        if not self._due and self._idle:
-            self._due = True
-            loop.call_soon(self._send)
-
-    def _send(self) -> None:
-        self._due = False
-        if self._closed:
-            self._fail_queued()
-            return
-        if not self._queued or not self._idle:
-            return
-        calls, self._queued = self._queued, []
-        task = asyncio.get_running_loop().create_task(self._batch(self._idle.pop(), calls))
-        self._batches.add(task)
-        task.add_done_callback(self._batches.discard)
-
-    async def _batch(self, connection: DirectConnection,
-                     calls: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]]
-                     ) -> None:
-        try:
-            replies = await self._run(connection, calls)
-        except Exception as exc:  # the connection: every call of the batch fails
-            for *_, future in calls:
-                if not future.done():
-                    future.set_exception(exc)
-        except BaseException:  # cancelled (the loop is closing): so are its calls
-            for *_, future in calls:
-                future.cancel()
-            raise
-        else:
-            for (*_, future), reply in zip(calls, replies, strict=True):
-                if future.done():
-                    continue  # its caller was cancelled
-                if isinstance(reply, Exception):
-                    future.set_exception(reply)
-                else:
-                    future.set_result(reply)
-        finally:
-            self._idle.append(connection)
-            if self._queued:  # calls that found every connection busy
-                self._send_soon(asyncio.get_running_loop())
-
-    async def _run(self, connection: DirectConnection,
-                   calls: list[tuple[str, list[str], list[Any], asyncio.Future[Any]]]
-                   ) -> list[Any]:
-        replies = await connection.run(
-            [("EVALSHA", sha1(source), len(keys), *keys, *args)
-             for source, keys, args, _ in calls])
-        for i, reply in enumerate(replies):
-            if isinstance(reply, NoScriptError):
-                source, keys, args, _ = calls[i]
-                try:
-                    replies[i] = await self.client.eval(source, len(keys), *keys, *args)
-                except redis.ResponseError as exc:
-                    replies[i] = exc
-        return replies
-
-    def _fail_queued(self) -> None:
-        calls, self._queued = self._queued, []
-        for *_, future in calls:
-            if not future.done():
-                future.set_exception(redis.ConnectionError("the coalescer is closed"))
-
-    async def aclose(self, *, grace_s: float = 2.0) -> None:
-        """Stop taking scripts; let the batches in flight finish (up to `grace_s`, then
-        cancel them: their calls are cancelled), fail the calls still queued (a
-        ConnectionError, retriable), and close the connections (its client's pool is
-        the caller's)."""
-        self._closed = True
-        await finish_or_cancel(self._batches, grace_s)
-        self._fail_queued()
-        for connection in self.connections:
-            await connection.aclose()
-
-
 @functools.cache
 def sha1(source: str) -> str:
     return hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+
+
+def __getattr__(name: str) -> Any:
+    # DirectConnection and Coalescer live in sluice.redisdirect (which imports this
+    # module), importable from here as before.
+    if name in ("DirectConnection", "Coalescer", "NotSent"):
+        from sluice import redisdirect
+        return getattr(redisdirect, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+

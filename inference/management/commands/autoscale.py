@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
@@ -13,7 +12,7 @@ from inference.autoscaler import HUNG_AFTER_S, Autoscaler
 from inference.supervisor import preload
 from sluice import telemetry
 from sluice.processes import set_on_signals
-from sluice.redis import reconnecting
+from sluice.redis import sync_client
 
 
 class Command(BaseCommand):
@@ -34,8 +33,7 @@ class Command(BaseCommand):
         telemetry.setup("sluice-autoscaler")
         if options["driver"] == "local":
             preload()  # forked workers inherit the imports: cold starts skip them
-        client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10,
-                                      socket_connect_timeout=5, **reconnecting())
+        client = sync_client(settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5)
         scaler = Autoscaler(client, settings.REDIS_URL, driver=options["driver"],
                             only=options["deployment"], tick_s=options["tick"],
                             hung_after_s=options["hung_after"])
