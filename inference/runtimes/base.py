@@ -17,6 +17,7 @@ Contract for chat runtimes (continuous batching, vLLM-style but small):
   hold) or True (answer 503 and retry: it fits once running sequences leave). `add`
   raises `KVCapacityError` (and changes nothing) for a batch that does not fit, so a
   caller that skips the check gets a typed error, never an out-of-memory crash.
+- `warm_up()` once before serving lets a runtime prepare ahead (CUDA graphs).
 Tokenizer methods are pure and thread-safe. Embedding runtimes batch per call.
 """
 
@@ -146,6 +147,12 @@ class ChatRuntime(ABC):
     def kv_used_tokens(self) -> int:
         """Tokens the KV cache takes now (padding included where the layout pads)."""
         return 0
+
+    def warm_up(self) -> None:
+        """Prepare to serve (a static decode path captures its CUDA graphs here); call
+        once, before the first `add`. Optional: what it prepares is otherwise prepared
+        when first needed, in the middle of serving."""
+        return None
 
     def kv_admission(self, seq: NewSequence,
                      joining: Sequence[NewSequence] = ()) -> KVRefusal | None:

@@ -75,6 +75,9 @@ class StaticCausalLMRuntime(CausalLMRuntime):
         self._next: list[int] = []
         self._faulted: list[bool] = []
 
+    def warm_up(self) -> None:
+        self.capture_graphs()
+
     @torch.inference_mode()
     def capture_graphs(self, batch_sizes: Sequence[int] | None = None,
                        max_length: int | None = None) -> int:

@@ -276,6 +276,8 @@ def test_grammar_masks_apply_to_the_static_steps_logits(
 def test_no_graphs_off_cuda(static: StaticCausalLMRuntime) -> None:
     assert static.graphs is None and static.buckets == ()
     assert static.capture_graphs() == 0
+    static.warm_up()  # nothing to prepare
+    assert alone(static, prompts(static)[0], 3)
 
 
 def test_admission_in_slots() -> None:
