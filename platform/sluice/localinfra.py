@@ -50,6 +50,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (held together while chosen, so none repeats)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+    return ports
+
+
 def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((host or "127.0.0.1", port), timeout=timeout):
@@ -214,9 +225,10 @@ def start_redis_cluster(*, masters: int = 3, replicas: int = 1, node_timeout_ms:
     workdir = tempfile.mkdtemp(prefix="sluice-redis-cluster-")
     started = StartedCluster(url="", name="")
     started._stop.append(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    count = masters * (1 + replicas)
+    ports = free_ports(2 * count)  # each node's client port and cluster bus port
     try:
-        for i in range(masters * (1 + replicas)):
-            port, bus = free_port(), free_port()
+        for i, (port, bus) in enumerate(zip(ports[:count], ports[count:], strict=True)):
             node_dir = Path(workdir) / str(i)
             node_dir.mkdir()
             proc = subprocess.Popen(  # noqa: S603 - our own binary, fixed arguments
@@ -226,7 +238,7 @@ def start_redis_cluster(*, masters: int = 3, replicas: int = 1, node_timeout_ms:
                  "--cluster-node-timeout", str(node_timeout_ms),
                  "--save", "", "--appendonly", "no", "--repl-diskless-sync", "yes",
                  "--repl-diskless-sync-delay", "0", "--dir", str(node_dir),
-                 "--daemonize", "no", "--loglevel", "warning"],
+                 "--logfile", "redis.log", "--daemonize", "no", "--loglevel", "warning"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             started.nodes.append(ClusterNode(port, proc))
         procs = [node.proc for node in started.nodes]
@@ -235,14 +247,16 @@ def start_redis_cluster(*, masters: int = 3, replicas: int = 1, node_timeout_ms:
         for node in started.nodes:
             while not _port_open("127.0.0.1", node.port):
                 if node.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {node.port}")
+                    log = Path(workdir) / str(started.nodes.index(node)) / "redis.log"
+                    tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
+                    raise RuntimeError(f"redis-server did not start on port {node.port}: "
+                                       f"{tail}")
                 time.sleep(0.05)
         subprocess.run(  # noqa: S603 - our own binary, fixed arguments
             [cli, "--cluster", "create", *(n.address for n in started.nodes),
              "--cluster-replicas", str(replicas), "--cluster-yes"],
             check=True, capture_output=True, timeout=max(1.0, deadline - time.monotonic()))
-        ports = [node.port for node in started.nodes]
-        while not cluster_healthy(ports):
+        while not cluster_healthy([node.port for node in started.nodes]):
             if time.monotonic() > deadline:
                 raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
             time.sleep(0.1)

@@ -194,6 +194,10 @@ def _cluster_kwargs(url: str, options: dict[str, Any]) -> tuple[list[tuple[str, 
 
 
 class _SyncClusterPipeline(synccluster.ClusterPipeline):
+    def eval(self, *args: Any) -> Any:  # redis-py's sync cluster pipeline refuses EVAL
+        """Queue an EVAL, as a single Redis's pipeline does (routed by its keys)."""
+        return self.execute_command("EVAL", *args)
+
     def execute(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().execute(*args, **kwargs)
