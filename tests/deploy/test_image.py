@@ -88,7 +88,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
     if cert and Path(cert).is_file():  # a TLS-inspecting proxy's CA, as pip here uses it
         extra = ["--secret", f"id=pip_cert,src={cert}"]
     result = subprocess.run(
-        [*build, "-f", str(context / "platform/deploy/Containerfile"), "--build-arg",
+        [*build, "-f", str(DEPLOY / "Containerfile"), "--build-arg",
          f"BASE={base}", *extra, "-t", IMAGE, str(context)],
         capture_output=True, text=True, env=env, timeout=3000)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

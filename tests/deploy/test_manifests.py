@@ -141,7 +141,22 @@ def test_secrets_are_referenced_never_written() -> None:
                 if SECRET_NAME.search(var["name"]) and "DIR" not in var["name"]:
                     assert "value" not in var and "secretKeyRef" in var["valueFrom"], var
         for volume in template["spec"].get("volumes", []):
-            assert set(volume) & {"emptyDir", "secret"}, volume
+            assert set(volume) & {"emptyDir", "secret", "persistentVolumeClaim"}, volume
+
+
+def test_the_gateways_and_celery_share_one_state_dir() -> None:
+    """Uploaded files and audit exports are written by one and read by the other."""
+    (claim,) = of_kind("PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for name in ("sluice-gateway", "sluice-celery"):
+        deployment = next(d for d in of_kind("Deployment") if d["metadata"]["name"] == name)
+        pod = deployment["spec"]["template"]["spec"]
+        volume = next(v["name"] for v in pod["volumes"]
+                      if v.get("persistentVolumeClaim", {}).get("claimName")
+                      == claim["metadata"]["name"])
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts[volume] == "/var/lib/sluice"  # the image's SLUICE_STATE_DIR
+        assert pod["securityContext"]["fsGroup"] == 10001  # writable by the image's user
 
 
 def test_every_replicated_workload_has_a_disruption_budget() -> None:
