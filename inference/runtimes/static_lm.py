@@ -193,13 +193,17 @@ class StaticCausalLMRuntime(CausalLMRuntime):
             return
         for rid in gone:
             self._logprobs.pop(rid, None)
-        self._slots.clear([row for row in leaving if self._faulted[row]])
-        # The last running rows fill the holes the leaving ones make below them.
+        # The last running rows fill the holes the leaving ones make below them. A slot
+        # that becomes free and held NaN values is zeroed (the leaving row's, or a moved
+        # row's old one).
         n, kept = len(self._rids), len(self._rids) - len(leaving)
         holes = [row for row in leaving if row < kept]
-        movers = [row for row in range(kept, n) if row not in set(leaving)]
+        staying = set(range(kept, n)) - set(leaving)
+        movers = sorted(staying)
+        self._slots.clear([row for row in leaving if self._faulted[row]])
         if movers:
             self._slots.move(movers, holes, max(self._lengths[row] for row in movers))
+            self._slots.clear([row for row in movers if self._faulted[row]])
         order = list(range(kept))
         for hole, mover in zip(holes, movers, strict=True):
             order[hole] = mover

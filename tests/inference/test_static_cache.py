@@ -203,16 +203,24 @@ def test_a_nan_sequence_fails_alone_and_leaves_a_clean_slot() -> None:
     assert got["2"][:step + 1] == expected[2][:step + 1]
     assert set(got["2"][step + 1:]) == {FAILED}
     assert got["0"] == expected[0] and got["1"] == expected[1]
-    # Its slot (the last) held NaN values: zeroed as it leaves, then taken by a newcomer
-    # shorter than it was (its masked positions are the old sequence's).
-    assert not bool(torch.isfinite(rt._slots.slot_layers[0].v[2]).all())
-    rt.drop(["2"])
-    assert bool(torch.isfinite(rt._slots.slot_layers[0].v[2]).all())
+    # Row 0 leaves: the NaN row (2) moves into its slot (its NaN position, the last it
+    # wrote, stays behind), and its old slot, now free, is zeroed; a newcomer shorter
+    # than it takes that slot (its masked positions are the old sequence's) and gets
+    # exactly its own tokens. Then the NaN row leaves: zeroed too.
+    values = rt._slots.slot_layers[0].v
+    assert not bool(torch.isfinite(values[2]).all())
+    rt.drop(["0"])
+    assert rt.active == ["2", "1"]
+    assert bool(torch.isfinite(values[2]).all())
     hook.remove()
-    first = rt.add([NewSequence("3", ps[3])])["3"]
-    tokens = [first, *(rt.step()["3"] for _ in range(n - 1))]
+    tokens = [rt.add([NewSequence("3", ps[3])])["3"]]
+    assert rt.active == ["2", "1", "3"]
+    while len(tokens) < n:
+        tokens.append(rt.step()["3"])
     assert tokens == expected[3]
-    rt.drop(["0", "1", "3"])
+    rt.drop(["2"])
+    assert bool(torch.isfinite(values).all())
+    rt.drop(["1", "3"])
 
 
 def test_resumed_penalised_sampled_and_logprob_rows_match_the_dynamic_path(
