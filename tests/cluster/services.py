@@ -26,6 +26,7 @@ import redis
 
 from inference import queue as q
 from sluice.localinfra import redis_binary
+from sluice.redis import sync_client
 from sluice.servers import DEFAULT as DEFAULT_SERVER
 from sluice.servers import http_command
 from tests.cluster.netns import SUBNET, Node
@@ -162,10 +163,12 @@ class Platform:
     """The environment every Sluice process of the cluster shares."""
 
     database_url: str
-    redis_url: str
+    redis_url: str  # a single Redis or a cluster (redis+cluster://)
     logs: Logs
     state: Path  # a folder; each node gets its own state directory under it
     request_timeout_s: int
+    # Beside a cluster: the single Redis of what cannot use one (Celery, Channels).
+    single_redis_url: str | None = None
     secret: str = field(default_factory=lambda: token_hex(32))
 
     def env(self, node: Node | None = None, **extra: str) -> dict[str, str]:
@@ -175,7 +178,13 @@ class Platform:
                 "DJANGO_SETTINGS_MODULE": "sluice.settings.test",
                 "SLUICE_SECRET_KEY": self.secret, "SLUICE_STATE_DIR": str(state),
                 "SLUICE_ALLOWED_HOSTS": "*", "SLUICE_LOG_LEVEL": "WARNING",
-                "SLUICE_REQUEST_TIMEOUT_S": str(self.request_timeout_s), **extra}
+                "SLUICE_REQUEST_TIMEOUT_S": str(self.request_timeout_s),
+                **({"SLUICE_CELERY_REDIS_URL": self.single_redis_url}
+                   if self.single_redis_url else {}), **extra}
+
+    def redis(self) -> Any:
+        """A client of the platform's Redis (a cluster client on a cluster)."""
+        return sync_client(self.redis_url, socket_timeout=5, socket_connect_timeout=2)
 
     def ops(self, what: str) -> dict[str, Any]:
         """`python -m tests.cluster.ops <what>` from the host, its JSON."""
@@ -208,7 +217,7 @@ class Platform:
         proc = node.spawn([sys.executable, "-m", "inference.worker", "--spec", spec,
                            "--redis-url", self.redis_url, "--reclaim-after-ms", "1500"],
                           self.logs.of(node), env=self.env(node), cwd=REPO)
-        rds = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+        rds = self.redis()
 
         def beating() -> bool:
             if proc.poll() is not None:

@@ -1,17 +1,21 @@
 """Sluice on several nodes, under load, while nodes fail (issue #32, part 2).
 
 Nodes are network namespaces on a private bridge (tests/cluster/netns.py): PostgreSQL
-with the audit writer, Redis, two gateways, two echo model workers, each on its own
-node with its own address. Two tenants call through both gateways with the official
-SDK, every call with an Idempotency-Key and a deadline, retried on a connection error
-or a read timeout against the other gateway with the same key: "fault" at FAULT_PER_S
-(a third streamed), and "limited", whose tenant rate limit it exceeds three times over.
+with the audit writer; a Redis Cluster of three masters, each with a replica on another
+node, over three nodes (tests/cluster/rediscluster.py); two gateways; two echo model
+workers; each on its own node with its own address. Two tenants call through both
+gateways with the official SDK, every call with an Idempotency-Key and a deadline,
+retried on a connection error or a read timeout against the other gateway with the
+same key: "fault" at FAULT_PER_S (a third streamed), and "limited", whose tenant rate
+limit it exceeds three times over.
 Meanwhile:
 
     CUT_AT     gateway 1's cable is pulled for CUT_FOR seconds, then plugged back
     WCUT_AT    worker 2's cable is pulled for WCUT_FOR seconds (its requests move)
     KILL_AT    every process of worker 1's node and of gateway 2's node gets SIGKILL;
                both are started again, as a supervisor would
+    FAILOVER_AT  the Redis master of the shard holding the tenants' and the model's keys
+               gets SIGKILL; its replica is promoted; it comes back as a replica
 
 Each fault on a gateway waits (a few seconds at most) until calls are in flight on it.
 After the load, the calls that were not answered are sent again with their keys; then
@@ -23,8 +27,8 @@ killed gateway's calls go unbilled, and an impatient client's retry gets a trunc
 reply. The figures are printed (run with -s) and recorded in docs/BENCHMARKS.md;
 docs/MULTINODE.md says how to run it.
 
-Redis is a single server on its own node: the platform speaks to one Redis URL today
-(Redis Cluster support, and a master failover in this test, come with issue #32 part 1).
+SLUICE_MULTINODE_REDIS=single runs it on one Redis on its own node, without the
+failover.
 """
 
 from __future__ import annotations
@@ -43,11 +47,10 @@ from typing import Any
 
 import psycopg
 import pytest
-import redis
 
 from governance import audit
 from governance.models import AuditEvent
-from tests.cluster import netns, services
+from tests.cluster import netns, rediscluster, services
 from tests.cluster.load import (
     RETRIABLE,
     Call,
@@ -61,8 +64,11 @@ from tests.cluster.load import rate_figures as measure_rate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
-FAULT_CALLS, FAULT_PER_S = 360, 8.0  # ~45 s of load
-LIMITED_CALLS, LIMITED_PER_S = 135, 3.0  # three times the limit of 1/s
+FAULT_CALLS, FAULT_PER_S = 416, 8.0  # ~52 s of load
+LIMITED_CALLS, LIMITED_PER_S = 156, 3.0  # three times the limit of 1/s
+# "cluster": 3 masters + 3 replicas over three nodes, a master failed over under load;
+# "single": one Redis on its own node, no failover.
+REDIS = os.environ.get("SLUICE_MULTINODE_REDIS", "cluster")
 DEADLINE_S = 30.0  # each call's, all its attempts together
 # One attempt's read timeout: a cut gateway is given up after this. Well above a call's
 # time here (under 1 s; ~3 s when its worker dies), so a healthy gateway's calls never
@@ -72,6 +78,11 @@ REQUEST_TIMEOUT_S = 20  # the gateways' own deadline for a call (SLUICE_REQUEST_
 CUT_AT, CUT_FOR = 6.0, 10.0  # gateway 1's cable; longer than ATTEMPT_S: clients leave it
 WCUT_AT, WCUT_FOR = 22.0, 6.0  # worker 2's cable
 KILL_AT = 34.0
+FAILOVER_AT = 44.0
+# The failed-over shard: the fault tenant's keys (idempotency records, events, quota),
+# which share their slot range with the model's queue ({echo-mn}) and the limited
+# tenant's buckets ({limited}) in the cluster's three-way split.
+FAILOVER_TAG = "{fault}"
 IMPATIENT, IMPATIENT_S = 4, 0.3  # calls whose first attempt gives up after IMPATIENT_S
 PROBE_EVERY_S = 0.5
 RECOVERY_LIMIT_S = 60.0  # a gateway that does not serve again within this fails the test
@@ -87,6 +98,7 @@ class Cluster:
     nodes: dict[str, netns.Node]
     bases: list[str]  # gateway 1's and gateway 2's URLs
     seed: dict[str, Any]
+    redis: rediscluster.RedisCluster | None  # None: a single Redis
 
 
 @dataclass
@@ -101,22 +113,30 @@ class Run:
     marks: dict[str, float]  # when each fault began and ended (monotonic)
     recovery: dict[str, float]
     load_window: tuple[float, float]
+    redis: str  # what Redis was, and what failed over
     report: dict[str, Any] = field(default_factory=dict)  # tests/cluster/ops.py report
     figures: dict[str, Any] = field(default_factory=dict)
 
 
 def _build(fabric: netns.Fabric, logs: services.Logs, pg_data: Path) -> Cluster:
-    nodes = {name: fabric.node(name) for name in ("pg", "redis", "gw1", "gw2", "w1", "w2")}
+    redis_nodes = ["r1", "r2", "r3"] if REDIS == "cluster" else ["redis"]
+    nodes = {name: fabric.node(name) for name in ["pg", *redis_nodes, "gw1", "gw2", "w1", "w2"]}
     database_url = services.start_postgres(nodes["pg"], pg_data, logs)
-    redis_url = services.start_redis(nodes["redis"], logs.folder, logs)
+    cluster = single = None
+    if REDIS == "cluster":
+        cluster = rediscluster.start_cluster([nodes[n] for n in redis_nodes], logs.folder, logs)
+        redis_url = cluster.url
+        single = services.start_redis(nodes["r1"], logs.folder, logs)  # Celery's; unused
+    else:
+        redis_url = services.start_redis(nodes["redis"], logs.folder, logs)
     platform = services.Platform(database_url, redis_url, logs, logs.folder,
-                                 REQUEST_TIMEOUT_S)
+                                 REQUEST_TIMEOUT_S, single_redis_url=single)
     seed = platform.ops("seed")
     platform.start_auditwriter(nodes["pg"])
     bases = [platform.start_gateway(nodes["gw1"]), platform.start_gateway(nodes["gw2"])]
     for worker in ("w1", "w2"):
         platform.start_worker(nodes[worker], seed["spec"], seed["model"])
-    return Cluster(fabric, platform, nodes, bases, seed)
+    return Cluster(fabric, platform, nodes, bases, seed, cluster)
 
 
 class Chaos:
@@ -127,6 +147,7 @@ class Chaos:
         self.marks: dict[str, float] = {}
         self.recovery: dict[str, float] = {}
         self.probes: list[Call] = []
+        self.failed_over = self.promoted = ""  # the Redis master killed, its successor
 
     async def run(self, began: float) -> None:
         fabric, nodes = self.cluster.fabric, self.cluster.nodes
@@ -159,6 +180,33 @@ class Chaos:
         self.recovery["gateway 2 serves after SIGKILL and restart"] = await self._probe(1) - \
             self.marks["kill w1+gw2"]
         await restarted
+        if self.cluster.redis is not None:
+            await self._at(began + FAILOVER_AT)
+            await self._fail_over(self.cluster.redis)
+
+    async def _fail_over(self, redis_cluster: rediscluster.RedisCluster) -> None:
+        """SIGKILL the Redis master of FAILOVER_TAG; time the replica's promotion and the
+        first call answered after the kill; start the killed instance again."""
+        shard = {redis_cluster.master_of(tag).address
+                 for tag in (FAILOVER_TAG, f"{{{self.cluster.seed['model']}}}", "{limited}")}
+        assert len(shard) == 1, f"the tags are on several shards: {shard}"
+        victim = await asyncio.to_thread(redis_cluster.kill_master, FAILOVER_TAG)
+        killed = self.marks["kill redis master"] = time.monotonic()
+
+        async def promotion() -> None:
+            self.promoted = await asyncio.to_thread(redis_cluster.promoted, FAILOVER_TAG,
+                                                    victim)
+            self.marks["replica promoted"] = time.monotonic()
+
+        promoting = asyncio.create_task(promotion())
+        answered = await self._probe(0)
+        await promoting
+        self.failed_over = victim.address
+        self.recovery["Redis: replica promoted after its master's SIGKILL"] = \
+            self.marks["replica promoted"] - killed
+        self.recovery["calls answered again after the Redis master's SIGKILL"] = \
+            answered - killed
+        await asyncio.to_thread(redis_cluster.restart, victim.address)
 
     @staticmethod
     async def _at(moment: float) -> None:
@@ -205,9 +253,19 @@ async def _load(cluster: Cluster) -> Run:
                           first_attempt_s=IMPATIENT_S) for i in range(IMPATIENT)]
         impatient = list(await asyncio.gather(*(clients.send(c) for c in impatient)))
         return Run(cluster.seed, [*fault, *chaos.probes], limited, resent, impatient,
-                   chaos.marks, chaos.recovery, window)
+                   chaos.marks, chaos.recovery, window, _redis_said(cluster, chaos))
     finally:
         await clients.close()
+
+
+def _redis_said(cluster: Cluster, chaos: Chaos) -> str:
+    if cluster.redis is None:
+        return "one Redis on its own node (no failover)"
+    shards = [f"{first}-{last}: {master} + {', '.join(replicas)}"
+              for first, last, master, replicas in cluster.redis.slots()]
+    return (f"a Redis Cluster, masters + replicas by slots after the test: {'; '.join(shards)}"
+            f"; master {chaos.failed_over} (slots of {FAILOVER_TAG}, {{echo-mn}}, "
+            f"{{limited}}) SIGKILLed, {chaos.promoted} promoted")
 
 
 def _settled(cluster: Cluster, result: Run) -> None:
@@ -219,7 +277,7 @@ def _settled(cluster: Cluster, result: Run) -> None:
     assert len(last) == IMPATIENT, [c.attempts for c in result.impatient]
     query = (f"SELECT count(*) FROM {AuditEvent._meta.db_table} "  # noqa: S608
              "WHERE request_id = ANY(%s)")
-    rds = redis.Redis.from_url(cluster.platform.redis_url, socket_timeout=5)
+    rds = cluster.platform.redis()
     try:
         with psycopg.connect(cluster.platform.database_url, autocommit=True) as conn:
             def written() -> bool:
@@ -303,6 +361,7 @@ def _figures(result: Run) -> dict[str, Any]:
     start, end = result.load_window
     cut, kill = result.marks["cut gw1"], result.marks["kill w1+gw2"]
     return {
+        "redis": result.redis,
         "calls sent": len(calls),
         "answered": outcomes["answered"],
         "refused retriably (status)": outcomes["refused"],
