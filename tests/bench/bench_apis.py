@@ -1,0 +1,296 @@
+"""Each API's gateway CPU per call against Chat Completions', in one run (issue #30).
+
+The governed pipeline of bench_cpu.py (the gateway's HTTP processes, one echo worker,
+the audit writer; a tenant rate limit, a per-model limit and a daily quota that every
+call runs and none reaches) serves the same one-word prompt through each API, plain and
+streamed: Chat Completions, legacy Completions, Responses stored (`store` true, the
+default) and not (`store: false`), Anthropic Messages. h2load (Debian package
+`nghttp2-client`; HTTP/1.1, one call in flight per client) sends `--requests` calls per
+mode in each of `--rounds` rounds, the modes one after another in a rotated order
+(A B C D, B C D A, ...), so that a loaded machine's changes of speed fall on every mode
+alike. A mode's gateway CPU is the gateway processes' user + system seconds
+(/proc/<pid>/stat, the server's worker processes included) over its runs, divided by
+the calls answered 2xx; a non-2xx answer fails the run.
+
+Printed for each mode: calls/s, the gateway's CPU ms per call, and its ratio to chat's
+with the same transport (plain to plain chat, streamed to streamed chat) measured in
+the same run: over all rounds, and the median and range of the per-round ratios. The
+issue's goal: every API within 10% of chat (ratio <= 1.10).
+
+With --against REV, an earlier revision's pipeline (from a git worktree) runs beside
+this checkout's, and the rounds alternate between both sides' modes: each side is
+compared with its own chat, and each mode with the other side's.
+
+Each side has its own private Redis server and state dir, and its database is SQLite
+in that state dir (the run command's default) unless --database-url (this checkout's)
+or --against-database-url names an empty PostgreSQL database, which the run migrates
+and seeds (and leaves as it is).
+
+    .venv/bin/python tests/bench/bench_apis.py [--rounds 5] [--requests 1000]
+        [--clients 32] [--workers N] [--only chat,responses,...] [--against REV]
+        [--database-url URL] [--against-database-url URL]
+        [--profile MODE] (after the rounds, py-spy on this checkout's gateway threads
+                          holding the GIL while MODE runs once more: its top functions
+                          by own time, and the share of samples under a few frames of
+                          the store's path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import bench_http as bench
+
+from sluice.localinfra import free_port, start_redis
+from sluice.processes import ProcessGroup
+from sluice.servers import default_workers, http_command
+from tests.procstat import cpu_seconds, process_tree
+
+HELLO = [{"role": "user", "content": "hello"}]
+# Each API's call, plain: (path, body). The streamed mode adds "stream": true.
+APIS: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", {"model": "echo", "messages": HELLO}),
+    "completions": ("/v1/completions", {"model": "echo", "prompt": "hello"}),
+    "responses": ("/v1/responses", {"model": "echo", "input": "hello"}),
+    "responses store=false": ("/v1/responses",
+                              {"model": "echo", "input": "hello", "store": False}),
+    "messages": ("/v1/messages", {"model": "echo", "max_tokens": 64, "messages": HELLO}),
+}
+# Frames whose share of the gateway's samples --profile prints (a stack holding several
+# counts once for each).
+WATCHED = ("response_save", "response_create", "save", "insert", "bulk_create",
+           "execute", "close_old_connections", "_clean_item", "send_json", "whole_reply")
+SEED = ("import django; django.setup(); from django.core.management import call_command; "
+        "call_command('migrate', verbosity=0); from tenants.services import demo_seed; "
+        "from inference.services import deployment_seed_defaults; "
+        "deployment_seed_defaults(); print(demo_seed().api_key); "
+        # bench_http.govern_demo's policies, with values PostgreSQL's columns hold
+        "from governance.models import Quota, RateLimitPolicy as R; "
+        "from tenants.models import Tenant; t = Tenant.objects.get(slug='demo'); "
+        "R.objects.create(scope='tenant', tenant=t, requests_per_minute=10**8, "
+        "tokens_per_minute=10**9); R.objects.create(scope='model', tenant=t, "
+        "requests_per_minute=10**8, adaptive=True, qps_ref=1); "
+        "Quota.objects.create(tenant=t, max_tokens=10**12)")
+
+
+@dataclass
+class Mode:
+    side: Side
+    name: str
+    stream: bool
+    url: str
+    body: Path
+    cpu: float = 0.0
+    calls: int = 0
+    seconds: float = 0.0
+    rounds: list[tuple[float, int]] = field(default_factory=list)  # (cpu s, calls)
+
+    @property
+    def baseline(self) -> Mode:
+        """Chat with the same transport, on the same side."""
+        return self.side.modes["chat stream" if self.stream else "chat"]
+
+    @property
+    def ms(self) -> float:
+        return self.cpu / self.calls * 1000
+
+    def ratio(self) -> float:
+        return self.ms / self.baseline.ms
+
+
+@dataclass
+class Side:
+    name: str
+    key: str
+    gateway_pid: int
+    modes: dict[str, Mode] = field(default_factory=dict)
+
+    def gateway(self) -> list[int]:
+        return process_tree(self.gateway_pid)
+
+
+def start_side(name: str, repo: Path, database_url: str | None, workers: int,
+               folder: Path, stack: contextlib.ExitStack) -> Side:
+    """`repo`'s pipeline on a private Redis and its own state dir (removed at the end)."""
+    state = tempfile.mkdtemp(prefix="sluice-apis-")
+    stack.callback(shutil.rmtree, state, ignore_errors=True)
+    redis = start_redis()
+    stack.callback(redis.stop)
+    env = {**os.environ, "SLUICE_STATE_DIR": state, "REDIS_URL": redis.url,
+           "DJANGO_SETTINGS_MODULE": "sluice.settings.base", "SLUICE_LOG_LEVEL": "ERROR",
+           "PYTHONPATH": f"{repo}:{repo / 'platform'}"}
+    env.pop("DATABASE_URL", None)
+    if database_url:
+        env["DATABASE_URL"] = database_url
+    key = subprocess.run([sys.executable, "-c", SEED], cwd=repo, env=env, check=True,
+                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    group = ProcessGroup(env)
+    stack.callback(group.stop, first=bench.FRONT)
+    port = free_port()
+    manage = [sys.executable, str(repo / "manage.py")]
+    with contextlib.chdir(repo):  # their working directory: first on their import path
+        group.start("sluice", http_command("uvicorn", "sluice.asgi:application",
+                                           host="127.0.0.1", port=port, workers=workers))
+        group.start("worker", [*manage, "runworker", "--deployment", "echo"])
+        group.start("auditwriter", [*manage, "auditwriter"])
+    bench.wait_http(f"http://127.0.0.1:{port}/healthz")
+    side = Side(name, key, group.children["sluice"].proc.pid)
+    for api, (path, body) in APIS.items():
+        for stream in (False, True):
+            label = f"{api} stream" if stream else api
+            file = folder / f"{re.sub(r'[^a-z0-9]+', '-', f'{name} {label}')}.json"
+            file.write_text(json.dumps({**body, "stream": True} if stream else body))
+            side.modes[label] = Mode(side, label, stream, f"http://127.0.0.1:{port}{path}",
+                                     file)
+    return side
+
+
+def h2load(mode: Mode, clients: int, requests: int) -> tuple[int, float]:
+    """One h2load run of `mode` over HTTP/1.1: (calls answered 2xx, seconds it took)."""
+    cmd = ["h2load", "--h1", "-t1", f"-c{clients}", f"-n{requests}", "-d", str(mode.body),
+           "-H", "Content-Type: application/json",
+           "-H", f"Authorization: Bearer {mode.side.key}", mode.url]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    ok = int(re.search(r"status codes: (\d+) 2xx", out).group(1))  # type: ignore[union-attr]
+    took = re.search(r"finished in ([\d.]+)(m?s)", out)
+    assert took is not None, out
+    if ok != requests:
+        raise RuntimeError(f"{mode.side.name} {mode.name}: {requests - ok} calls not "
+                           f"answered 2xx:\n{out}")
+    return ok, float(took.group(1)) / (1000 if took.group(2) == "ms" else 1)
+
+
+def measure(modes: list[Mode], rounds: int, clients: int, requests: int) -> None:
+    for turn in range(rounds):
+        start = turn % len(modes)
+        for mode in modes[start:] + modes[:start]:
+            pids = mode.side.gateway()
+            before = sum(map(cpu_seconds, pids))
+            calls, seconds = h2load(mode, clients, requests)
+            used = sum(map(cpu_seconds, pids)) - before
+            mode.cpu, mode.calls = mode.cpu + used, mode.calls + calls
+            mode.seconds += seconds
+            mode.rounds.append((used, calls))
+
+
+def print_side(side: Side, other: Side | None) -> None:
+    print(f"\n{side.name}")
+    print(f"{'API':28} {'calls/s':>8} {'gateway CPU ms/call':>20} {'vs chat':>8} "
+          f"{'per round: median':>18} {'range':>12}"
+          + (f" {'vs ' + other.name:>16}" if other else ""))
+    for mode in side.modes.values():
+        per_round = [(used / calls) / (c_used / c_calls) for (used, calls), (c_used, c_calls)
+                     in zip(mode.rounds, mode.baseline.rounds, strict=True)]
+        line = (f"{mode.name:28} {mode.calls / mode.seconds:8.0f} {mode.ms:20.3f} "
+                f"{mode.ratio():7.2f}x {statistics.median(per_round):17.2f}x "
+                f"{min(per_round):5.2f}-{max(per_round):.2f}x")
+        if other:
+            line += f" {mode.ms / other.modes[mode.name].ms:15.2f}x"
+        print(line)
+    worst = max(side.modes.values(), key=Mode.ratio)
+    print(f"goal (every API within 10% of chat's gateway CPU per call): "
+          f"{'met' if worst.ratio() <= 1.10 else 'not met'}; the highest is "
+          f"{worst.name}, {worst.ratio():.2f}x")
+
+
+def profile(mode: Mode, folder: Path, clients: int, requests: int) -> None:
+    """py-spy on the gateway's threads holding the GIL while `mode` runs once more."""
+    spy_bin = Path(sys.executable).with_name("py-spy")
+    if not spy_bin.exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
+    raw = folder / "gateway.raw"
+    spy = subprocess.Popen([str(spy_bin), "record", "--subprocesses", "--nonblocking",
+                            "--gil", "-r", "200", "-f", "raw", "-o", str(raw),
+                            "-p", str(mode.side.gateway_pid)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        h2load(mode, clients, requests)
+    finally:
+        spy.send_signal(2)  # SIGINT: py-spy writes what it has
+        spy.wait(60)
+    own: collections.Counter[str] = collections.Counter()
+    under: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        samples += int(count)
+        own[frames[-1]] += int(count)
+        names = {f.split(" (")[0].rsplit(".", 1)[-1] for f in frames}
+        for watched in WATCHED:
+            if watched in names:
+                under[watched] += int(count)
+    total = samples or 1
+    print(f"\n{mode.name}: the gateway's top functions by own time (py-spy --gil)")
+    for frame, hits in own.most_common(15):
+        print(f"  {hits / total:6.1%}  {frame[:110]}")
+    print("samples under:")
+    for watched in WATCHED:
+        print(f"  {under[watched] / total:6.1%}  {watched}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=1000, help="calls per mode a round")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=default_workers("uvicorn"))
+    parser.add_argument("--only", default=None,
+                        help=f"comma-separated APIs besides chat, of: {', '.join(APIS)}")
+    parser.add_argument("--against", default=None, metavar="REV")
+    parser.add_argument("--database-url", default=None)
+    parser.add_argument("--against-database-url", default=None)
+    parser.add_argument("--profile", default=None, metavar="MODE")
+    args = parser.parse_args()
+    if shutil.which("h2load") is None:
+        sys.exit("h2load is needed: apt-get install nghttp2-client")
+    only = {"chat", *args.only.split(",")} if args.only else set(APIS)
+    with contextlib.ExitStack() as stack:
+        folder = Path(tempfile.mkdtemp(prefix="sluice-apis-"))
+        stack.callback(shutil.rmtree, folder, ignore_errors=True)
+        sides = [start_side("this checkout", bench.REPO, args.database_url, args.workers,
+                            folder, stack)]
+        if args.against:
+            tree = folder / "rev"
+            subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree),
+                            args.against], cwd=bench.REPO, check=True)
+            stack.callback(subprocess.run, ["git", "worktree", "remove", "--force",
+                                            str(tree)], cwd=bench.REPO, check=False)
+            sides.append(start_side(args.against, tree, args.against_database_url,
+                                    args.workers, folder, stack))
+        for side in sides:
+            side.modes = {n: m for n, m in side.modes.items()
+                          if n.removesuffix(" stream") in only}
+            for mode in side.modes.values():  # warm-up: caches, connections, routes
+                h2load(mode, 8, 200)
+        # the sides' modes interleaved: A1 B1 A2 B2 ...
+        modes = [m for pair in zip(*(list(s.modes.values()) for s in sides), strict=True)
+                 for m in pair]
+        measure(modes, args.rounds, args.clients, args.requests)
+        print(json.dumps({"workers": args.workers, "clients": args.clients,
+                          "requests": args.requests, "rounds": args.rounds,
+                          "database": "postgresql" if args.database_url else "sqlite"}))
+        for side in sides:
+            print_side(side, next((s for s in sides if s is not side), None))
+        bench.report("apis", **{m.name: {"calls_s": m.calls / m.seconds, "cpu_ms": m.ms}
+                                for m in sides[0].modes.values()})
+        if args.profile:
+            profile(sides[0].modes[args.profile], folder, args.clients, args.requests * 2)
+
+
+if __name__ == "__main__":
+    main()
