@@ -32,10 +32,6 @@ _UPSTREAM_TEXT = ("upstream_url", "upstream_model")
 # What an API key may hold: printable ASCII without spaces (it goes into a header, so a
 # line break would be a header injection).
 _SECRET_PATTERN = re.compile(rf"^[\x21-\x7e]{{1,{secrets.MAX_SECRET_LENGTH}}}$")
-# Until an upstream worker exists (phase 2 of issue #33), an enabled upstream deployment
-# would have workers started for it that cannot load a runtime, and calls queued for
-# nobody: the registry keeps upstream deployments disabled.
-UPSTREAM_SERVED = False
 
 
 def _validate(deployment: Deployment, *, url_changed: bool) -> None:
@@ -60,10 +56,6 @@ def _validate(deployment: Deployment, *, url_changed: bool) -> None:
         except UpstreamURLError as exc:
             raise Unprocessable(f"upstream_url: {exc}", param="upstream_url",
                                 code="upstream_url_refused") from None
-    if deployment.enabled and not UPSTREAM_SERVED:
-        raise Unprocessable("enabled: upstream deployments stay disabled until upstream "
-                            "workers exist (docs/UPSTREAMS.md).", param="enabled",
-                            code="upstream_not_served")
 
 
 def _set_secret(deployment: Deployment, api_key: str | None) -> str | None:
@@ -93,8 +85,6 @@ def deployment_create(*, actor: Principal, name: str, upstream_api_key: str | No
     require(actor, Action.DEPLOYMENT_MANAGE)
     _refuse_alias_name(name)
     deployment = Deployment(name=name, **{k: v for k, v in fields.items() if k in EDITABLE})
-    if deployment.is_upstream and "enabled" not in fields:
-        deployment.enabled = UPSTREAM_SERVED
     secret = _set_secret(deployment, upstream_api_key)
     _validate(deployment, url_changed=True)
     try:

@@ -65,7 +65,8 @@ from inference.engine.writer import Outbox, Writer
 from inference.runtimes import load_runtime
 from inference.runtimes.base import ChatRuntime, EmbeddingRuntime, NewSequence
 from inference.scheduler import admit, expired
-from inference.spec import DeploymentSpec
+from inference.spec import DeploymentSpec, RuntimeName
+from inference.upstream.worker import UpstreamWorker
 from sluice import gctuning, telemetry
 from sluice.processes import set_on_signals
 from sluice.redis import reconnecting
@@ -311,11 +312,16 @@ def heartbeats(client: redis.Redis, deployment: str, *,
 
 
 def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
-    """Run a worker until SIGTERM/SIGINT, then drain."""
+    """Run a worker until SIGTERM/SIGINT, then drain (an upstream deployment's:
+    inference/upstream/worker.py)."""
     telemetry.setup("sluice-worker")
     client = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5,
                                   **reconnecting())
-    worker = Worker(spec, client, **kwargs)
+    worker: Worker | UpstreamWorker
+    if spec.runtime == RuntimeName.OPENAI_UPSTREAM:
+        worker = UpstreamWorker(spec, client, **kwargs)
+    else:
+        worker = Worker(spec, client, **kwargs)
     gctuning.tune()  # the model and the modules live as long as the process
     set_on_signals(worker.stopping)
     try:
@@ -331,6 +337,8 @@ def main() -> None:
                                                               "redis://127.0.0.1:6379/0"))
     parser.add_argument("--reclaim-after-ms", type=int, default=None)
     args = parser.parse_args()
+    # An upstream worker opens its sealed API key with the project's SECRET_KEY.
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sluice.settings.base")
     logging.basicConfig(level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     serve(DeploymentSpec.from_json(args.spec), args.redis_url,

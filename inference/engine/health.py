@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from opentelemetry.trace import Link, Span, SpanKind
@@ -37,9 +37,15 @@ from opentelemetry.trace import Link, Span, SpanKind
 from inference import queue as q
 from inference.engine.entries import Pending
 from inference.memory import MemoryGuard
-from inference.runtimes.base import ChatRuntime, EmbeddingRuntime
 from inference.spec import DeploymentSpec
 from sluice import telemetry
+
+
+class Measured(Protocol):
+    """What health reads of a worker's runtime: its memory, (used, total) bytes (a
+    runtime may also set `kv_capacity_tokens` and `kv_used_tokens()`: see above)."""
+
+    def memory(self) -> tuple[int, int]: ...
 
 
 @dataclass
@@ -52,7 +58,7 @@ class BatchSpan:
 
 class Health:
     def __init__(self, spec: DeploymentSpec, client: redis.Redis, worker_id: str,
-                 runtime: ChatRuntime | EmbeddingRuntime, *, heartbeat_s: float) -> None:
+                 runtime: Measured, *, heartbeat_s: float) -> None:
         self.spec = spec
         self.redis = client
         self.worker_id = worker_id

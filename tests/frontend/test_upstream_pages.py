@@ -50,7 +50,7 @@ def test_an_admin_adds_an_upstream_and_its_key_is_never_shown(ops: Org,
     created = client.post("/ui/upstreams/new", _form(upstream_api_key=KEY))
     assert created.status_code == 302 and created["Location"] == "/ui/upstreams"
     row = Deployment.objects.get(name="big")
-    assert row.runtime == "openai_upstream" and row.enabled is False
+    assert row.runtime == "openai_upstream" and row.enabled is True
     assert secrets.unseal(row.upstream_secret).reveal() == KEY
     listing = client.get("/ui/upstreams").content.decode()
     edit = client.get("/ui/upstreams/big").content.decode()

@@ -50,7 +50,7 @@ def test_an_upstream_key_is_write_only_and_sealed_at_rest(ops: Org, private_ok: 
     body = created.body
     assert body["upstream_url"] == "http://127.0.0.1:8000/v1"  # no trailing slash
     assert body["upstream_api_key_set"] is True and body["upstream_api_key_hint"] == KEY[-4:]
-    assert body["enabled"] is False and body["kind"] == "chat"
+    assert body["enabled"] is True and body["kind"] == "chat"
     listed, one = pa.get("/api/v1/deployments"), pa.get("/api/v1/deployments/big")
     for response in (created, listed, one):
         assert KEY not in json.dumps(response.body)
@@ -140,14 +140,15 @@ def test_only_platform_admins_set_upstreams(alice: Org, ops: Org, role: Role,
     assert Deployment.objects.get(name="big").upstream_url == "http://127.0.0.1:8000/v1"
 
 
-def test_an_upstream_stays_disabled_until_upstream_workers_exist(ops: Org,
-                                                                 private_ok: None) -> None:
+def test_an_upstream_is_enabled_and_disabled_like_any_deployment(ops: Org,
+                                                                  private_ok: None) -> None:
     pa = ops.client(Role.PLATFORM_ADMIN)
-    error = assert_openai_error(pa.post("/api/v1/deployments", _upstream(enabled=True)), 422)
-    assert error["param"] == "enabled" and error["code"] == "upstream_not_served"
-    pa.post("/api/v1/deployments", _upstream())
-    assert_openai_error(pa.patch("/api/v1/deployments/big", {"enabled": True}), 422)
+    assert pa.post("/api/v1/deployments", _upstream()).status == 201
+    assert Deployment.objects.get(name="big").enabled is True
+    assert pa.patch("/api/v1/deployments/big", {"enabled": False}).status == 200
     assert Deployment.objects.get(name="big").enabled is False
+    assert pa.patch("/api/v1/deployments/big", {"enabled": True}).status == 200
+    assert Deployment.objects.get(name="big").enabled is True
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -1,0 +1,307 @@
+"""The upstream worker: serves an `openai_upstream` deployment from the same Redis queue
+as a model worker, each admitted request a streamed call to the upstream server.
+
+Run it like any worker (`python -m inference.worker --spec JSON`, `manage.py runworker`,
+the autoscaler's supervisor: inference/worker.py `serve` picks this class for upstream
+deployments). The delivery contract is inference/worker.py's, through the same parts:
+
+  intake      (inference/engine/intake.py) reading, reaping dead workers' entries,
+              dead letters, the backlog, cancel flags, what an earlier delivery streamed
+  scheduler   (inference/scheduler.py) priorities, tenant fairness, the last delivery
+              alone, deadlines in the queue
+  writer      (inference/engine/writer.py) events before acks, each final once
+  health      (inference/engine/health.py) heartbeats, the memory guard, batch spans
+and, in place of the model's parts, the calls (inference/upstream/calls.py): the
+upstream client on an event loop in a thread of its own. The batch is the calls in
+flight: up to the upstream's `concurrency` (the spec's max_batch_size is not used).
+
+Per iteration (one thread, like the model worker's loop):
+  heartbeat -> reap -> pull -> cancellations -> admit (start calls) -> wait for the
+  calls' events (bounded: new entries are read at least every max_wait_ms) -> write.
+Idle, the loop blocks in the intake's read, so a lone request starts at once.
+
+- Cancellation: a cancelled running request's call is cancelled (the HTTP request
+  closes, the upstream stops generating); its final event is `cancelled`, billed the
+  delta events already sent as completion tokens (the upstream's own count never came).
+- Takeover: a redelivered request resumes from what its own stream holds (the intake's
+  `streamed`): the text of its delta events as a `Continuation` (the client sends
+  prompt + text and asks only for what is left), billed one token per delta event; a
+  request an earlier delivery finished is only acknowledged (its final re-sent).
+- Usage is the upstream's (the client's final event); deadlines reach the client.
+- On Redis errors the loop forgets its local work (the entries stay pending and are
+  resumed); on a failure it hands its requests back; on SIGTERM it lets running calls
+  finish for up to drain_s, then cancels the rest and hands them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from queue import Empty
+from secrets import token_hex
+
+import redis
+
+from inference import queue as q
+from inference.engine.entries import (
+    Pending,
+    RequestError,
+    dead_lettered,
+    expired_in_queue,
+    malformed,
+)
+from inference.engine.health import Health
+from inference.engine.intake import Intake
+from inference.engine.output import done_event, error_event
+from inference.engine.writer import Outbox, Writer
+from inference.jobs import ChatJob, Event, JobError
+from inference.runtimes.base import process_memory
+from inference.scheduler import admit, expired
+from inference.spec import DeploymentSpec
+from inference.upstream.body import Continuation
+from inference.upstream.calls import Calls
+
+logger = logging.getLogger("sluice.worker")
+_MAX_EVENT_WAIT_S = 0.05
+
+
+@dataclass
+class Running:
+    """A request whose call is in flight: the next event's sequence number and the
+    delta events sent (a cancelled call's cost)."""
+
+    pending: Pending
+    next_seq: int = 0
+    deltas: int = 0
+
+
+class _Process:
+    """What health measures of a worker without a model: the process's memory."""
+
+    def memory(self) -> tuple[int, int]:
+        return process_memory()
+
+
+class UpstreamWorker:
+    def __init__(self, spec: DeploymentSpec, client: redis.Redis, *,
+                 worker_id: str | None = None, block_ms: int = 1000,
+                 heartbeat_s: float = 1.0, reclaim_after_ms: int | None = None,
+                 private_ok: bool | None = None) -> None:
+        if spec.upstream is None:
+            raise ValueError(f"{spec.name} is not an upstream deployment")
+        # The batch is the calls in flight: the intake holds up to twice that, the
+        # scheduler fills it, the heartbeat reports it.
+        self.spec = replace(spec, max_batch_size=spec.upstream.concurrency)
+        self.redis = client
+        self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{token_hex(3)}"
+        self.block_ms = block_ms
+        self.stopping = threading.Event()
+        self.health = Health(self.spec, client, self.id, _Process(), heartbeat_s=heartbeat_s)
+        self.intake = Intake(self.spec, client, self.id, stopping=self.stopping,
+                             reclaim_after_ms=reclaim_after_ms or int(str(
+                                 spec.extra.get("reclaim_after_ms", 30000))))
+        self.outbox = Outbox(served=self.health.served)
+        self.writer = Writer(client, spec.name, self.id)
+        self.calls = Calls(spec, private_ok=private_ok)
+        self.active: dict[str, Running] = {}  # the requests whose calls run, by id
+        self._event_wait_s = min(_MAX_EVENT_WAIT_S, max(0.001, spec.max_wait_ms / 1000))
+        self._last_tenant: str | None = None
+        self._alone: str | None = None
+        self.admitted: deque[list[str]] = deque(maxlen=256)  # for tests and debugging
+
+    @property
+    def backlog(self) -> list[Pending]:
+        return self.intake.backlog
+
+    # -- life cycle ----------------------------------------------------------------
+    def run(self, *, drain_s: float = 10.0) -> None:
+        logger.info("upstream worker %s serving %s", self.id, self.spec.name)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self.iterate()
+                except redis.RedisError:
+                    logger.exception("Redis failed; dropping local work, it will be resumed")
+                    self._abandon()
+                    self.stopping.wait(1.0)
+        except Exception:
+            logger.exception("worker %s failed; handing its requests back", self.id)
+            self._hand_back()
+            raise
+        self._drain(drain_s)
+
+    def iterate(self) -> None:
+        now = time.monotonic()
+        self.health.beat_if_due(now, batch=len(self.active), backlog=len(self.backlog))
+        for pending in self.intake.maintain(now, self._running()):
+            self.outbox.final(pending, error_event(dead_lettered()))
+        self.intake.pull(running=len(self.active), block_ms=self.block_ms,
+                         in_rotation=self.health.guard.in_rotation,
+                         others_in_rotation=self.health.others_in_rotation)
+        cancelled = self.intake.cancellations(now, self.active)
+        if cancelled is not None:
+            for pending in cancelled.waiting:
+                self.outbox.final(pending, done_event(0, "cancelled", prompt_tokens=0,
+                                                      completion_tokens=0))
+            for rid in cancelled.running:
+                self._cancel(rid)
+        self._admit()
+        if self.active and not self.outbox:
+            self._collect(self._event_wait_s)
+        else:
+            self._collect(0.0)
+        self._flush()
+
+    def _running(self) -> Iterator[Pending]:
+        return (running.pending for running in self.active.values())
+
+    def _cancel(self, rid: str) -> None:
+        running = self.active.pop(rid)
+        self.calls.cancel(rid)
+        self.outbox.final(running.pending, done_event(
+            running.next_seq, "cancelled", prompt_tokens=0, completion_tokens=running.deltas))
+
+    def _flush(self, *, wait: bool = False) -> None:
+        # On this thread: it has nothing else to do meanwhile, and the calls' events
+        # queue up during the write (the next write takes them all at once).
+        self.writer.flush(self.outbox, background=False, wait=wait)
+
+    def _stop_calls(self) -> None:
+        """Cancel every call; what they sent so far is written, nothing after it."""
+        self.calls.cancel_all()
+        self._collect(0.0)
+
+    def _hand_back(self) -> None:
+        """After a failure: write what the calls already sent (a takeover resumes after
+        it), then release every request held for the next reap of any live worker."""
+        with contextlib.suppress(Exception):
+            self._stop_calls()
+            self._flush(wait=True)
+        with contextlib.suppress(redis.RedisError):
+            self.intake.release(self.backlog)
+            self.intake.release(self._running(), failed=True)
+        self.health.end_batches("failed")
+        self.writer.close(wait=False)
+        self.calls.close()
+
+    def _abandon(self) -> None:
+        """Forget everything held locally; the entries stay pending in Redis and are
+        resumed (after reclaim_after_ms) from what reached their streams."""
+        self.writer.abandon()
+        self.calls.cancel_all()
+        self.active.clear()
+        self.backlog.clear()
+        self.outbox.take()
+        self._drop_events()
+        self.health.end_batches("abandoned")
+
+    def _drain(self, drain_s: float) -> None:
+        """Let running calls finish (up to drain_s), hand everything else back."""
+        deadline = time.monotonic() + drain_s
+        self.intake.release(self.backlog)
+        self.backlog.clear()
+        while self.active and time.monotonic() < deadline:
+            self._collect(min(self._event_wait_s, max(0.0, deadline - time.monotonic())))
+            self._flush()
+        self._stop_calls()
+        self._flush(wait=True)
+        self.intake.release(self._running())
+        self.active.clear()
+        self.health.end_batches("released")
+        self.writer.close(wait=True)
+        self.calls.close()
+        self.health.leave()
+
+    # -- calls ---------------------------------------------------------------------
+    def _admit(self) -> None:
+        for pending in expired(self.backlog, q.now_ms()):
+            self.intake.take([pending])
+            self.outbox.final(pending, error_event(expired_in_queue()))
+        if self._alone is not None and self._alone not in self.active:
+            self._alone = None
+        chosen, alone = admit(self.backlog, running=len(self.active),
+                              max_batch_size=self.spec.max_batch_size,
+                              max_deliveries=self.spec.max_deliveries,
+                              alone_running=self._alone is not None,
+                              after_tenant=self._last_tenant)
+        if not chosen:
+            return
+        if alone:
+            self._alone = chosen[0].req.rid
+        self.intake.take(chosen)
+        self._last_tenant = chosen[-1].tenant
+        self.admitted.append([p.req.rid for p in chosen])
+        self.health.open_batch(chosen)
+        for pending in chosen:
+            try:
+                self._start(pending)
+            except RequestError as exc:
+                self.outbox.final(pending, error_event(exc))
+
+    def _start(self, pending: Pending) -> None:
+        """Start `pending`'s call: afresh, or after what an earlier delivery streamed."""
+        try:
+            job = pending.req.job()
+            if not isinstance(job, ChatJob):
+                raise JobError(f"a {pending.req.kind} request on a chat model")
+            if job.prompt is None and not job.messages:
+                raise JobError("a chat job needs messages or a prompt")
+        except JobError as exc:
+            raise malformed(exc) from None
+        continuation = None
+        if pending.deliveries > 1:
+            earlier = self.intake.streamed(pending.req)
+            if earlier.final is not None:  # an earlier delivery finished it
+                self.writer.resend(pending.req, earlier.final)
+                self.outbox.ack(pending)
+                return
+            if earlier.deltas:
+                continuation = Continuation(
+                    text="".join(d["text"] for d in earlier.deltas),
+                    seq=earlier.deltas[-1]["seq"] + 1, completion_tokens=len(earlier.deltas))
+        rid = pending.req.rid
+        self.active[rid] = Running(pending, next_seq=continuation.seq if continuation else 0,
+                                   deltas=continuation.completion_tokens if continuation
+                                   else 0)
+        left_s = (pending.deadline_ms - q.now_ms()) / 1000
+        self.calls.start(rid, job, tenant=pending.tenant, continuation=continuation,
+                         deadline=time.monotonic() + left_s)
+
+    def _collect(self, wait_s: float) -> None:
+        """Move the calls' events to the outbox: everything already there, waiting up to
+        `wait_s` for the first."""
+        events = self.calls.events
+        try:
+            item = events.get(timeout=wait_s) if wait_s > 0 else events.get_nowait()
+        except Empty:
+            return
+        while True:
+            self._on_event(*item)
+            try:
+                item = events.get_nowait()
+            except Empty:
+                return
+
+    def _on_event(self, rid: str, event: Event) -> None:
+        running = self.active.get(rid)
+        if running is None:
+            return  # its call was cancelled or handed back: nothing after that is sent
+        if event["t"] == "done" or event["t"] == "error":
+            del self.active[rid]
+            self.outbox.final(running.pending, event)
+            return
+        running.next_seq = event["seq"] + 1
+        running.deltas += 1
+        self.outbox.add(running.pending.req, event)
+
+    def _drop_events(self) -> None:
+        with contextlib.suppress(Empty):
+            while True:
+                self.calls.events.get_nowait()
