@@ -12,23 +12,35 @@ retention (tenants/privacy.py) or a malformed id are all the same NotFound. A ne
 `previous_response_id` is looked up by the same rule; the chain behind it is followed
 as far as its links are readable (a deleted or expired response ends it). The retention
 task deletes what is past retention (`responses_purge`).
+
+Writes from the call's path (`response_save`) go through streaming/responses_writer.py:
+the saves of a busy moment share one INSERT, each committed when its caller returns,
+and a DELETE wins over a save it races (`response_delete`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from governance.privacy import Redactor, redact_json, redactor, redactor_now
-from sluice.db import async_db
 from sluice.errors import NotFound
+from streaming.gateway import queue_unavailable
 from streaming.models import StoredResponse
+from streaming.responses_writer import (
+    FORGET_STORED_S,
+    Row,
+    forget,
+    forget_pending_s,
+    insert,
+    save,
+)
 from tenants.principal import Principal
 from tenants.privacy import policy_of, retention_groups
 from tenants.roles import Action
@@ -76,10 +88,24 @@ def response_input_items(*, actor: Principal, response_id: str) -> list[dict[str
     return list(response_get(actor=actor, response_id=response_id).input_items)
 
 
-@transaction.atomic
 def response_delete(*, actor: Principal, response_id: str) -> str:
-    response_get(actor=actor, response_id=response_id).delete()
-    return response_id
+    """Delete a stored response; a DELETE wins over a save of that id in flight (a
+    stream's reply, known from its first event, or an idempotent retry's), also when
+    nothing is stored yet (NotFound all the same): the deletion is recorded first
+    (streaming/responses_writer.py `forget`), then the row deleted."""
+    scoped = _scoped(actor)  # the rights first: a refused caller records nothing
+    if RESPONSE_ID.match(response_id):
+        found = scoped.filter(public_id=response_id).exists()
+        try:
+            forget(tenant_id=actor.tenant_id, response_id=response_id,
+                   subject=None if actor.can(Action.CONVERSATION_MANAGE_ALL)
+                   else actor.subject,
+                   ttl_s=FORGET_STORED_S if found else forget_pending_s())
+        except RedisError:
+            raise queue_unavailable() from None
+        if scoped.filter(public_id=response_id).delete()[0]:
+            return response_id
+    raise _missing()
 
 
 def response_context(*, actor: Principal, response_id: str) -> list[dict[str, Any]]:
@@ -123,41 +149,48 @@ def _clean_item(item: dict[str, Any], clean: Redactor) -> dict[str, Any]:
     return cleaned
 
 
-def response_create(*, actor: Principal, body: dict[str, Any],
-                    input_items: list[dict[str, Any]],
-                    clean: Redactor | None = None) -> StoredResponse:
-    """Store a response object `body` and the call's own `input_items`, redacted with
-    `clean` (default: the tenant's policy, read now). One INSERT: no transaction of its
-    own (on the hot path, BEGIN and COMMIT would be two more round trips). Storing the
-    same response id again stores nothing (an idempotent retry of the call replays the
-    first one's events, and its response is the same)."""
-    require(actor, Action.MODEL_USE)
-    clean = _stored(clean or redactor_now(actor.tenant_id))
+def _row(actor: Principal, body: dict[str, Any], input_items: list[dict[str, Any]],
+         clean: Redactor) -> Row:
+    """The response object `body` and the call's own `input_items` as a row, redacted
+    with `clean`."""
+    clean = _stored(clean)
     details = redact_json({k: v for k, v in body.items() if k not in _COLUMNS}, _no_nul,
                           keys=True)
     details["instructions"] = (clean(details["instructions"])
                                if isinstance(details.get("instructions"), str) else None)
     details["metadata"] = redact_json(details.get("metadata") or {}, clean, keys=True)
     created = body.get("created_at")
-    row = StoredResponse(
+    return Row(
         tenant_id=actor.tenant_id, public_id=body["id"], created_by=actor.subject,
         model=body["model"], status=body["status"],
         previous_response_id=body.get("previous_response_id") or "",
         input_items=[_clean_item(i, clean) for i in input_items],
         output_items=[_clean_item(i, clean) for i in body.get("output") or []],
         usage=body.get("usage"), details=details,
-        created_at=(datetime.fromtimestamp(created, tz=timezone.get_current_timezone())
+        created_at=(datetime.fromtimestamp(created, tz=UTC)
                     if isinstance(created, int | float) else timezone.now()))
-    StoredResponse.objects.bulk_create([row], ignore_conflicts=True)  # ON CONFLICT DO NOTHING
-    return row
+
+
+def response_create(*, actor: Principal, body: dict[str, Any],
+                    input_items: list[dict[str, Any]]) -> StoredResponse:
+    """Store a response object `body` and the call's own `input_items`, redacted per the
+    tenant's policy (read now), as `response_save` does (one INSERT, autocommit);
+    storing an id again stores nothing. The row as stored (unsaved instance)."""
+    require(actor, Action.MODEL_USE)
+    row = _row(actor, body, input_items, redactor_now(actor.tenant_id))
+    insert([row])
+    return StoredResponse(**row._asdict())
 
 
 async def response_save(*, actor: Principal, body: dict[str, Any],
                         input_items: list[dict[str, Any]]) -> None:
-    """`response_create` from async code, with the tenant's cached redaction policy."""
-    clean = await redactor(actor.tenant_id)
-    await async_db(response_create)(actor=actor, body=body, input_items=input_items,
-                                    clean=clean)
+    """`response_create` from async code, with the tenant's cached redaction policy:
+    the row goes with the other saves of this event-loop turn (streaming/
+    responses_writer.py) and is committed, readable from every process, when this
+    returns."""
+    require(actor, Action.MODEL_USE)
+    row = _row(actor, body, input_items, await redactor(actor.tenant_id))
+    await save(row)
 
 
 def responses_purge(now: datetime | None = None) -> int:
