@@ -1,7 +1,8 @@
 """What an operator does to the cluster through Django, as a process of its own (the
 multi-node test's own process is bound to pytest-django's database, not the cluster's):
 
-    python -m tests.cluster.ops seed             migrate, create the deployment and the
+    python -m tests.cluster.ops seed [--echo-delay-ms N] [--batch N]
+                                                 migrate, create the deployment and the
                                                  tenants; prints their keys as JSON
     python -m tests.cluster.ops report           after the load: the audit chains
                                                  verified, each tenant's chat calls as
@@ -32,7 +33,7 @@ def _setup() -> None:
     django.setup()
 
 
-def seed() -> dict[str, Any]:
+def seed(echo_delay_ms: float = ECHO_TOKEN_DELAY_MS, batch: int = 16) -> dict[str, Any]:
     from django.contrib.auth import get_user_model
     from django.core.management import call_command
 
@@ -45,7 +46,7 @@ def seed() -> dict[str, Any]:
 
     call_command("migrate", verbosity=0)
     deployment = Deployment.objects.create(
-        name=MODEL, runtime="echo", max_batch_size=16, echo_token_delay_ms=ECHO_TOKEN_DELAY_MS,
+        name=MODEL, runtime="echo", max_batch_size=batch, echo_token_delay_ms=echo_delay_ms,
         max_queue_depth=4096, tenant_queue_share=1.0, max_deliveries=20)
     keys = {}
     for slug in (FAULT, LIMITED):
@@ -111,9 +112,11 @@ def report() -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("what", choices=["seed", "report"])
+    parser.add_argument("--echo-delay-ms", type=float, default=ECHO_TOKEN_DELAY_MS)
+    parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args(argv)
     _setup()
-    result = seed() if args.what == "seed" else report()
+    result = seed(args.echo_delay_ms, args.batch) if args.what == "seed" else report()
     sys.stdout.write(json.dumps(result) + "\n")
 
 

@@ -186,9 +186,10 @@ class Platform:
         """A client of the platform's Redis (a cluster client on a cluster)."""
         return sync_client(self.redis_url, socket_timeout=5, socket_connect_timeout=2)
 
-    def ops(self, what: str) -> dict[str, Any]:
-        """`python -m tests.cluster.ops <what>` from the host, its JSON."""
-        done = subprocess.run([sys.executable, "-m", "tests.cluster.ops", what], cwd=REPO,
+    def ops(self, *args: str) -> dict[str, Any]:
+        """`python -m tests.cluster.ops <args>` from the host, its JSON."""
+        what = args[0]
+        done = subprocess.run([sys.executable, "-m", "tests.cluster.ops", *args], cwd=REPO,
                               env=self.env(), capture_output=True, text=True, timeout=180)
         if done.returncode != 0:
             raise AssertionError(f"ops {what} failed:\n{done.stderr[-3000:]}")

@@ -304,11 +304,14 @@ def run() -> Iterator[Run]:
     logs = services.Logs(tmp)
     try:
         try:
+            building = time.monotonic()
             cluster = _build(fabric, logs, pg_data)
+            built_s = time.monotonic() - building
             result = asyncio.run(_load(cluster))
             _settled(cluster, result)
             result.report = cluster.platform.ops("report")
-            result.figures = _figures(result)
+            result.figures = {"nodes built and serving in": f"{built_s:.1f} s",
+                              **_figures(result)}
         except BaseException:
             keep = True
             raise
@@ -376,8 +379,8 @@ def _figures(result: Run) -> dict[str, Any]:
         "bad (wrong reply or non-retriable error)": outcomes["bad"],
         "fault tenant: requests charged / request ids audited as answered":
             f"{fault_quota['requests']} / {len(ran)}",
-        "rate limit: admitted / refused / over": (
-            f"{rates.admitted} / {rates.refused_by_limit} / {rates.span_s:.1f} s"),
+        "rate limit: attempts admitted, refused by the limit, in": (
+            f"{rates.admitted}, {rates.refused_by_limit}, {rates.span_s:.1f} s"),
         "rate-limit overshoot, whole run / worst 10 s window (burst)": (
             f"{rates.overshoot:.1f} / {rates.worst_window_overshoot:.1f} "
             f"({result.seed['burst']})"),
