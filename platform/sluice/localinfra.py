@@ -165,14 +165,26 @@ def ensure_redis(url: str) -> tuple[str, Started | None]:
 
 @dataclass
 class ClusterNode:
-    """One redis-server of a private cluster."""
+    """One redis-server of a private cluster: `kill()` it (SIGKILL, as a crash) and
+    `start()` it again (it rejoins with its node id, as a replica once failed over)."""
 
     port: int
-    proc: subprocess.Popen[bytes]
+    command: list[str]
+    proc: subprocess.Popen[bytes] | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(  # noqa: S603 - our own binary, fixed arguments
+            self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @dataclass
@@ -231,22 +243,23 @@ def start_redis_cluster(*, masters: int = 3, replicas: int = 1, node_timeout_ms:
         for i, (port, bus) in enumerate(zip(ports[:count], ports[count:], strict=True)):
             node_dir = Path(workdir) / str(i)
             node_dir.mkdir()
-            proc = subprocess.Popen(  # noqa: S603 - our own binary, fixed arguments
-                [binary, "--port", str(port), "--cluster-port", str(bus),
-                 "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", str(node_timeout_ms),
-                 "--save", "", "--appendonly", "no", "--repl-diskless-sync", "yes",
-                 "--repl-diskless-sync-delay", "0", "--dir", str(node_dir),
-                 "--logfile", "redis.log", "--daemonize", "no", "--loglevel", "warning"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            started.nodes.append(ClusterNode(port, proc))
-        procs = [node.proc for node in started.nodes]
-        started._stop.append(lambda: terminate(procs, timeout_s=5))
+            node = ClusterNode(port, [
+                binary, "--port", str(port), "--cluster-port", str(bus),
+                "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms),
+                "--save", "", "--appendonly", "no", "--repl-diskless-sync", "yes",
+                "--repl-diskless-sync-delay", "0", "--dir", str(node_dir),
+                "--logfile", "redis.log", "--daemonize", "no", "--loglevel", "warning"])
+            started.nodes.append(node)
+            node.start()
+        started._stop.append(lambda: terminate(
+            [n.proc for n in started.nodes if n.proc is not None], timeout_s=5))
         deadline = time.monotonic() + timeout_s
         for node in started.nodes:
             while not _port_open("127.0.0.1", node.port):
-                if node.proc.poll() is not None or time.monotonic() > deadline:
+                if node.proc is None or node.proc.poll() is not None \
+                        or time.monotonic() > deadline:
                     log = Path(workdir) / str(started.nodes.index(node)) / "redis.log"
                     tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
                     raise RuntimeError(f"redis-server did not start on port {node.port}: "

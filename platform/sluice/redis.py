@@ -194,6 +194,12 @@ def _cluster_kwargs(url: str, options: dict[str, Any]) -> tuple[list[tuple[str, 
 
 
 class _SyncClusterPipeline(synccluster.ClusterPipeline):
+    @property
+    def command_stack(self) -> list[Any]:
+        """The queued commands, as a single Redis's pipeline lists them (redis-py's
+        cluster pipeline keeps an empty list under this name)."""
+        return list(self._execution_strategy.command_queue)
+
     def eval(self, *args: Any) -> Any:  # redis-py's sync cluster pipeline refuses EVAL
         """Queue an EVAL, as a single Redis's pipeline does (routed by its keys)."""
         return self.execute_command("EVAL", *args)
@@ -224,6 +230,11 @@ class SyncCluster(synccluster.RedisCluster):
 
 
 class _AsyncClusterPipeline(aiocluster.ClusterPipeline):
+    @property
+    def command_stack(self) -> list[Any]:
+        """The queued commands, as a single Redis's pipeline lists them."""
+        return list(self._execution_strategy._command_queue)
+
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().execute(*args, **kwargs)
