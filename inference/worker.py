@@ -69,7 +69,7 @@ from inference.spec import DeploymentSpec, RuntimeName
 from inference.upstream.worker import UpstreamWorker
 from sluice import gctuning, telemetry
 from sluice.processes import set_on_signals
-from sluice.redis import reconnecting
+from sluice.redis import sync_client
 
 __all__ = ["Pending", "RequestError", "Worker", "heartbeats", "main", "serve"]
 logger = logging.getLogger("sluice.worker")
@@ -315,8 +315,7 @@ def serve(spec: DeploymentSpec, redis_url: str, **kwargs: Any) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain (an upstream deployment's:
     inference/upstream/worker.py)."""
     telemetry.setup("sluice-worker")
-    client = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5,
-                                  **reconnecting())
+    client = sync_client(redis_url, socket_timeout=30, socket_connect_timeout=5)
     worker: Worker | UpstreamWorker
     if spec.runtime == RuntimeName.OPENAI_UPSTREAM:
         worker = UpstreamWorker(spec, client, **kwargs)
