@@ -417,6 +417,10 @@ def test_every_call_is_answered_once_or_refused_retriably_within_its_deadline(
     # Not vacuous: the faults met calls, and most calls were answered through them.
     assert in_flight_at(run.calls, 0, run.marks["cut gw1"]), "the cut met no call"
     assert in_flight_at(run.calls, 1, run.marks["kill w1+gw2"]), "the kill met no call"
+    if "kill redis master" in run.marks:
+        failover = run.marks["kill redis master"]
+        assert in_flight_at(run.calls, 0, failover) or in_flight_at(run.calls, 1, failover), \
+            "the Redis failover met no call"
     assert sum(1 for c in run.calls if c.outcome == "answered") >= FAULT_CALLS * 0.8
     # Exactly once: one execution per key, one final event per request, and the reply
     # the client got is the execution the audit log shows.
