@@ -1,6 +1,6 @@
 """Nodes on one machine: Linux network namespaces wired to a private bridge.
 
-    fabric = Fabric.create()             # a switch namespace holding a bridge, 10.251.0.0/24
+    fabric = Fabric.create()             # a switch namespace holding a bridge, 10.251.N.0/24
     gw = fabric.node("gw1")               # a namespace, its veth on the bridge, lo up
     proc = gw.spawn(["python", ...], log) # a process whose only network is that node's
     fabric.cut(gw) / fabric.mend(gw)      # the node's cable pulled (link down) and back
@@ -13,20 +13,25 @@ br_netfilter passes bridged frames through it); a fresh namespace's chains are e
 The host (the test process) is on the bridge too, at .1, so it can reach every node.
 No node has a default route: nothing here can reach an outside address.
 
-Every name starts with PREFIX and a per-run tag, so two runs never collide and a run
-can delete what a crashed earlier run left (`clean_stale`). `close` is idempotent and
-registered with atexit, so namespaces go even when the test process is interrupted.
+Every name starts with PREFIX and a per-run tag holding the creating process's id, so
+two runs never collide and a run deletes what a dead run left (`clean_stale`), never a
+live one's. Each fabric takes the first /24 of SUPERNET that no interface of the host
+holds (under a lock), so concurrent runs (two suites at once) get separate subnets.
+`close` is idempotent and registered with atexit, so namespaces go even when the test
+process is interrupted.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import ipaddress
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,10 +40,10 @@ from secrets import token_hex
 from typing import IO, Any
 
 PREFIX = "slc"  # every namespace and host link of this harness starts with it
-SUBNET = ipaddress.ip_network("10.251.0.0/24")  # private; never routed anywhere
-HOST_ADDRESS = SUBNET[1]
-FIRST_NODE = 10  # nodes get .10, .11, ...
+SUPERNET = ipaddress.IPv4Network("10.251.0.0/16")  # private; never routed anywhere
+FIRST_NODE = 10  # nodes get .10, .11, ... of their fabric's /24; the host .1
 BRIDGE = "br0"
+LOCK = Path(tempfile.gettempdir()) / "slc-fabric.lock"  # held while picking a subnet
 
 
 class Unavailable(Exception):
@@ -56,7 +61,7 @@ def unavailable() -> str | None:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "no `ip` command (iproute2)"
-    probe = f"{PREFIX}probe{token_hex(3)}"
+    probe = f"{PREFIX}{_tag()}-probe"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip()}"
@@ -83,18 +88,55 @@ def _kill_namespace(ns: str) -> None:
     _ip("netns", "del", ns, check=False)
 
 
+def _tag() -> str:
+    """A run's tag: its process id (6 hex digits) and 2 random ones."""
+    return f"{os.getpid():06x}{token_hex(1)}"
+
+
+def _stale(name: str) -> bool:
+    """Whether `name` is this harness's and the process that made it is gone."""
+    if not name.startswith(PREFIX):
+        return False
+    try:
+        pid = int(name[len(PREFIX):len(PREFIX) + 6], 16)
+    except ValueError:
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def clean_stale() -> list[str]:
-    """Delete the namespaces and host links an earlier run of this harness left behind
-    (its processes killed first); returns their names."""
-    removed = [ns for ns in _namespaces() if ns.startswith(PREFIX)]
+    """Delete the namespaces and host links that dead runs of this harness left behind
+    (their processes killed first); returns their names."""
+    removed = [ns for ns in _namespaces() if _stale(ns)]
     for ns in removed:
         _kill_namespace(ns)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith(PREFIX):
+        if _stale(name):
             _ip("link", "del", name, check=False)
             removed.append(name)
     return removed
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """The first /24 of SUPERNET that no interface of the host has an address in."""
+    used = set()
+    for line in _ip("-o", "-4", "addr", "show", check=False).stdout.splitlines():
+        words = line.split()
+        if "inet" in words:
+            used.add(ipaddress.ip_interface(words[words.index("inet") + 1]).network)
+    for subnet in SUPERNET.subnets(new_prefix=24):
+        if not any(subnet.overlaps(u) for u in used):
+            return subnet
+    raise Unavailable(f"no free /24 left in {SUPERNET}")
 
 
 @dataclass
@@ -104,6 +146,7 @@ class Node:
     name: str
     ns: str
     address: str
+    subnet: str  # the fabric's, e.g. 10.251.0.0/24
     port: str  # the switch side of its veth: what `cut` takes down
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -147,6 +190,7 @@ class Fabric:
 
     def __init__(self, tag: str) -> None:
         self.tag = tag
+        self.subnet = SUPERNET  # until _build_switch picks its /24
         self.switch = f"{PREFIX}{tag}-sw"
         self.host_link = f"{PREFIX}{tag}-h"
         self.nodes: dict[str, Node] = {}
@@ -156,16 +200,19 @@ class Fabric:
     def create(cls) -> Fabric:
         """A fresh fabric; stale ones of earlier runs are cleaned first."""
         clean_stale()
-        fabric = cls(token_hex(3))
+        fabric = cls(_tag())
         atexit.register(fabric.close)
         try:
-            fabric._build_switch()
+            with LOCK.open("a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # two runs must not pick one subnet
+                fabric._build_switch()
         except BaseException:
             fabric.close()
             raise
         return fabric
 
     def _build_switch(self) -> None:
+        self.subnet = _free_subnet()
         sw = self.switch
         _ip("netns", "add", sw)
         _ip("-n", sw, "link", "set", "lo", "up")
@@ -175,23 +222,23 @@ class Fabric:
         _ip("link", "add", self.host_link, "type", "veth", "peer", "name", "hostport",
             "netns", sw)
         _ip("-n", sw, "link", "set", "hostport", "master", BRIDGE, "up")
-        _ip("addr", "add", f"{HOST_ADDRESS}/{SUBNET.prefixlen}", "dev", self.host_link)
+        _ip("addr", "add", f"{self.subnet[1]}/{self.subnet.prefixlen}", "dev", self.host_link)
         _ip("link", "set", self.host_link, "up")
 
     def node(self, name: str) -> Node:
         """A new node: namespace, veth (eth0 inside, a bridge port outside), address."""
         if not name.isalnum() or len(name) > 6:
             raise ValueError(f"node name {name!r}: up to 6 letters and digits")
-        address = str(SUBNET[FIRST_NODE + len(self.nodes)])
+        address = str(self.subnet[FIRST_NODE + len(self.nodes)])
         ns = f"{PREFIX}{self.tag}-{name}"
-        node = Node(name, ns, address, port=f"p-{name}")
+        node = Node(name, ns, address, str(self.subnet), port=f"p-{name}")
         _ip("netns", "add", ns)
         self.nodes[name] = node
         _ip("-n", ns, "link", "set", "lo", "up")
         _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", node.port,
             "netns", self.switch)
         _ip("-n", self.switch, "link", "set", node.port, "master", BRIDGE, "up")
-        _ip("-n", ns, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", "eth0")
+        _ip("-n", ns, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         return node
 

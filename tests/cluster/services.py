@@ -29,7 +29,7 @@ from sluice.localinfra import redis_binary
 from sluice.redis import sync_client
 from sluice.servers import DEFAULT as DEFAULT_SERVER
 from sluice.servers import http_command
-from tests.cluster.netns import SUBNET, Node
+from tests.cluster.netns import Node
 
 REPO = Path(__file__).resolve().parents[2]
 PG_PORT, REDIS_PORT, HTTP_PORT = 5432, 6379, 8000  # each node has its own port space
@@ -118,7 +118,7 @@ def start_postgres(node: Node, data: Path, logs: Logs) -> str:
                     str(data), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"],
                    stdout=log, stderr=log, check=True, timeout=120)
     with (data / "pg_hba.conf").open("a") as hba:
-        hba.write(f"host all all {SUBNET} trust\n")
+        hba.write(f"host all all {node.subnet} trust\n")
     # fsync off: this PostgreSQL is never crashed here, and the machine's disk is shared.
     node.spawn([str(binaries / "postgres"), "-D", str(data), "-p", str(PG_PORT),
                 "-c", f"listen_addresses={node.address}", "-c",
