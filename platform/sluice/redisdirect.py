@@ -38,6 +38,12 @@ from sluice.redis import AsyncClient, PackedConnection, is_cluster, sha1
 NOT_RUN = (AskError, TryAgainError, ClusterDownError)
 
 
+def _unblocked(reply: Any) -> bool:
+    """A blocking read that a node ended because it stopped being a master (a failover):
+    Redis answers UNBLOCKED and closes the connection."""
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("UNBLOCKED")
+
+
 class NotSent(redis.ConnectionError):
     """A round trip that failed before any of its commands left: the connection could
     not be made, so Redis ran none of them."""
@@ -152,8 +158,12 @@ class DirectConnection:
             raise
         finally:
             self._used = time.monotonic()
-        if self._cluster and any(isinstance(r, NOT_RUN) for r in replies):
+        if self._cluster and any(isinstance(r, NOT_RUN) or _unblocked(r) for r in replies):
             self._relocate = True
+            if any(_unblocked(r) for r in replies):  # the node closes it after the reply
+                dead, self._conn = self._conn, None
+                if dead is not None:
+                    await dead.disconnect(nowait=True)
         return replies
 
     async def aclose(self) -> None:

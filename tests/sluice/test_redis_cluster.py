@@ -11,6 +11,7 @@ rows read. test_redis_cluster_failover.py fails the masters over under load."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import shutil
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 from django.conf import settings
 
 from governance import audit
@@ -303,3 +305,71 @@ def _audit_chain(stack: Stack, org: Org) -> None:
         tenant=org.tenant, action="chat.completions").count() >= 12, 20,
         what="the audit writer to drain the stream")
     assert audit.verify() == []
+
+
+def test_direct_round_trips_go_to_each_slots_node_and_follow_a_failover(
+        cluster: StartedCluster) -> None:
+    """The hot path's own round trips (sluice/redisdirect.py): the Coalescer batches
+    each node's scripts on that node's connections, and after the master of a slot is
+    failed over, a script for it and the router's read of a stream in it still get their
+    answer (the redirection goes through redis-py's cluster client, which moves the next
+    round trips to the new master)."""
+    from sluice.redis import Coalescer, DirectConnection, async_client
+    from tests.sluice.test_redis_cluster_failover import fail_over, masters_with_replicas
+
+    echo = "return {KEYS[1], ARGV[1]}"
+    stream = "sluice:gw:direct-test"
+
+    async def scripts(coalescer: Coalescer, tag: str) -> None:
+        keys = [f"sluice:{{t{i}}}:x" for i in range(12)]  # spread over every master
+        replies = await asyncio.gather(*(coalescer.script(echo, [k], [tag]) for k in keys))
+        assert replies == [[k.encode(), tag.encode()] for k in keys]
+
+    async def go() -> None:
+        client = async_client(cluster.url, socket_timeout=5, socket_connect_timeout=2)
+        coalescer = Coalescer(client)
+        router = DirectConnection(client, key=stream)
+        try:
+            await scripts(coalescer, "before")
+            # One set of connections per master.
+            assert len(coalescer.connections) == 3 * Coalescer.IN_FLIGHT
+            [added] = await router.run([("XADD", stream, "*", "b", "1")])
+            assert not isinstance(added, Exception), added
+            # Fail over the master of the stream's slot (a third of the scripts' too).
+            owner = client.get_node_from_key(stream).port
+            replica = next(r for m, r in masters_with_replicas(cluster) if m == owner)
+            await asyncio.to_thread(fail_over, cluster, replica)
+            await scripts(coalescer, "after")  # none refused: redirected, not failed
+            # The router's next read may meet the redirection (MOVED: the old master is
+            # a replica now); the one after it reads from the new master.
+            first = await router.run([("XRANGE", stream, "-", "+")])
+            after = first if not isinstance(first[0], Exception) else \
+                await router.run([("XRANGE", stream, "-", "+")])
+            assert isinstance(first[0], list | redis.exceptions.MovedError), first
+            assert len(after[0]) == 1, after  # the entry, replicated before the switch
+            assert client.get_node_from_key(stream).port == replica
+            # A blocked read when its node stops being the master (the router's XREAD):
+            # ended by the node, it costs that read only; the next one reads from the
+            # new master.
+            blocked = asyncio.create_task(router.run(
+                [("XREAD", "BLOCK", 10_000, "STREAMS", stream, "$")]))
+            def blocked_on_node() -> bool:
+                with redis.Redis(port=replica) as node:
+                    return int(node.info("clients")["blocked_clients"]) >= 1
+
+            await asyncio.to_thread(eventually, blocked_on_node, 5)
+            await asyncio.to_thread(fail_over, cluster, owner)  # back to the old master
+            try:
+                [ended] = await blocked
+                assert "UNBLOCKED" in str(ended), ended
+            except redis.RedisError:
+                pass
+            [entries] = await router.run([("XRANGE", stream, "-", "+")])
+            assert len(entries) == 1, entries
+            assert client.get_node_from_key(stream).port == owner
+        finally:
+            await coalescer.aclose()
+            await router.aclose()
+            await client.aclose()
+
+    asyncio.run(go())
