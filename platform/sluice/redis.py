@@ -20,6 +20,7 @@ and importable from here.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 from collections.abc import Iterator, Sequence
@@ -34,6 +35,7 @@ from django.conf import settings
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import (
+    MaxConnectionsError,
     NoScriptError,
     RedisClusterException,
     RedisClusterUnreachableError,
@@ -254,10 +256,21 @@ class AsyncCluster(aiocluster.RedisCluster):
         return self
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().execute_command(*args, **kwargs)
-        except RedisClusterException as exc:
-            raise _unavailable(exc) or exc from exc
+        until = None
+        while True:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except MaxConnectionsError:
+                # Every connection to the node is in use (max_connections is per node):
+                # wait for one to come back, up to the socket timeout, as a single
+                # Redis's blocking pool makes a caller wait. Nothing was sent.
+                now = asyncio.get_running_loop().time()
+                until = until or now + (self.connection_kwargs.get("socket_timeout") or 10.0)
+                if now >= until:
+                    raise
+                await asyncio.sleep(0.002)
+            except RedisClusterException as exc:
+                raise _unavailable(exc) or exc from exc
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
         if shard_hint:
@@ -289,10 +302,10 @@ def sync_client(url: str, **options: Any) -> SyncClient:
 def async_client(url: str, *, max_connections: int | None = None, hot: bool = False,
                  **options: Any) -> AsyncClient:
     """An asyncio client of `url` (one per event loop), single Redis or cluster; nothing
-    is contacted before the first command. `max_connections`: on a single Redis a
-    bounded pool whose callers wait for a free connection (up to socket_timeout), on a
-    cluster the most per node (a call that finds none free fails with a
-    ConnectionError). `hot`: commands packed by hiredis (the gateway's hot path)."""
+    is contacted before the first command. `max_connections`: a bound (per node on a
+    cluster) whose callers wait for a free connection, up to socket_timeout (a cluster
+    pipeline that finds none free fails with a ConnectionError). `hot`: commands packed
+    by hiredis (the gateway's hot path)."""
     if not is_cluster_url(url):
         fast = fast_pool_options(url) if hot else {}
         if max_connections is None:

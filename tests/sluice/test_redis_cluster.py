@@ -373,3 +373,25 @@ def test_direct_round_trips_go_to_each_slots_node_and_follow_a_failover(
             await client.aclose()
 
     asyncio.run(go())
+
+
+def test_a_burst_beyond_the_connection_bound_waits_instead_of_failing(
+        cluster: StartedCluster) -> None:
+    """max_connections is per node on a cluster; callers past it wait for a free
+    connection, as on a single Redis's blocking pool (redis-py's cluster client would
+    fail them with MaxConnectionsError)."""
+    from sluice.redis import async_client
+
+    async def go() -> list[Any]:
+        client = async_client(cluster.url, max_connections=2, socket_timeout=10,
+                              socket_connect_timeout=2)
+        try:
+            return list(await asyncio.gather(
+                *(client.incr("sluice:{burst}:n") for _ in range(300)),
+                return_exceptions=True))
+        finally:
+            await client.aclose()
+
+    replies = asyncio.run(go())
+    assert sorted(replies) == list(range(1, 301)), [r for r in replies if isinstance(
+        r, Exception)][:3]
