@@ -19,6 +19,8 @@ from typing import Any
 import openai
 
 RETRIABLE = {429, 503, 504}
+# A stream's error event carries its error's type, not its status (sluice/errors.py).
+EVENT_STATUS = {"rate_limit_error": 429, "service_unavailable": 503, "timeout_error": 504}
 CONNECT_S = 2.0  # a cut node's SYNs go unanswered: give up on it quickly
 BACKOFF_S = 0.2  # between two attempts that both failed to connect
 
@@ -46,10 +48,11 @@ class Attempt:
     started: float  # time.monotonic()
     ended: float
     kind: str  # "answered" | "status" (an HTTP error or an error event) | "connection"
-    status: int | None = None
+    status: int | None = None  # an error event's: from its type (EVENT_STATUS)
     code: str | None = None
     retry_after: str | None = None
     error: str = ""
+    event: bool = False  # an error event in a started stream (no headers, no Retry-After)
 
     @property
     def admitted(self) -> bool:
@@ -86,7 +89,7 @@ class Call:
         last = self.attempts[-1] if self.attempts else None
         if last is None or last.kind == "connection":
             return "gave_up"
-        return "refused" if last.status in RETRIABLE or last.status is None else "bad"
+        return "refused" if last.status in RETRIABLE else "bad"
 
     @property
     def retries(self) -> int:
@@ -158,8 +161,9 @@ class Clients:
             return Attempt(gateway, began, time.monotonic(), "connection",
                            error=type(exc).__name__)
         except openai.APIError as exc:  # an error event in a stream that had started
-            return Attempt(gateway, began, time.monotonic(), "status", None,
-                           exc.code, error=exc.message[:200])
+            return Attempt(gateway, began, time.monotonic(), "status",
+                           EVENT_STATUS.get(exc.type or "", 500), exc.code,
+                           error=exc.message[:200], event=True)
         finally:
             self.in_flight[call.tenant, gateway] -= 1
 
