@@ -161,11 +161,11 @@ class StaticCausalLMRuntime(CausalLMRuntime):
         masks = grammar_masks.start(self._constraints)
         logits = (self.graphs.run(rows, length) if self.graphs is not None
                   else self._forward(rows, length))[:n]
+        if out:  # NaN logits: sampled as FAILED (no grammar advanced, no token counted)
+            logits[out] = float("nan")
         # Nothing to undo if sampling raises: the positions only move on below, and the
         # next step writes the same positions again.
         tokens = self._sample_rows(logits, masks)
-        for row in out:
-            tokens[row] = FAILED
         for row, token in enumerate(tokens):
             if token == FAILED:
                 self._faulted[row] = True
