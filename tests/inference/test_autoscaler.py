@@ -31,7 +31,9 @@ from tests.conftest import REPO, eventually, make_org, process_env
 from tests.governance.test_metrics import scrape, value
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+# Each test starts an autoscaler and its workers and stops them (drained) after: on a
+# loaded 2-core machine that alone can take minutes, past the suite's default timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 
 SCALED: dict[str, Any] = {"runtime": "echo", "echo_token_delay_ms": 20, "max_batch_size": 8,
           "min_replicas": 0, "max_replicas": 3, "target_inflight": 2,
