@@ -183,14 +183,16 @@ def response_create(*, actor: Principal, body: dict[str, Any],
 
 
 async def response_save(*, actor: Principal, body: dict[str, Any],
-                        input_items: list[dict[str, Any]]) -> None:
+                        input_items: list[dict[str, Any]], announced: bool = True) -> None:
     """`response_create` from async code, with the tenant's cached redaction policy:
-    the row goes with the other saves of this event-loop turn (streaming/
-    responses_writer.py) and is committed, readable from every process, when this
-    returns."""
+    the row goes with the saves of a busy moment (streaming/responses_writer.py) and is
+    committed, readable from every process, when this returns. `announced`: whether the
+    response's id may have been given out before (a stream's first event; a call with
+    an Idempotency-Key, whose retry saves it again): only then can a DELETE race the
+    save, and it is looked for."""
     require(actor, Action.MODEL_USE)
     row = _row(actor, body, input_items, await redactor(actor.tenant_id))
-    await save(row)
+    await save(row, announced=announced)
 
 
 def responses_purge(now: datetime | None = None) -> int:

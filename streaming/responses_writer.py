@@ -15,9 +15,11 @@ The contract a caller relies on:
   transaction), so every process reads the row as soon as the caller has returned;
 - a row whose id is already stored is not written again (ON CONFLICT DO NOTHING: an
   idempotent retry of the same call stores nothing new);
-- a DELETE that races a save wins (see `forget`): after its INSERT, a batch looks its
-  ids up among the deletions and deletes the rows a deletion names, before any of its
-  callers returns;
+- a DELETE that races a save wins (see `forget`): after its INSERT, a batch looks up
+  among the deletions the ids that were given out before their save (a stream's, from
+  its first event; a call's that an idempotent retry saves again) and deletes the rows
+  a deletion names, before any of its callers returns (an id nobody has seen cannot be
+  named: looking it up cost a quarter of a stored call's gateway CPU);
 - a database outage fails every save of its batch with the retriable 503
   (`database_unavailable`), after one more try on a new connection (a connection the
   server cut while idle costs no call); Redis failing, with the queue's 503; any other
@@ -104,12 +106,15 @@ def _params(rows: list[Row]) -> list[Any]:
             for row in rows for i, value in enumerate(row)]
 
 
-def insert(rows: list[Row]) -> None:
+def insert(rows: list[Row], announced: list[bool] | None = None) -> None:
     """Write `rows` with one INSERT on this thread's connection (autocommit), then
-    delete those a deletion names (`forget`). Sync: from a database thread."""
+    delete those a deletion names (`forget`), looking up the rows `announced` marks (by
+    default all): a row whose id nobody was given yet cannot be named by a DELETE."""
     with connection.cursor() as cursor:
         cursor.execute(_insert_sql(connection.vendor, len(rows)), _params(rows))
-    gone = _forgotten(rows)
+    known = rows if announced is None else [r for r, a in zip(rows, announced, strict=True)
+                                            if a]
+    gone = _forgotten(known) if known else []
     if gone:
         StoredResponse.objects.filter(public_id__in=gone).delete()
 
@@ -157,18 +162,19 @@ def forget_pending_s() -> int:
 
 
 # -- the writer thread ------------------------------------------------------------------
-Waiter = tuple[Row, asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+Waiter = tuple[Row, bool, asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 _queue: queue.SimpleQueue[Waiter] = queue.SimpleQueue()
 _started = threading.Lock()
 _thread_pid: int | None = None  # the process whose writer thread runs (a fork has none)
 
 
-def save(row: Row) -> asyncio.Future[None]:
-    """Write `row` (see the module docstring): a future of the running loop."""
+def save(row: Row, *, announced: bool = True) -> asyncio.Future[None]:
+    """Write `row` (see the module docstring): a future of the running loop. Only a row
+    `announced` (its id given out before this save) is looked up among the deletions."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[None] = loop.create_future()
     _start()
-    _queue.put((row, loop, future))
+    _queue.put((row, announced, loop, future))
     return future
 
 
@@ -200,14 +206,14 @@ def _run() -> None:
             except queue.Empty:
                 break
         try:
-            outcomes = _write([row for row, _, _ in batch])
+            outcomes = _write([w[0] for w in batch], [w[1] for w in batch])
         except Exception as exc:  # a bug of ours: every save of the batch sees it
             logger.exception("writing stored responses failed")
             outcomes = [exc] * len(batch)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None],
                                                             BaseException | None]]] = \
             defaultdict(list)
-        for (_, loop, future), outcome in zip(batch, outcomes, strict=True):
+        for (_, _, loop, future), outcome in zip(batch, outcomes, strict=True):
             by_loop[loop].append((future, outcome))
         for loop, settled in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
@@ -224,7 +230,7 @@ def _settle(settled: list[tuple[asyncio.Future[None], BaseException | None]]) ->
             future.set_exception(outcome)
 
 
-def _write(rows: list[Row]) -> list[BaseException | None]:
+def _write(rows: list[Row], announced: list[bool]) -> list[BaseException | None]:
     """What each row's save gets (None: committed)."""
     for attempt in (1, 2):
         if connection.connection is not None and (
@@ -232,7 +238,7 @@ def _write(rows: list[Row]) -> list[BaseException | None]:
                                                and time.monotonic() >= connection.close_at)):
             connection.close()
         try:
-            return _insert_each(rows)
+            return _insert_each(rows, announced)
         except OUTAGE as exc:
             connection.close()  # the next try opens a new connection
             if attempt == 2:
@@ -243,11 +249,11 @@ def _write(rows: list[Row]) -> list[BaseException | None]:
     return [database_unavailable() for _ in rows]
 
 
-def _insert_each(rows: list[Row]) -> list[BaseException | None]:
+def _insert_each(rows: list[Row], announced: list[bool]) -> list[BaseException | None]:
     """`insert(rows)`; when that fails other than by an outage, each row alone. An
     outage or Redis failing raises."""
     try:
-        insert(rows)
+        insert(rows, announced)
         return [None] * len(rows)
     except (*OUTAGE, RedisError):
         raise
@@ -255,9 +261,9 @@ def _insert_each(rows: list[Row]) -> list[BaseException | None]:
         if len(rows) == 1:
             return [exc]
     outcomes: list[BaseException | None] = []
-    for row in rows:
+    for row, known in zip(rows, announced, strict=True):
         try:
-            insert([row])
+            insert([row], [known])
             outcomes.append(None)
         except (*OUTAGE, RedisError):
             raise

@@ -2,7 +2,8 @@
 database and Redis: the saves that arrive while the writer is busy share one INSERT and
 each is readable from another connection as soon as its caller has returned; a bad row
 fails its own save only; an id stored again stores nothing; a DELETE wins over a save
-it races, and only its creator's or an admin's does."""
+it races (at the database, during a stream, before an idempotent retry), and only its
+creator's or an admin's does."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 from secrets import token_hex
 from typing import Any
 
+import openai
 import psycopg
 import pytest
 from django.contrib.auth import get_user_model
@@ -26,6 +28,7 @@ from tenants.models import Member
 from tenants.principal import Principal
 from tenants.roles import Role
 from tests.conftest import Org, eventually, make_org, principal_for
+from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -184,6 +187,50 @@ def test_a_delete_while_the_insert_is_pending_wins(org: Org) -> None:
     assert not stored_elsewhere(rid)
     with pytest.raises(NotFound):
         response_get(actor=dev, response_id=rid)
+
+
+def test_a_delete_during_a_stream_wins_over_its_save(live: Live, org: Org) -> None:
+    client = openai.OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER],
+                           max_retries=0, timeout=60)
+    # Given a stream whose id the client has from its first event (a 5 s reply: 100
+    # tokens 50 ms apart, time enough for the DELETE on a loaded machine)
+    events = iter(client.responses.create(model="slow-echo", input="x" * 100, stream=True))
+    created = next(events)
+    assert created.type == "response.created"
+    # When the client deletes it before it ends: nothing is stored yet (a 404)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(created.response.id)
+    # Then the stream completes, and what it saved at its end is gone all the same
+    assert [e.type for e in events][-1] == "response.completed"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.response.id)
+    assert not stored_elsewhere(created.response.id)
+
+
+def test_a_call_retried_after_its_delete_stays_deleted(live: Live, org: Org) -> None:
+    client = openai.OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER],
+                           max_retries=0, timeout=60)
+    # Given a plain call with an Idempotency-Key, stored, then deleted
+    key = {"Idempotency-Key": "order-7"}
+    first = client.responses.create(model="echo", input="once", extra_headers=key)
+    client.responses.delete(first.id)
+    # When the call is retried with its key (the first response's events again)
+    again = client.responses.create(model="echo", input="once", extra_headers=key)
+    # Then it answers the same response, which stays deleted
+    assert again.id == first.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_a_save_whose_id_nobody_was_given_is_not_looked_up(org: Org) -> None:
+    # A plain call's id is first given out with its reply, after its save: a DELETE
+    # naming it earlier can only be a guess of another call's id, and is not looked up
+    rid = f"resp_{token_hex(12)}"
+    with pytest.raises(NotFound):
+        response_delete(actor=principal_for(org.members[Role.TENANT_ADMIN]), response_id=rid)
+    asyncio.run(response_save(actor=dev_of(org), body=body(rid), input_items=[],
+                              announced=False))
+    assert stored_elsewhere(rid)
 
 
 def test_a_retry_after_a_delete_stores_nothing(org: Org) -> None:
