@@ -330,7 +330,8 @@ class ResponsesApi(Api):
         rid = sub.handle.rid
         body = finished(head(req, rid), output(rid, text, final), final)
         if req.store:  # before the caller sees it: its next call must find it
-            await response_save(actor=ctx.principal, body=body, input_items=items)
+            await response_save(actor=ctx.principal, body=body, input_items=items,
+                                announced="idempotency-key" in ctx.headers)
         await send_json(ctx.send, 200, body, sub.headers)
 
     async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
