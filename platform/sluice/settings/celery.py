@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from sluice.settings.env import env_bool, env_int
-from sluice.settings.redis import REDIS_URL
+from sluice.settings.redis import CELERY_REDIS_URL
 
-CELERY_BROKER_URL = REDIS_URL
-CELERY_RESULT_BACKEND = REDIS_URL
+# A single Redis: Celery cannot use a cluster (SLUICE_CELERY_REDIS_URL beside one).
+CELERY_BROKER_URL = CELERY_REDIS_URL
+CELERY_RESULT_BACKEND = CELERY_REDIS_URL
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

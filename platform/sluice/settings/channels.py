@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.settings.redis import REDIS_SOCKET_TIMEOUT_S, REDIS_URL
+from sluice.settings.redis import CHANNELS_REDIS_URL, REDIS_SOCKET_TIMEOUT_S
 
 # A receive on the layer is a BZPOPMIN that blocks up to channels_redis's
 # RedisChannelLayer.brpop_timeout (5 s), then loops. With redis-py's default socket
@@ -15,7 +15,7 @@ CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         "CONFIG": {"hosts": [{
-            "address": REDIS_URL,
+            "address": CHANNELS_REDIS_URL,  # a single Redis (SLUICE_CHANNELS_REDIS_URL)
             "socket_timeout": _LAYER_BLOCK_S + REDIS_SOCKET_TIMEOUT_S,
             "socket_connect_timeout": REDIS_SOCKET_TIMEOUT_S,
         }], "prefix": "sluice:channels"},
