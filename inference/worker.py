@@ -59,7 +59,7 @@ from inference.engine.entries import (
 )
 from inference.engine.health import Health
 from inference.engine.inputs import InputProcessor, embed_texts
-from inference.engine.intake import Intake
+from inference.engine.intake import Cancelled, Intake
 from inference.engine.output import OutputProcessor, Row, done_event, error_event
 from inference.engine.writer import Outbox, Writer
 from inference.runtimes import load_runtime
@@ -71,7 +71,6 @@ from sluice import gctuning, telemetry
 from sluice.processes import set_on_signals
 from sluice.redis import sync_client
 
-__all__ = ["Pending", "RequestError", "Worker", "heartbeats", "main", "serve"]
 logger = logging.getLogger("sluice.worker")
 
 
@@ -104,6 +103,8 @@ class Worker:
         self.inputs = InputProcessor(self.runtime, model_name=spec.name) \
             if isinstance(self.runtime, ChatRuntime) else None
         self.writer = Writer(client, spec.name, self.id)
+        # An idle embedding worker waits up to max_wait_ms for a fuller batch.
+        self._gather = isinstance(self.runtime, EmbeddingRuntime)
         self._last_tenant: str | None = None  # the scheduler's rounds rotate from it
         self._alone: str | None = None  # a request on its last chance, running alone
         # The request ids of the most recent admissions, for tests and debugging.
@@ -144,32 +145,41 @@ class Worker:
         self._drain(drain_s)
 
     def iterate(self) -> None:
+        # The periodic duties are due-time compares here, not calls: this runs once per
+        # decode step (per token, for a runtime without a model).
         now = time.monotonic()
-        self.health.beat_if_due(now, batch=len(self.active), backlog=len(self.backlog))
-        for pending in self.intake.maintain(now, self._running()):
-            self.outbox.final(pending, error_event(dead_lettered()))
-        self.intake.pull(running=len(self.active), block_ms=self.block_ms,
-                         in_rotation=self.health.guard.in_rotation,
-                         others_in_rotation=self.health.others_in_rotation,
-                         gather=isinstance(self.runtime, EmbeddingRuntime))
-        cancelled = self.intake.cancellations(now, self.active)
-        if cancelled is not None:
-            for pending in cancelled.waiting:
-                self.outbox.final(pending, done_event(0, "cancelled", prompt_tokens=0,
-                                                      completion_tokens=0))
-            for rid in cancelled.running:
-                self.output.finish(rid, "cancelled")
-            self.engine.drop(cancelled.running)
-        self._admit()
-        if self.active:
+        rows, intake = self.output.rows, self.intake
+        if now >= self.health.next_beat:
+            self.health.beat(now, batch=len(rows), backlog=len(intake.backlog))
+        if now >= intake.next_maintenance:
+            for pending in intake.maintain(now, self._running()):
+                self.outbox.final(pending, error_event(dead_lettered()))
+        intake.pull(running=len(rows), block_ms=self.block_ms,
+                    in_rotation=self.health.guard.in_rotation,
+                    others_in_rotation=self.health.others_in_rotation, gather=self._gather)
+        if now >= intake.next_cancel_check:
+            self._cancel(intake.cancellations(now, rows))
+        if intake.backlog:
+            self._admit()
+        if rows:
             self._decode_step()
         self._flush()
-        if not self.active:
+        if not rows:
             # The batch has ended (or was cancelled whole before its step was handled):
             # free its sequences now, not after the next read (which may block for
             # block_ms). Its finals are written already; the last step's tokens are
             # nobody's.
             self.engine.settle()
+
+    def _cancel(self, cancelled: Cancelled | None) -> None:
+        if cancelled is None:
+            return
+        for pending in cancelled.waiting:
+            self.outbox.final(pending, done_event(0, "cancelled", prompt_tokens=0,
+                                                  completion_tokens=0))
+        for rid in cancelled.running:
+            self.output.finish(rid, "cancelled")
+        self.engine.drop(cancelled.running)
 
     def _running(self) -> Iterator[Pending]:
         return (row.pending for row in self.active.values())
@@ -301,8 +311,10 @@ class Worker:
     def _flush(self, *, wait: bool = False) -> None:
         """Hand this iteration's events and acks to the writer: on its thread while a
         batch runs (the write overlaps the next step), else on this one."""
-        self.writer.flush(self.outbox, background=bool(self.active or self.backlog),
-                          wait=wait)
+        outbox = self.outbox
+        if outbox.events or outbox.acks or wait:
+            self.writer.flush(outbox, background=bool(self.output.rows or self.intake.backlog),
+                              wait=wait)
 
 
 def heartbeats(client: redis.Redis, deployment: str, *,

@@ -68,18 +68,19 @@ class Health:
         self.others_in_rotation = False
         self.batches = 0
         self.batch_sizes: dict[int, int] = {}  # not yet reported (the next beat sends them)
-        self._next_beat = 0.0
+        self.next_beat = 0.0  # monotonic: when the loop beats next
         self._batch_of: dict[str, BatchSpan] = {}
 
     # -- heartbeats ----------------------------------------------------------------
     def beat_if_due(self, now: float, *, batch: int, backlog: int) -> None:
-        """Beat if `heartbeat_s` has passed since the last beat (`now`: monotonic)."""
-        if now >= self._next_beat:
-            self.beat(batch=batch, backlog=backlog)
-            self._next_beat = now + self.heartbeat_s
+        """Beat if `next_beat` has passed (`now`: monotonic)."""
+        if now >= self.next_beat:
+            self.beat(now, batch=batch, backlog=backlog)
 
-    def beat(self, *, batch: int, backlog: int) -> None:
-        """One heartbeat now (the fields are in the module docstring)."""
+    def beat(self, now: float, *, batch: int, backlog: int) -> None:
+        """One heartbeat (the fields are in the module docstring); the next is due at
+        `next_beat` (`now`: monotonic)."""
+        self.next_beat = now + self.heartbeat_s
         key = q.workers_key(self.spec.name)
         guard = {_s(k): _s(v) for k, v in self.redis.hgetall(q.guard_key(self.spec.name)).items()}
         with contextlib.suppress(KeyError, ValueError):

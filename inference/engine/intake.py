@@ -73,8 +73,11 @@ class Intake:
         self.stopping = stopping
         self.backlog: list[Pending] = []
         self._cleanup = client.register_script(q.CLEANUP_LUA)
+        # Monotonic due times: the loop calls maintain() and cancellations() once
+        # these have passed.
+        self.next_maintenance = 0.0
+        self.next_cancel_check = 0.0
         self._next_reap = 0.0
-        self._next_cancel_check = 0.0
         self._next_cleanup = time.monotonic() + _CLEANUP_S
         self._idle_seen: set[str] = set()
         self._streams_seen: list[str] = []  # the deployment's streams, as last read
@@ -174,7 +177,8 @@ class Intake:
 
     # -- holding -------------------------------------------------------------------
     def maintain(self, now: float, running: Iterable[Pending]) -> list[Pending]:
-        """The periodic work (`now`: monotonic): every third of reclaim_after_ms,
+        """The periodic work, due at `next_maintenance` (`now`: monotonic): every third
+        of reclaim_after_ms,
         refresh the claims of the backlog and of `running`, then reap; every
         _CLEANUP_S, forget empty streams. Returns the entries dead-lettered now: each
         needs its error event and acknowledgement from the caller."""
@@ -186,6 +190,7 @@ class Intake:
         if now >= self._next_cleanup:
             self.forget_empty_streams()
             self._next_cleanup = now + _CLEANUP_S
+        self.next_maintenance = min(self._next_reap, self._next_cleanup)
         return dead
 
     def refresh(self, mine: Iterable[Pending]) -> None:
@@ -265,9 +270,9 @@ class Intake:
         """At most every _CANCEL_CHECK_S (`now`: monotonic), the requests of the backlog
         and of `running` whose callers cancelled them; the waiting ones leave the
         backlog. None when nothing was looked up or nothing is cancelled."""
-        if now < self._next_cancel_check:
+        if now < self.next_cancel_check:
             return None
-        self._next_cancel_check = now + _CANCEL_CHECK_S
+        self.next_cancel_check = now + _CANCEL_CHECK_S
         running = list(running)
         rids = [p.req.rid for p in self.backlog] + running
         if not rids:

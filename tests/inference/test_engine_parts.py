@@ -420,7 +420,7 @@ def test_a_heartbeat_reports_the_workers_load_and_batches_and_spans_end_when_ser
     batch = [Pending("t:0", f"{i}-1", request(chat("x"))) for i in range(3)]
     health.open_batch(batch[:2])
     health.open_batch(batch[2:])
-    health.beat_if_due(time.monotonic(), batch=3, backlog=2)
+    health.beat(time.monotonic(), batch=3, backlog=2)
     beat = heartbeats(rds, spec.name)["w"]
     assert {k: beat[k] for k in ("batch", "backlog", "load", "max_batch", "batches",
                                  "in_rotation", "kv_capacity_tokens", "kv_used_tokens")} == {
@@ -438,5 +438,5 @@ def test_a_heartbeat_reports_the_workers_load_and_batches_and_spans_end_when_ser
     health.leave()
     assert "w" not in heartbeats(rds, spec.name)
     # A runtime that sets no bound (echo; the CPU's dynamic cache) reports none.
-    Health(spec, rds, "u", EchoRuntime(), heartbeat_s=60).beat(batch=0, backlog=0)
+    Health(spec, rds, "u", EchoRuntime(), heartbeat_s=60).beat(0.0, batch=0, backlog=0)
     assert "kv_capacity_tokens" not in heartbeats(rds, spec.name)["u"]
