@@ -198,7 +198,7 @@ def _run() -> None:
         try:
             batch = [_queue.get(timeout=IDLE_CLOSE_S)]
         except queue.Empty:
-            connection.close()
+            _close()
             continue
         while len(batch) < MAX_ROWS:
             try:
@@ -210,6 +210,7 @@ def _run() -> None:
         except Exception as exc:  # a bug of ours: every save of the batch sees it
             logger.exception("writing stored responses failed")
             outcomes = [exc] * len(batch)
+        _close_if_old()  # CONN_MAX_AGE 0: none is kept between batches
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None],
                                                             BaseException | None]]] = \
             defaultdict(list)
@@ -230,17 +231,28 @@ def _settle(settled: list[tuple[asyncio.Future[None], BaseException | None]]) ->
             future.set_exception(outcome)
 
 
+def _close_if_old() -> None:
+    """Close the thread's connection past CONN_MAX_AGE or after an error, as Django's
+    request handling would (without its SELECT 1 check of a connection it keeps)."""
+    if connection.connection is not None and (
+            connection.errors_occurred or (connection.close_at is not None
+                                           and time.monotonic() >= connection.close_at)):
+        _close()
+
+
+def _close() -> None:
+    with contextlib.suppress(*OUTAGE):  # closing a connection the server cut
+        connection.close()
+
+
 def _write(rows: list[Row], announced: list[bool]) -> list[BaseException | None]:
     """What each row's save gets (None: committed)."""
     for attempt in (1, 2):
-        if connection.connection is not None and (
-                connection.errors_occurred or (connection.close_at is not None
-                                               and time.monotonic() >= connection.close_at)):
-            connection.close()
+        _close_if_old()
         try:
             return _insert_each(rows, announced)
         except OUTAGE as exc:
-            connection.close()  # the next try opens a new connection
+            _close()  # the next try opens a new connection
             if attempt == 2:
                 logger.warning("database unavailable: %s", type(exc).__name__)
         except RedisError:
