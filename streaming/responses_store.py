@@ -136,10 +136,26 @@ def _stored(clean: Redactor) -> Redactor:
     return lambda text: _no_nul(clean(text))
 
 
+_OURS = frozenset({"id", "type", "role", "status"})  # an item's and a content part's
+
+
+def _clean_fields(value: Any, clean: Redactor) -> Any:
+    if isinstance(value, str):
+        return clean(value)
+    if isinstance(value, list):
+        return [_clean_fields(v, clean) for v in value]
+    if isinstance(value, dict):
+        return {k: v if k in _OURS and isinstance(v, str) else _clean_fields(v, clean)
+                for k, v in value.items()}
+    return value
+
+
 def _clean_item(item: dict[str, Any], clean: Redactor) -> dict[str, Any]:
-    """An item's strings through `clean`; a function call's arguments as JSON when they
-    parse (redacting the serialized text could leave an unquoted placeholder)."""
-    cleaned = redact_json(item, clean)
+    """An item's strings through `clean` but its own ids, types, roles and statuses
+    (made here or checked against a fixed set: no text of the caller's); a function
+    call's arguments as JSON when they parse (redacting the serialized text could leave
+    an unquoted placeholder)."""
+    cleaned = _clean_fields(item, clean)
     if item.get("type") == "function_call":
         try:
             arguments = json.loads(item.get("arguments") or "")

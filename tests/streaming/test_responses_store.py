@@ -267,3 +267,29 @@ def test_only_the_creators_or_an_admins_delete_stops_a_save(org: Org) -> None:
         response_delete(actor=admin, response_id=gone)
     asyncio.run(response_save(actor=dev, body=body(gone), input_items=[]))
     assert not stored_elsewhere(gone)
+
+
+# -- redaction before the write ------------------------------------------------------------
+def test_every_field_of_the_callers_is_redacted_before_the_write(org: Org) -> None:
+    # Given items whose every field a caller sets holds an SSN (ids and types are ours)
+    ssn = "536-42-7151"
+    rid = f"resp_{token_hex(12)}"
+    items: list[dict[str, Any]] = [
+        {"id": "msg_1", "type": "message", "role": "user", "status": "completed",
+         "content": [{"type": "input_text", "text": f"I am {ssn}"}]},
+        {"id": "fc_1", "type": "function_call", "status": "completed", "call_id": ssn,
+         "name": ssn, "arguments": f'{{"ssn": "{ssn}"}}'},
+        {"id": "fco_1", "type": "function_call_output", "status": "completed",
+         "call_id": ssn, "output": f"found {ssn}"},
+    ]
+    # When they are saved
+    asyncio.run(response_save(actor=dev_of(org), body=body(rid, text=ssn), input_items=items))
+    # Then the row holds none of it raw, and the rest as it was
+    with other_connection() as other:
+        row = other.execute("SELECT input_items::text, output_items::text FROM "
+                            "streaming_storedresponse WHERE public_id = %s", [rid]).fetchone()
+    assert row is not None and ssn not in row[0] + row[1]
+    stored = response_get(actor=dev_of(org), response_id=rid).input_items
+    assert [(i["id"], i["type"]) for i in stored] == [(i["id"], i["type"]) for i in items]
+    assert stored[1]["name"] == stored[1]["call_id"] == "[SSN]"
+    assert stored[0]["content"][0]["text"] == "I am [SSN]"
