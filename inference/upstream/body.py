@@ -3,8 +3,10 @@ chunks that come back. Pure: no I/O (inference/upstream/client.py does the sendi
 
 Requests
 - A chat job (`messages`, after its `history`) goes to /chat/completions; a legacy
-  completion job (`prompt`) to /completions. Always streamed, with
-  `stream_options.include_usage`, so usage is the upstream's own count.
+  completion job (`prompt`) to /completions. Streamed, with
+  `stream_options.include_usage`, so usage is the upstream's own count; a job whose
+  reply nobody reads token by token (`stream` false) asks for one JSON reply instead
+  (its usage is in it; the upstream does no per-token work for it).
 - Passed through: max_tokens, temperature, top_p, seed, stop, presence and frequency
   penalties, logit_bias (token ids of the upstream's vocabulary), logprobs /
   top_logprobs, tools (name, parameters, strict), tool_choice, parallel_tool_calls,
@@ -24,9 +26,10 @@ Requests
     message): `can_continue` is False and the call ends with a retriable error.
 
 Replies
-`ChunkReader` turns the SSE chunks of either endpoint into text, log-probability
-entries in the chat API's shape (the worker's `lp`), tool-call fragments joined per
-index, the finish reason, the stop string (vLLM's `stop_reason`) and the usage.
+`ChunkReader` turns the SSE chunks of either endpoint (or a whole reply, read as one
+chunk) into text, log-probability entries in the chat API's shape (the worker's `lp`),
+tool-call fragments joined per index, the finish reason, the stop string (vLLM's
+`stop_reason`) and the usage.
 """
 
 from __future__ import annotations
@@ -93,10 +96,12 @@ def request_body(job: ChatJob, upstream: UpstreamSpec, *, tenant: str, max_token
     `can_continue(job, upstream.dialect)`."""
     done = continuation.completion_tokens if continuation is not None else 0
     body: dict[str, Any] = {
-        "model": upstream.model, "stream": True, "stream_options": {"include_usage": True},
+        "model": upstream.model, "stream": job.stream,
         "max_tokens": max(1, max_tokens - done), "temperature": job.temperature,
         "top_p": job.top_p,
     }
+    if job.stream:
+        body["stream_options"] = {"include_usage": True}
     if job.seed is not None:
         body["seed"] = job.seed
     if job.stop:
@@ -199,9 +204,10 @@ class ChunkReader:
             self.stop_sequence = choice["stop_reason"]
         if "text" in choice:  # /completions
             return str(choice.get("text") or ""), _legacy_logprobs(choice.get("logprobs"))
-        delta = choice.get("delta") or {}
-        for fragment in delta.get("tool_calls") or []:
-            call = self._calls.setdefault(int(fragment.get("index", 0)), _Call())
+        delta = choice.get("delta") or choice.get("message") or {}  # a chunk, or all
+        for i, fragment in enumerate(delta.get("tool_calls") or []):
+            # A chunk's fragments carry their index; a whole reply's calls are in order.
+            call = self._calls.setdefault(int(fragment.get("index", i)), _Call())
             call.id = call.id or str(fragment.get("id") or "")
             function = fragment.get("function") or {}
             call.name += str(function.get("name") or "")

@@ -13,7 +13,9 @@ Contract
   the tokens already billed, and counts them out of the prompt the upstream reports
   (which held them), so the sum is what the upstream processed. An upstream that sends
   no usage is billed one token per delta event and no prompt tokens.
-- `stream=False` jobs get their text in one delta event just before the final one.
+- `stream=False` jobs ask the upstream for one JSON reply (no per-token work on either
+  side); its text comes in one delta event just before the final one. Its read waits
+  until the deadline (read_timeout_s bounds the silence between chunks of a stream).
 - Failures end the stream with an ErrorEvent; `retry` says whether the same request to
   the same deployment may succeed later: connection failures and refused connects
   (503 upstream_unavailable), timeouts (504 upstream_timeout), a connection cut
@@ -51,6 +53,7 @@ from inference.upstream.urls import UpstreamURLError, allow_private
 logger = logging.getLogger("sluice.upstream")
 Event = DeltaEvent | DoneEvent | ErrorEvent
 _ERROR_BODY_MAX = 64 * 1024  # of an error reply, read to quote its message
+_REPLY_MAX = 256 * 1024 * 1024  # a reply in one piece (logprobs make it large)
 _QUOTE_MAX = 300
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 
@@ -146,12 +149,14 @@ class UpstreamClient:
             text = text.replace(secret, "[redacted]")
         return _CONTROL.sub(" ", text)[:_QUOTE_MAX].strip()
 
-    def _timeout(self, deadline: float | None) -> httpx.Timeout:
+    def _timeout(self, deadline: float | None, *, whole: bool = False) -> httpx.Timeout:
+        """`whole`: the reply comes in one piece, after the whole generation: its read
+        waits until the deadline, not read_timeout_s (silence between chunks)."""
         up = self.upstream
         connect, read = up.connect_timeout_s, up.read_timeout_s
         if deadline is not None:
             left = max(0.001, deadline - time.monotonic())
-            connect, read = min(connect, left), min(read, left)
+            connect, read = min(connect, left), left if whole else min(read, left)
         return httpx.Timeout(connect=connect, read=read, write=read, pool=None)
 
     async def stream(self, job: ChatJob, *, tenant: str,
@@ -177,12 +182,19 @@ class UpstreamClient:
                                 continuation=continuation)
             async with self._slots, self._http.stream(
                     "POST", path_of(job).lstrip("/"), json=body,
-                    timeout=self._timeout(deadline)) as response:
+                    timeout=self._timeout(deadline, whole=not job.stream)) as response:
                 if response.status_code != 200:
                     raise status_failure(response.status_code,
                                          await self._quoted(response))
-                finished = False
-                async for data in _sse_data(response):
+                if not body["stream"]:  # one JSON reply, read as one chunk
+                    text, lp = reader.read(orjson.loads(await _whole(response)))
+                    if reader.error is not None:
+                        raise self._stream_error(reader.error)
+                    held.append(text)
+                    held_lp += lp
+                    deltas += bool(text or lp)
+                finished = not body["stream"]
+                async for data in _sse_data(response) if body["stream"] else _nothing():
                     if data == "[DONE]":
                         finished = True
                         break
@@ -274,6 +286,23 @@ class UpstreamClient:
         if reader.stop_sequence:
             done["stop_sequence"] = reader.stop_sequence
         return done
+
+
+async def _whole(response: httpx.Response) -> bytes:
+    """A reply's whole body, up to _REPLY_MAX bytes."""
+    parts, size = [], 0
+    async for part in response.aiter_bytes():
+        size += len(part)
+        if size > _REPLY_MAX:
+            raise UpstreamFailure(502, "upstream_bad_reply", "The model's upstream server "
+                                  "sent a reply too large to read.", retry=False)
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _nothing() -> AsyncIterator[str]:
+    return
+    yield  # an async generator that yields nothing
 
 
 async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:

@@ -11,14 +11,18 @@ deployments). The delivery contract is inference/worker.py's, through the same p
               alone, deadlines in the queue
   writer      (inference/engine/writer.py) events before acks, each final once
   health      (inference/engine/health.py) heartbeats, the memory guard, batch spans
-and, in place of the model's parts, the calls (inference/upstream/calls.py): the
-upstream client on an event loop in a thread of its own. The batch is the calls in
-flight: up to the upstream's `concurrency` (the spec's max_batch_size is not used).
+and, in place of the model's parts, the calls (inference/upstream/calls.py): one task
+each on an asyncio event loop. The batch is the calls in flight: up to the upstream's
+`concurrency` (the spec's max_batch_size is not used).
 
-Per iteration (one thread, like the model worker's loop):
-  heartbeat -> reap -> pull -> cancellations -> admit (start calls) -> wait for the
-  calls' events (bounded: new entries are read at least every max_wait_ms) -> write.
-Idle, the loop blocks in the intake's read, so a lone request starts at once.
+One thread runs it all, on that event loop: per iteration, synchronously,
+  heartbeat -> reap -> pull -> cancellations -> admit (start calls) -> write
+then, while calls run (or close after a cancellation), the loop runs them until one of
+them has an event, or max_wait_ms passes (new entries are read at least that often).
+The parts' Redis calls block the loop for a round trip each; their one long wait, the
+intake's blocking read, happens only when no call runs or closes (then it never
+blocks), so no call waits on it; and a call's events reach the writer without crossing
+threads.
 
 - Cancellation: a cancelled running request's call is cancelled (the HTTP request
   closes, the upstream stops generating); its final event is `cancelled`, billed the
@@ -28,13 +32,14 @@ Idle, the loop blocks in the intake's read, so a lone request starts at once.
   prompt + text and asks only for what is left), billed one token per delta event; a
   request an earlier delivery finished is only acknowledged (its final re-sent).
 - Usage is the upstream's (the client's final event); deadlines reach the client.
-- On Redis errors the loop forgets its local work (the entries stay pending and are
-  resumed); on a failure it hands its requests back; on SIGTERM it lets running calls
-  finish for up to drain_s, then cancels the rest and hands them back.
+- On Redis errors the worker forgets its local work (the entries stay pending and are
+  resumed); on a failure it hands its requests back; on SIGTERM (`stopping`) it lets
+  running calls finish for up to drain_s, then cancels the rest and hands them back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -44,7 +49,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from queue import Empty
 from secrets import token_hex
 
 import redis
@@ -67,6 +71,7 @@ from inference.scheduler import admit, expired
 from inference.spec import DeploymentSpec
 from inference.upstream.body import Continuation
 from inference.upstream.calls import Calls
+from inference.upstream.client import UpstreamClient
 
 logger = logging.getLogger("sluice.worker")
 _MAX_EVENT_WAIT_S = 0.05
@@ -102,6 +107,7 @@ class UpstreamWorker:
         self.redis = client
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{token_hex(3)}"
         self.block_ms = block_ms
+        self.private_ok = private_ok
         self.stopping = threading.Event()
         self.health = Health(self.spec, client, self.id, _Process(), heartbeat_s=heartbeat_s)
         self.intake = Intake(self.spec, client, self.id, stopping=self.stopping,
@@ -109,8 +115,9 @@ class UpstreamWorker:
                                  spec.extra.get("reclaim_after_ms", 30000))))
         self.outbox = Outbox(served=self.health.served)
         self.writer = Writer(client, spec.name, self.id)
-        self.calls = Calls(spec, private_ok=private_ok)
         self.active: dict[str, Running] = {}  # the requests whose calls run, by id
+        self._calls: Calls | None = None  # made on the loop, by run()
+        self._news: asyncio.Event | None = None  # a call had an event
         self._event_wait_s = min(_MAX_EVENT_WAIT_S, max(0.001, spec.max_wait_ms / 1000))
         self._last_tenant: str | None = None
         self._alone: str | None = None
@@ -120,43 +127,76 @@ class UpstreamWorker:
     def backlog(self) -> list[Pending]:
         return self.intake.backlog
 
+    @property
+    def calls(self) -> Calls:
+        assert self._calls is not None, "the worker is not running"  # noqa: S101
+        return self._calls
+
     # -- life cycle ----------------------------------------------------------------
     def run(self, *, drain_s: float = 10.0) -> None:
+        """Serve until `stopping` is set, then drain (on an event loop of its own)."""
+        asyncio.run(self._run(drain_s))
+
+    async def _run(self, drain_s: float) -> None:
         logger.info("upstream worker %s serving %s", self.id, self.spec.name)
+        client = UpstreamClient(self.spec, private_ok=self.private_ok)
+        self._calls, self._news = Calls(client, self._on_event), asyncio.Event()
         try:
-            while not self.stopping.is_set():
-                try:
-                    self.iterate()
-                except redis.RedisError:
-                    logger.exception("Redis failed; dropping local work, it will be resumed")
-                    self._abandon()
-                    self.stopping.wait(1.0)
-        except Exception:
-            logger.exception("worker %s failed; handing its requests back", self.id)
-            self._hand_back()
-            raise
-        self._drain(drain_s)
+            try:
+                while not self.stopping.is_set():
+                    try:
+                        self.iterate()
+                        if self._calls:  # calls run (or close): let them
+                            await self._wait(self._event_wait_s)
+                    except redis.RedisError:
+                        logger.exception("Redis failed; dropping local work, it will be "
+                                         "resumed")
+                        await self._abandon()
+                        await asyncio.sleep(1.0)
+            except Exception:
+                logger.exception("worker %s failed; handing its requests back", self.id)
+                await self._hand_back()
+                raise
+            await self._drain(drain_s)
+        finally:
+            await client.aclose()
 
     def iterate(self) -> None:
-        now = time.monotonic()
-        self.health.beat_if_due(now, batch=len(self.active), backlog=len(self.backlog))
-        for pending in self.intake.maintain(now, self._running()):
-            self.outbox.final(pending, error_event(dead_lettered()))
-        self.intake.pull(running=len(self.active), block_ms=self.block_ms,
-                         in_rotation=self.health.guard.in_rotation,
-                         others_in_rotation=self.health.others_in_rotation)
-        cancelled = self.intake.cancellations(now, self.active)
+        """One round of the queue's work (synchronous: see the module docstring)."""
+        now, intake = time.monotonic(), self.intake
+        self.health.beat_if_due(now, batch=len(self.active), backlog=len(intake.backlog))
+        if now >= intake.next_maintenance:
+            for pending in intake.maintain(now, self._running()):
+                self.outbox.final(pending, error_event(dead_lettered()))
+        # Calls still closing count as running: a blocking read would stall them.
+        intake.pull(running=len(self.calls), block_ms=self.block_ms,
+                    in_rotation=self.health.guard.in_rotation,
+                    others_in_rotation=self.health.others_in_rotation)
+        cancelled = intake.cancellations(now, self.active) \
+            if now >= intake.next_cancel_check else None
         if cancelled is not None:
             for pending in cancelled.waiting:
                 self.outbox.final(pending, done_event(0, "cancelled", prompt_tokens=0,
                                                       completion_tokens=0))
             for rid in cancelled.running:
                 self._cancel(rid)
-        self._admit()
-        if self.active and not self.outbox:
-            self._collect(self._event_wait_s)
-        else:
-            self._collect(0.0)
+        if intake.backlog:
+            self._admit()
+        self._flush()
+
+    async def _wait(self, timeout_s: float) -> None:
+        """Let the calls run until one has an event, at most `timeout_s`; then write
+        what they sent."""
+        news = self._news
+        assert news is not None  # noqa: S101
+        if not self.outbox:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await news.wait()
+            # The other calls whose replies came in the same moment add theirs: one
+            # write for all of them.
+            await asyncio.sleep(0)
+        news.clear()
         self._flush()
 
     def _running(self) -> Iterator[Pending]:
@@ -169,54 +209,46 @@ class UpstreamWorker:
             running.next_seq, "cancelled", prompt_tokens=0, completion_tokens=running.deltas))
 
     def _flush(self, *, wait: bool = False) -> None:
-        # On this thread: it has nothing else to do meanwhile, and the calls' events
-        # queue up during the write (the next write takes them all at once).
-        self.writer.flush(self.outbox, background=False, wait=wait)
+        # On this thread: nothing else would run meanwhile but the calls, whose events
+        # wait in the outbox for the next write.
+        if self.outbox or wait:
+            self.writer.flush(self.outbox, background=False, wait=wait)
 
-    def _stop_calls(self) -> None:
-        """Cancel every call; what they sent so far is written, nothing after it."""
-        self.calls.cancel_all()
-        self._collect(0.0)
-
-    def _hand_back(self) -> None:
+    async def _hand_back(self) -> None:
         """After a failure: write what the calls already sent (a takeover resumes after
         it), then release every request held for the next reap of any live worker."""
+        await self.calls.close()
         with contextlib.suppress(Exception):
-            self._stop_calls()
             self._flush(wait=True)
         with contextlib.suppress(redis.RedisError):
             self.intake.release(self.backlog)
             self.intake.release(self._running(), failed=True)
         self.health.end_batches("failed")
         self.writer.close(wait=False)
-        self.calls.close()
 
-    def _abandon(self) -> None:
+    async def _abandon(self) -> None:
         """Forget everything held locally; the entries stay pending in Redis and are
         resumed (after reclaim_after_ms) from what reached their streams."""
         self.writer.abandon()
-        self.calls.cancel_all()
-        self.active.clear()
+        self.active.clear()  # first: the calls' last events are nobody's
+        await self.calls.close()
         self.backlog.clear()
         self.outbox.take()
-        self._drop_events()
         self.health.end_batches("abandoned")
 
-    def _drain(self, drain_s: float) -> None:
+    async def _drain(self, drain_s: float) -> None:
         """Let running calls finish (up to drain_s), hand everything else back."""
         deadline = time.monotonic() + drain_s
         self.intake.release(self.backlog)
         self.backlog.clear()
         while self.active and time.monotonic() < deadline:
-            self._collect(min(self._event_wait_s, max(0.0, deadline - time.monotonic())))
-            self._flush()
-        self._stop_calls()
+            await self._wait(min(self._event_wait_s, max(0.0, deadline - time.monotonic())))
+        await self.calls.close()  # what they sent is in the outbox, nothing after it
         self._flush(wait=True)
         self.intake.release(self._running())
         self.active.clear()
         self.health.end_batches("released")
         self.writer.close(wait=True)
-        self.calls.close()
         self.health.leave()
 
     # -- calls ---------------------------------------------------------------------
@@ -274,34 +306,17 @@ class UpstreamWorker:
         self.calls.start(rid, job, tenant=pending.tenant, continuation=continuation,
                          deadline=time.monotonic() + left_s)
 
-    def _collect(self, wait_s: float) -> None:
-        """Move the calls' events to the outbox: everything already there, waiting up to
-        `wait_s` for the first."""
-        events = self.calls.events
-        try:
-            item = events.get(timeout=wait_s) if wait_s > 0 else events.get_nowait()
-        except Empty:
-            return
-        while True:
-            self._on_event(*item)
-            try:
-                item = events.get_nowait()
-            except Empty:
-                return
-
     def _on_event(self, rid: str, event: Event) -> None:
+        """A call's event (on the loop, from its task): to the outbox."""
         running = self.active.get(rid)
         if running is None:
             return  # its call was cancelled or handed back: nothing after that is sent
         if event["t"] == "done" or event["t"] == "error":
             del self.active[rid]
             self.outbox.final(running.pending, event)
-            return
-        running.next_seq = event["seq"] + 1
-        running.deltas += 1
-        self.outbox.add(running.pending.req, event)
-
-    def _drop_events(self) -> None:
-        with contextlib.suppress(Empty):
-            while True:
-                self.calls.events.get_nowait()
+        else:
+            running.next_seq = event["seq"] + 1
+            running.deltas += 1
+            self.outbox.add(running.pending.req, event)
+        assert self._news is not None  # noqa: S101
+        self._news.set()

@@ -1,0 +1,58 @@
+"""What the upstream worker asks for a job nobody reads token by token, and how the one
+JSON reply is read (inference/upstream/body.py alone, no I/O): the shapes are OpenAI's
+non-streamed chat and completion replies."""
+
+from __future__ import annotations
+
+from inference.jobs import ChatJob
+from inference.spec import Dialect, UpstreamSpec
+from inference.upstream.body import ChunkReader, request_body
+
+UP = UpstreamSpec(base_url="http://10.0.0.5:8000/v1", model="served", dialect=Dialect.VLLM)
+
+
+def test_a_job_not_streamed_asks_for_one_reply_and_a_streamed_one_for_chunks() -> None:
+    job = ChatJob(messages=[{"role": "user", "content": "hi"}])
+    streamed = request_body(job, UP, tenant="alice", max_tokens=10)
+    assert streamed["stream"] is True and streamed["stream_options"] == {"include_usage": True}
+    whole = request_body(ChatJob(messages=job.messages, stream=False), UP, tenant="alice",
+                         max_tokens=10)
+    assert whole["stream"] is False and "stream_options" not in whole
+    assert {k: v for k, v in whole.items() if k not in ("stream",)} == \
+        {k: v for k, v in streamed.items() if k not in ("stream", "stream_options")}
+
+
+def test_a_whole_chat_reply_reads_like_its_chunks() -> None:
+    reader = ChunkReader()
+    text, lp = reader.read({
+        "id": "x", "object": "chat.completion",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "stop_reason": None,
+                     "message": {"role": "assistant", "content": "Checking.", "tool_calls": [
+                         {"id": "call_a", "type": "function",
+                          "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+                         {"id": "call_b", "type": "function",
+                          "function": {"name": "time", "arguments": "{}"}}]},
+                     "logprobs": {"content": [{"token": "Checking", "logprob": -0.5,
+                                               "bytes": [67], "top_logprobs": []}]}}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}})
+    assert text == "Checking." and [e["token"] for e in lp] == ["Checking"]
+    assert reader.finish == "tool_calls"
+    assert reader.usage == {"prompt_tokens": 12, "completion_tokens": 7}
+    # A whole reply's calls have no index: their order is theirs.
+    assert reader.tool_calls() == [
+        {"id": "call_a", "name": "weather", "arguments": '{"city": "Oslo"}'},
+        {"id": "call_b", "name": "time", "arguments": "{}"}]
+
+
+def test_a_whole_completion_reply_and_an_error_reply() -> None:
+    reader = ChunkReader()
+    text, lp = reader.read({"object": "text_completion", "choices": [
+        {"index": 0, "text": " world", "finish_reason": "stop", "stop_reason": "!",
+         "logprobs": {"tokens": [" world"], "token_logprobs": [-0.25],
+                      "top_logprobs": [{" world": -0.25}]}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    assert text == " world" and lp[0]["logprob"] == -0.25
+    assert reader.finish == "stop" and reader.stop_sequence == "!"
+    failed = ChunkReader()
+    assert failed.read({"error": {"message": "overloaded", "code": 503}}) == ("", [])
+    assert failed.error == {"message": "overloaded", "code": 503}
