@@ -267,10 +267,11 @@ def test_properties_are_written_in_the_schemas_own_order(vocab: Vocabulary) -> N
     """The worker's plan keeps each schema's key order (llguidance writes properties in
     it): a schema listing zeta before alpha gets zeta first."""
     from inference.constraint import plan_for
+    from inference.jobs import ChatJob, ToolSpec
 
     ordered = {"type": "object", "properties": {"zeta": {"const": 1}, "alpha": {"const": 2}},
                "required": ["zeta", "alpha"], "additionalProperties": False}
-    found = plan_for({"tools": [{"name": "w", "parameters": ordered}], "tool_choice": "w"})
+    found = plan_for(ChatJob(tools=[ToolSpec("w", ordered)], tool_choice="w"))
     assert found is not None
     constraint = Constraint(vocab, found, budget=BUDGET)
     forced = constraint.matcher.compute_ff_bytes().decode()
