@@ -35,7 +35,9 @@ from inference.jobs import (
     Job,
     default_max_tokens,
 )
-from inference.spec import DeploymentSpec, Kind
+from inference.routing import Route
+from inference.selectors import alias_route
+from inference.spec import DeploymentSpec, Kind, RuntimeName
 from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import (
@@ -50,6 +52,7 @@ from sluice.errors import (
 )
 from streaming import choices, replay
 from streaming.prompting import chat_job, prompt_bound
+from streaming.routed import Attempt, Routed, call_bound
 from streaming.schemas import (
     ChatCompletionRequest,
     EmbeddingRequest,
@@ -167,11 +170,18 @@ class Gateway:
             scope.tenant = principal.tenant_slug
         return principal
 
-    async def _model(self, principal: Principal, name: str, kind: Kind) -> DeploymentSpec:
+    async def _model(self, principal: Principal, name: str, kind: Kind
+                     ) -> DeploymentSpec | Route:
+        """The deployment `name` names, or the model alias (when no enabled deployment
+        has that name: streaming/routed.py); the caller's key must allow `name`."""
         if not principal.can(Action.MODEL_USE):
             raise PermissionDenied(f"Your role ({principal.role}) may not call models.")
-        spec = await enabled_spec(name) if principal.may_use_model(name) else None
+        allowed = principal.may_use_model(name)
+        spec = await enabled_spec(name) if allowed else None
         if spec is None:
+            route = await alias_route(name) if allowed else None
+            if route is not None:
+                return route
             raise NotFound(f"The model '{name}' does not exist or you do not have access to it.",
                            code="model_not_found", param="model")
         if spec.kind != kind:
@@ -181,6 +191,15 @@ class Gateway:
         if scope is not None:
             scope.model = spec.name  # only a resolved deployment ever becomes a label
         return spec
+
+    def _routed(self, route: Route, kind: Kind, attempt: Attempt, *, texts: list[str],
+                max_tokens: int | None, timeout_s: float | None) -> Awaitable[Submitted]:
+        """An alias call: planned, then its first admitted attempt (streaming/routed.py)."""
+        limit = float(settings.SLUICE_REQUEST_TIMEOUT_S)
+        if timeout_s is not None:
+            limit = min(limit, timeout_s)
+        return Routed.start(route, kind, attempt, redis=self.client.redis,
+                            bound=call_bound(texts, max_tokens), timeout_s=limit)
 
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
                    idempotency_key: str | None = None,
@@ -193,45 +212,64 @@ class Gateway:
         piece at the end (no per-token events). `action`: the API's name in the call's
         audit event. `raw_prompt` (a legacy completion): the last message's text is
         the model's prompt as it is, without the chat template or any history."""
-        spec = await self._model(principal, req.model, Kind.CHAT)
+        target = await self._model(principal, req.model, Kind.CHAT)
         conversation_id = req.conversation_id or conversation_id
         n = req.n or 1
         choices.check(n, idempotency_key=idempotency_key, conversation_id=conversation_id)
         history = (await async_db(conversation_history)(actor=principal,
                                                         public_id=conversation_id)
                    if conversation_id else [])
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is not None and max_tokens >= spec.max_context:
-            raise BadRequest(f"max_tokens is {max_tokens}; this model's context is "
-                             f"{spec.max_context} tokens.", param="max_tokens",
-                             code="max_tokens_too_large")
+        asked = req.max_completion_tokens or req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true.",
                              param="top_logprobs", code="invalid_value")
         job, turn = chat_job(req)
         key, fingerprint = replay.idempotency(principal, idempotency_key, req)
-        max_tokens = max_tokens or default_max_tokens(spec.max_context)
-        texts = [m["content"] for m in job.messages] + [m.get("content", "") for m in history]
-        # One admission for every choice: one request, n times the tokens.
-        admission = await self._admit(principal, spec, action, protocol, job,
-                                      tokens=n * (prompt_bound(texts, spec) + max_tokens))
-        if admission.max_tokens_cap is not None:
-            max_tokens = min(max_tokens, admission.max_tokens_cap)
         stream = req.stream if stream is None else stream
-        if raw_prompt:
-            job = msgspec.structs.replace(job, prompt=job.messages[-1]["content"],
-                                          messages=[])
-        else:
-            # Older turns; the worker drops the oldest until the prompt fits (exact
-            # token counts with the model's own tokenizer).
-            job = msgspec.structs.replace(job, history=history)
-        job = msgspec.structs.replace(job, max_tokens=max_tokens, stream=stream)
-        handle, *more = await self._submit(
-            principal, spec, choices.jobs(job, n), admission, timeout_s=timeout_s,
-            idempotency_key=key, fingerprint=fingerprint,
-            owner=replay.ownership(principal, req.model, conversation_id)
-            if stream and n == 1 else None)
-        return Submitted(principal, spec, handle, admission, conversation_id, turn, more)
+
+        async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
+            """The call on deployment `spec` (an alias call's attempt: `routed`)."""
+            if asked is not None and asked >= spec.max_context:
+                raise BadRequest(f"max_tokens is {asked}; this model's context is "
+                                 f"{spec.max_context} tokens.", param="max_tokens",
+                                 code="max_tokens_too_large")
+            # An upstream server gets the caller's messages and its tools natively (the
+            # tool prompt is for Sluice's own models).
+            attempt = msgspec.structs.replace(job, messages=turn) \
+                if spec.runtime == RuntimeName.OPENAI_UPSTREAM else job
+            max_tokens = asked or default_max_tokens(spec.max_context)
+            texts = [m["content"] for m in attempt.messages] + \
+                [m.get("content", "") for m in history]
+            # One admission for every choice: one request, n times the tokens.
+            admission = await self._admit(principal, spec, action, protocol, attempt,
+                                          tokens=n * (prompt_bound(texts, spec) + max_tokens),
+                                          routed=routed)
+            if admission.max_tokens_cap is not None:
+                max_tokens = min(max_tokens, admission.max_tokens_cap)
+            if raw_prompt:
+                attempt = msgspec.structs.replace(attempt, prompt=attempt.messages[-1]["content"],
+                                                  messages=[])
+            else:
+                # Older turns; the worker drops the oldest until the prompt fits (exact
+                # token counts with the model's own tokenizer).
+                attempt = msgspec.structs.replace(attempt, history=history)
+            attempt = msgspec.structs.replace(attempt, max_tokens=max_tokens, stream=stream)
+            if routed is not None:
+                await routed.supersede(key)
+            handle, *more = await self._submit(
+                principal, spec, choices.jobs(attempt, n), admission,
+                timeout_s=routed.left_s() if routed is not None else timeout_s,
+                idempotency_key=key, fingerprint=fingerprint,
+                owner=replay.ownership(principal, req.model, conversation_id)
+                if stream and n == 1 else None)
+            return Submitted(principal, spec, handle, admission, conversation_id, turn, more,
+                             routed=routed)
+
+        if isinstance(target, DeploymentSpec):
+            return await on(target)
+        return await self._routed(
+            target, Kind.CHAT, on, texts=[m["content"] for m in (*job.messages, *history)],
+            max_tokens=asked, timeout_s=timeout_s)
 
     async def count(self, principal: Principal, req: ChatCompletionRequest, *,
                     action: str, protocol: str = "rest") -> Submitted:
@@ -239,18 +277,31 @@ class Gateway:
         messages `chat` would send, tool prompt included; nothing generated): its final
         event's usage has the count. Admitted as a call (role, model access, limits,
         shedding) and settled without charge."""
-        spec = await self._model(principal, req.model, Kind.CHAT)
+        target = await self._model(principal, req.model, Kind.CHAT)
         job, _turn = chat_job(req)
-        admission = await self._admit(principal, spec, action, protocol, job, tokens=0)
-        # max_tokens 1: a worker that predates count_only still reports the exact
-        # prompt count, after generating a single token.
-        [handle] = await self._submit(principal, spec, [msgspec.structs.replace(
-            job, max_tokens=1, stream=False, count_only=True)], admission)
-        return Submitted(principal, spec, handle, admission, charge=False)
+
+        async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
+            admission = await self._admit(principal, spec, action, protocol, job, tokens=0,
+                                          routed=routed)
+            # max_tokens 1: a worker that predates count_only still reports the exact
+            # prompt count, after generating a single token.
+            [handle] = await self._submit(
+                principal, spec, [msgspec.structs.replace(
+                    job, max_tokens=1, stream=False, count_only=True)], admission,
+                timeout_s=routed.left_s() if routed is not None else None)
+            return Submitted(principal, spec, handle, admission, charge=False, routed=routed)
+
+        if isinstance(target, DeploymentSpec):
+            return await on(target)
+        return await self._routed(target, Kind.CHAT, on, texts=[], max_tokens=None,
+                                  timeout_s=None)
 
     async def _admit(self, principal: Principal, spec: DeploymentSpec, action: str,
-                     protocol: str, job: ChatJob, *, tokens: int) -> Admission:
+                     protocol: str, job: ChatJob, *, tokens: int,
+                     routed: Routed | None = None) -> Admission:
         admission = await self.governor.admit(principal, spec, tokens=tokens)
+        if routed is not None:
+            admission = routed.admission(admission)
         admission.action, admission.protocol = action, protocol
         admission.request_text = next((m["content"] for m in reversed(job.messages)
                                        if m["role"] == "user"), "")
@@ -266,20 +317,31 @@ class Gateway:
 
     async def embed(self, principal: Principal, req: EmbeddingRequest, *,
                     protocol: str = "rest", timeout_s: float | None = None) -> Submitted:
-        spec = await self._model(principal, req.model, Kind.EMBEDDING)
+        target = await self._model(principal, req.model, Kind.EMBEDDING)
         if req.dimensions is not None:
             raise BadRequest("This model does not support choosing dimensions.",
                              param="dimensions")
         inputs = [req.input] if isinstance(req.input, str) else req.input
         if any(not text for text in inputs):
             raise BadRequest("input must not contain empty strings.", param="input")
-        admission = await self.governor.admit(
-            principal, spec, tokens=sum(prompt_bound([t], spec) for t in inputs))
-        admission.action, admission.protocol = "embeddings", protocol
-        admission.request_text = inputs[0]
-        [handle] = await self._submit(principal, spec, [EmbedJob(input=inputs)], admission,
-                                      timeout_s=timeout_s)
-        return Submitted(principal, spec, handle, admission)
+
+        async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
+            admission = await self.governor.admit(
+                principal, spec, tokens=sum(prompt_bound([t], spec) for t in inputs))
+            if routed is not None:
+                admission = routed.admission(admission)
+            admission.action, admission.protocol = "embeddings", protocol
+            admission.request_text = inputs[0]
+            [handle] = await self._submit(
+                principal, spec, [EmbedJob(input=inputs)], admission,
+                timeout_s=routed.left_s() if routed is not None else timeout_s)
+            return Submitted(principal, spec, handle, admission, routed=routed)
+
+        if isinstance(target, DeploymentSpec):
+            return await on(target)
+        # Not routed by context: an encoder truncates its inputs to its own.
+        return await self._routed(target, Kind.EMBEDDING, on, texts=[], max_tokens=None,
+                                  timeout_s=timeout_s)
 
 
 _shared: Gateway | None = None

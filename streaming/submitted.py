@@ -1,23 +1,28 @@
 """An admitted call: its queued requests, its admission, and what settles it as its
-events end (quota, breaker, audit event, metrics, the wait span)."""
+events end (quota, breaker, audit event, metrics, the wait span). A call to a model
+alias (streaming/routed.py) moves to its next deployment here when its request fails
+retriably before any text: the failed attempt is settled on its own, the call goes on
+with the next attempt's request and admission."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.trace import Status, StatusCode
 
 from governance import metrics
 from governance.admission import Admission
 from inference.client import RequestHandle
-from inference.jobs import Event, FinalEvent
+from inference.jobs import ErrorEvent, Event, FinalEvent
 from inference.spec import DeploymentSpec
 from sluice import telemetry
 from streaming import choices
+from streaming.routed import Routed, retriable_failure
 from tenants.principal import Principal
 
 
@@ -35,6 +40,7 @@ class Submitted:
     more: list[RequestHandle] = field(default_factory=list)
     charge: bool = True  # False: settled without charge (a token count)
     read: bool = False  # its events are being (or were) read: they settle it
+    routed: Routed | None = None  # a call to a model alias: its route
     # The request's trace context and start, for the wait span and time to first token.
     trace_context: Any = field(default_factory=telemetry.current_context)
     began: float = field(default_factory=lambda: _began())
@@ -80,16 +86,28 @@ class Submitted:
         first: float | None = None
         merged = choices.merged(self.handles) if self.more else None
         try:
-            async for event in merged or self.handle.events():
-                if event["t"] == "done" or event["t"] == "error":
-                    finals.append(event)
-                elif event["t"] == "delta":
-                    if first is None:
-                        first = time.perf_counter()
-                        span.add_event("first_token")
-                    if merged is None or event["i"] == 0:  # the audit's: the first choice
-                        self.admission.note_reply(event.get("text", ""))
-                yield event
+            while True:
+                retried = False
+                # (RequestHandle.events is an async generator: closed on leaving early.)
+                events = merged or cast(AsyncGenerator[Event], self.handle.events())
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if event["t"] == "done" or event["t"] == "error":
+                            if event["t"] == "error" and first is None and merged is None \
+                                    and self.routed is not None \
+                                    and await self._fall_back(event):
+                                retried = True
+                                break
+                            finals.append(event)
+                        elif event["t"] == "delta":
+                            if first is None:
+                                first = time.perf_counter()
+                                span.add_event("first_token")
+                            if merged is None or event["i"] == 0:  # the audit's: choice 0
+                                self.admission.note_reply(event.get("text", ""))
+                        yield event
+                if not retried:
+                    break
         except BaseException as exc:
             if merged is not None:
                 await merged.aclose()  # its readers of the n requests stop now
@@ -106,6 +124,26 @@ class Submitted:
         asyncio.get_running_loop().call_soon(
             self._settle, span, choices.combined(finals), first,
             (time.perf_counter(), time.time_ns()), time.monotonic())
+
+    async def _fall_back(self, failed: ErrorEvent) -> bool:
+        """After this attempt's request failed with `failed`, before any text: when the
+        failure is retriable and the route has a next deployment that admits the call
+        within its deadline, settle this attempt (not audited: the call's audit event
+        lists it) and go on with the next one's request. False: `failed` is the answer."""
+        routed = self.routed
+        if routed is None or self.handle.replayed or not retriable_failure(failed):
+            return False
+        routed.note(self.spec.name, failed["status"], failed["code"])
+        this = routed.failed[-1]
+        routed.superseded = self.handle
+        attempt = await routed.next()
+        if attempt is None:
+            routed.failed.remove(this)  # the call's answer: its audit event's own status
+            return False
+        self.admission.finish_now(failed, charge=self.charged, audited=False)
+        self.spec, self.handle, self.admission = attempt.spec, attempt.handle, attempt.admission
+        self.admission.request_id = self.handle.rid
+        return True
 
     def _settle(self, span: Any, final: FinalEvent | None, first: float | None,
                 ended: tuple[float, int], ended_monotonic: float) -> None:

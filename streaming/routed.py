@@ -1,0 +1,253 @@
+"""A call to a model alias: the deployments it tries, in which order, and when it moves
+on to the next.
+
+    alias_route(name) (cached) -> routing.plan(route, rng, unavailable, prompt_bound)
+    -> attempt: admission + enqueue on one deployment (the gateway's, as for a call
+       naming that deployment) -> the call's events (streaming/submitted.py)
+    a retriable failure -> backoff_s -> the next deployment of the plan, while the
+       call's deadline allows
+
+- The plan (inference/routing.py) leaves out disabled deployments, those whose breaker
+  is open (governance/breaker.py: open and not yet due for a half-open probe, read
+  through `Breakers`) and those whose context cannot hold the call (the prompt's bound,
+  streaming/prompting.py, plus the max_tokens asked).
+- Retriable, so the call moves on: an admission refused by the deployment's breaker,
+  its load shedding or memory guard, a rate limit (the deployment's own tenant x model
+  limit is the one another deployment can pass), its full queue; and, before the
+  caller has any text (no delta event yet), a worker's error event with a status of
+  500 or more or 429 that does not say `retry: false` (`retriable_failure`). Anything
+  else (a quota, the caller's 4xx, an error after text was sent) is the call's answer.
+- Each attempt is admitted and settled on its own: quotas, rate limits, breakers,
+  usage and latency are those of the deployment actually used. The call has one audit
+  event, its last attempt's (`RoutedAdmission`): its model is the deployment that
+  answered, its detail names the alias and every failed attempt.
+- A call with n > 1 choices moves on at admission only (its n streams are not
+  restarted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from governance import audit
+from governance import cache as policies
+from governance.admission import Admission, call_status
+from inference import queue as q
+from inference.cache import enabled_spec
+from inference.client import RequestHandle
+from inference.jobs import ErrorEvent, FinalEvent, usage
+from inference.routing import Plan, Route, Skip, backoff_s, plan
+from inference.spec import DeploymentSpec, Kind, RuntimeName
+from sluice import telemetry
+from sluice.errors import ApiError, BadRequest, Unavailable
+from streaming.prompting import prompt_bound
+
+if TYPE_CHECKING:
+    from streaming.submitted import Submitted
+
+# Refusals that another deployment may not make (see the module docstring).
+RETRIABLE_REFUSALS = frozenset({"circuit_open", "load_shed", "memory_pressure", "overloaded",
+                                "rate_limit_requests", "rate_limit_tokens",
+                                "tenant_queue_full"})
+_BREAKER_TTL_S = 0.2  # how stale a breaker's state read for routing may be
+# prompt_bound caps its bound at the spec's context; routing compares it with each
+# deployment's, so it is computed against no cap at all.
+_UNCAPPED = DeploymentSpec(name="", runtime=RuntimeName.ECHO, max_context=2**40)
+_rng = random.SystemRandom()
+
+Attempt = Callable[[DeploymentSpec, "Routed"], Awaitable["Submitted"]]
+
+
+def retriable_refusal(exc: ApiError) -> bool:
+    return exc.code in RETRIABLE_REFUSALS
+
+
+def retriable_failure(event: ErrorEvent) -> bool:
+    """A worker's error event another deployment may not repeat."""
+    return (event["status"] >= 500 or event["status"] == 429) and event.get("retry") is not False
+
+
+def call_bound(texts: Iterable[str], max_tokens: int | None) -> int:
+    """The call's tokens at most, as routing compares them with a deployment's context:
+    the prompt's bound and the reply's max_tokens when the caller set one (otherwise
+    each deployment's default fits its own context)."""
+    return prompt_bound(list(texts), _UNCAPPED) + (max_tokens or 0)
+
+
+class Breakers:
+    """Which deployments routing must leave out for their breaker: open, and not yet due
+    for a half-open probe (one that is due is tried: its admission decides). Read from
+    the breakers' shared state (one pipelined HMGET for the deployments not seen within
+    _BREAKER_TTL_S), per process."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[float, float]] = {}  # name -> (fresh until, open until)
+
+    async def unavailable(self, redis: Any, names: list[str]) -> dict[str, Skip]:
+        now = time.monotonic()
+        stale = [n for n in names if self._seen.get(n, (0.0, 0.0))[0] <= now]
+        if stale:
+            pipe = redis.pipeline(transaction=False)
+            for name in stale:
+                pipe.hmget(q.deployment_key(name, "br"), "state", "opened_at")
+            replies = await pipe.execute()
+            wall = time.time()
+            for name, (state, opened_at) in zip(stale, replies, strict=True):
+                open_until = 0.0
+                if state is not None and _s(state) == "open" and opened_at is not None:
+                    wait = (await policies.breaker_policy(name)).open_wait_s
+                    open_until = now + float(_s(opened_at)) + wait - wall
+                self._seen[name] = (now + _BREAKER_TTL_S, open_until)
+        return {n: Skip.BREAKER_OPEN for n in names if self._seen[n][1] > now}
+
+
+breakers = Breakers()
+
+
+@dataclass
+class Routed:
+    """One alias call's routing: the deployments still to try, in order, the failed
+    attempts (for the audit event), and the call's deadline (time.monotonic())."""
+
+    alias: str
+    kind: Kind
+    order: list[str]
+    deadline: float
+    attempt: Attempt
+    skipped: dict[str, Skip] = field(default_factory=dict)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    # The request of an attempt that failed after it was queued: the next attempt takes
+    # over its idempotency key, and it can no longer be resumed.
+    superseded: RequestHandle | None = None
+
+    @classmethod
+    async def start(cls, route: Route, kind: Kind, attempt: Attempt, *, redis: Any,
+                    bound: int, timeout_s: float) -> Submitted:
+        """Plan the call and make its first attempt that is admitted; the last refusal
+        when none is (BadRequest when the call is too long for every deployment)."""
+        names = [t.deployment for t in (*route.targets, *route.fallbacks)]
+        down = await breakers.unavailable(redis, names)
+        planned: Plan = plan(route, rng=_rng, unavailable=down, prompt_bound=bound)
+        if planned.only_context:
+            raise BadRequest(f"The request is too long for every deployment of model "
+                             f"'{route.alias}'.", code="context_length_exceeded",
+                             param="messages")
+        routed = cls(route.alias, kind, list(planned.order), time.monotonic() + timeout_s,
+                     attempt, dict(planned.skipped))
+        sub = await routed.next(first=True)
+        assert sub is not None  # noqa: S101  (first=True raises instead)
+        return sub
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def described(self) -> dict[str, str]:
+        """What the audit event says of the route beyond the alias (scalars: the audit
+        keeps detail values small): the attempts that failed, the deployments left out."""
+        out = {}
+        if self.failed:
+            out["failed_attempts"] = ", ".join(
+                f"{f['deployment']} ({f['status']} {f['code']})" for f in self.failed)
+        if self.skipped:
+            out["skipped"] = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
+        return out
+
+    def note(self, deployment: str, status: int, code: str) -> None:
+        self.failed.append({"deployment": deployment, "status": status, "code": code})
+
+    async def next(self, *, first: bool = False) -> Submitted | None:
+        """The next attempt that is admitted, after a backoff when one failed before;
+        None when none is left, or the deadline leaves no time for it (`first`: raise
+        the last refusal instead, or a 503 when the plan was empty)."""
+        refusal: ApiError | None = None
+        while self.order:
+            if self.failed:
+                pause = backoff_s(len(self.failed), rng=_rng)
+                if pause >= self.left_s():
+                    break
+                await asyncio.sleep(pause)
+            name = self.order.pop(0)
+            spec = await enabled_spec(name)
+            if spec is None:  # disabled or removed since the alias was read
+                self.note(name, 404, "model_not_found")
+                continue
+            if spec.kind != self.kind:
+                raise BadRequest(f"The model '{self.alias}' is a {spec.kind.value} model.",
+                                 code="wrong_model_kind", param="model")
+            scope = telemetry.current_scope()
+            if scope is not None:
+                scope.model = spec.name
+            try:
+                return await self.attempt(spec, self)
+            except ApiError as exc:
+                if not retriable_refusal(exc):
+                    if first:
+                        raise
+                    return None
+                self.note(name, exc.status, str(exc.code))
+                refusal = exc
+        if not first:
+            return None
+        if refusal is not None:
+            raise refusal
+        raise Unavailable(f"No deployment of model '{self.alias}' is available now; try "
+                          "again shortly.", code="no_deployment_available",
+                          headers={"Retry-After": "1"})
+
+    async def supersede(self, idempotency_key: str | None) -> None:
+        """Before an attempt after one whose queued request failed (`superseded`): the
+        caller's idempotency key is freed for the new request, and the failed one is no
+        longer resumable (its stream holds only the failure)."""
+        handle, self.superseded = self.superseded, None
+        if handle is None:
+            return
+        keys = [q.owner_key(handle.tenant, handle.rid)]
+        if idempotency_key is not None:
+            keys.append(q.idem_key(handle.tenant, idempotency_key))
+        with contextlib.suppress(Exception):  # at worst a retry replays the failure
+            await handle.client.redis.delete(*keys)
+
+    def admission(self, admitted: Admission) -> RoutedAdmission:
+        """`admitted` as this call's attempt (audited with the route)."""
+        return RoutedAdmission(**{f.name: getattr(admitted, f.name) for f in fields(admitted)},
+                               routed=self)
+
+
+@dataclass
+class RoutedAdmission(Admission):
+    """An alias call's attempt: settled like any admission; its audit event (when it is
+    the call's last attempt) names the alias and the attempts that failed before it."""
+
+    routed: Routed | None = None
+
+    def finish_now(self, final: FinalEvent | None, *, error: BaseException | None = None,
+                   charge: bool = True, audited: bool = True,
+                   ended: float | None = None) -> None:
+        if self.done:
+            return
+        super().finish_now(final, error=error, charge=charge, audited=False, ended=ended)
+        if not audited or self.routed is None:
+            return
+        spent = final["usage"] if final is not None else usage(0, 0)
+        routed = self.routed
+        self.governor.recorder.audit(audit.call_event(
+            principal=self.principal, action=self.action, model=self.spec.name,
+            protocol=self.protocol, status=call_status(final, error),
+            latency_ms=((time.monotonic() if ended is None else ended) - self.started) * 1000,
+            prompt_tokens=spent["prompt_tokens"], completion_tokens=spent["completion_tokens"],
+            request_id=self.request_id, trace_id=self.trace_id,
+            request_text=self.request_text, response_text="".join(self.reply),
+            patterns=self.patterns,
+            detail={"finish": final["finish"] if final is not None and final["t"] == "done"
+                    else None, "probe": self.probe, "degraded": self.max_tokens_cap is not None,
+                    "alias": routed.alias, **routed.described()}))
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
