@@ -3,7 +3,10 @@
 `UpstreamClient(spec).stream(job, tenant=...)` sends the job (inference/upstream/body.py
 says what is sent) and yields what a worker emits for it: DeltaEvents (`ids` is [] —
 an upstream's token ids are not ours), then exactly one DoneEvent or ErrorEvent, the
-last event. Sequence numbers start at 0, or at a continuation's `seq`.
+last event. Sequence numbers start at 0, or at a continuation's `seq`. HTTP goes
+through httpcore's connection pool directly (inference/upstream/network.py), without
+httpx's client layer (cookies, redirects, request and response models: a third of a
+call's CPU); transport failures are typed from httpcore's exceptions (or httpx's).
 
 Contract
 - Cancellation: closing the iterator (`aclose()`, or cancelling the task that reads it)
@@ -40,13 +43,14 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import httpcore
 import httpx
 import orjson
 
 from inference.jobs import ChatJob, DeltaEvent, DoneEvent, ErrorEvent, default_max_tokens, usage
 from inference.spec import DeploymentSpec
 from inference.upstream.body import ChunkReader, Continuation, can_continue, path_of, request_body
-from inference.upstream.network import transport
+from inference.upstream.network import pool
 from inference.upstream.secrets import Secret, SecretUnavailable, unseal
 from inference.upstream.urls import UpstreamURLError, allow_private
 
@@ -100,10 +104,11 @@ def exception_failure(exc: BaseException) -> UpstreamFailure:
     if isinstance(exc, UpstreamURLError):
         return UpstreamFailure(502, "upstream_address_refused", "The model's upstream "
                                "address is refused by the SSRF guard.", retry=False)
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
+                  | httpcore.ConnectError | httpcore.ConnectTimeout | httpcore.PoolTimeout):
         return UpstreamFailure(503, "upstream_unavailable", "The model's upstream server "
                                "cannot be reached.", retry=True)
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx.TimeoutException | httpcore.TimeoutException):
         return UpstreamFailure(504, "upstream_timeout", "The model's upstream server "
                                "stopped answering.", retry=True)
     if isinstance(exc, orjson.JSONDecodeError):
@@ -128,18 +133,19 @@ class UpstreamClient:
         except SecretUnavailable as exc:
             self._secret_failure = UpstreamFailure(502, "upstream_secret_unavailable",
                                                    str(exc), retry=False)
-        headers = {"Accept": "text/event-stream"}
-        if self._secret:
-            headers["Authorization"] = f"Bearer {self._secret.reveal()}"
         up = self.upstream
-        self._http = httpx.AsyncClient(
-            base_url=up.base_url, headers=headers, follow_redirects=False, trust_env=False,
-            transport=transport(private_ok=allow_private() if private_ok is None
-                                else private_ok, max_connections=up.concurrency))
+        self._headers = [(b"Accept", b"text/event-stream, application/json"),
+                         (b"Content-Type", b"application/json"),
+                         (b"User-Agent", b"sluice-upstream")]
+        if self._secret:
+            self._headers.append((b"Authorization", f"Bearer {self._secret.reveal()}".encode()))
+        self._base = up.base_url.rstrip("/")
+        self._pool = pool(private_ok=allow_private() if private_ok is None else private_ok,
+                          max_connections=up.concurrency)
         self._slots = asyncio.Semaphore(up.concurrency)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._pool.aclose()
 
     def _scrub(self, text: str) -> str:
         """An upstream's message made safe to quote: without our key (a server may
@@ -149,7 +155,7 @@ class UpstreamClient:
             text = text.replace(secret, "[redacted]")
         return _CONTROL.sub(" ", text)[:_QUOTE_MAX].strip()
 
-    def _timeout(self, deadline: float | None, *, whole: bool = False) -> httpx.Timeout:
+    def _timeout(self, deadline: float | None, *, whole: bool = False) -> dict[str, Any]:
         """`whole`: the reply comes in one piece, after the whole generation: its read
         waits until the deadline, not read_timeout_s (silence between chunks)."""
         up = self.upstream
@@ -157,7 +163,7 @@ class UpstreamClient:
         if deadline is not None:
             left = max(0.001, deadline - time.monotonic())
             connect, read = min(connect, left), left if whole else min(read, left)
-        return httpx.Timeout(connect=connect, read=read, write=read, pool=None)
+        return {"timeout": {"connect": connect, "read": read, "write": read, "pool": None}}
 
     async def stream(self, job: ChatJob, *, tenant: str,
                      continuation: Continuation | None = None,
@@ -180,12 +186,12 @@ class UpstreamClient:
                 raise failure
             body = request_body(job, self.upstream, tenant=tenant, max_tokens=max_tokens,
                                 continuation=continuation)
-            async with self._slots, self._http.stream(
-                    "POST", path_of(job).lstrip("/"), json=body,
-                    timeout=self._timeout(deadline, whole=not job.stream)) as response:
-                if response.status_code != 200:
-                    raise status_failure(response.status_code,
-                                         await self._quoted(response))
+            async with self._slots, self._pool.stream(
+                    "POST", self._base + path_of(job), headers=self._headers,
+                    content=orjson.dumps(body),
+                    extensions=self._timeout(deadline, whole=not job.stream)) as response:
+                if response.status != 200:
+                    raise status_failure(response.status, await self._quoted(response))
                 if not body["stream"]:  # one JSON reply, read as one chunk
                     text, lp = reader.read(orjson.loads(await _whole(response)))
                     if reader.error is not None:
@@ -220,8 +226,9 @@ class UpstreamClient:
                     raise UpstreamFailure(502, "upstream_disconnected", "The model's "
                                           "upstream server ended the reply early.",
                                           retry=True)
-        except (UpstreamFailure, UpstreamURLError, httpx.HTTPError,
-                orjson.JSONDecodeError) as exc:
+        except (UpstreamFailure, UpstreamURLError, httpcore.NetworkError,
+                httpcore.TimeoutException, httpcore.ProtocolError, httpx.HTTPError,
+                orjson.JSONDecodeError, UnicodeDecodeError) as exc:
             failed = exc if isinstance(exc, UpstreamFailure) else exception_failure(exc)
             logger.warning("upstream %s: %s (%s)", self.spec.name, failed.code,
                            type(exc).__name__)
@@ -251,9 +258,9 @@ class UpstreamClient:
                                    "the request again.", retry=True)
         return None
 
-    async def _quoted(self, response: httpx.Response) -> str:
+    async def _quoted(self, response: httpcore.Response) -> str:
         raw = b""
-        async for part in response.aiter_bytes():
+        async for part in response.aiter_stream():
             raw += part
             if len(raw) >= _ERROR_BODY_MAX:
                 break
@@ -288,10 +295,10 @@ class UpstreamClient:
         return done
 
 
-async def _whole(response: httpx.Response) -> bytes:
+async def _whole(response: httpcore.Response) -> bytes:
     """A reply's whole body, up to _REPLY_MAX bytes."""
     parts, size = [], 0
-    async for part in response.aiter_bytes():
+    async for part in response.aiter_stream():
         size += len(part)
         if size > _REPLY_MAX:
             raise UpstreamFailure(502, "upstream_bad_reply", "The model's upstream server "
@@ -305,10 +312,22 @@ async def _nothing() -> AsyncIterator[str]:
     yield  # an async generator that yields nothing
 
 
-async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
+async def _lines(response: httpcore.Response) -> AsyncIterator[str]:
+    """The body's lines (LF or CRLF; UTF-8), as they arrive."""
+    pending = b""
+    async for part in response.aiter_stream():
+        pending += part
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            yield line.removesuffix(b"\r").decode()
+    if pending:
+        yield pending.removesuffix(b"\r").decode()
+
+
+async def _sse_data(response: httpcore.Response) -> AsyncIterator[str]:
     """The `data` of each server-sent event (its data lines joined)."""
     lines: list[str] = []
-    async for line in response.aiter_lines():
+    async for line in _lines(response):
         if not line:
             if lines:
                 yield "\n".join(lines)
