@@ -35,6 +35,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import RedisError
+
 from governance import audit
 from governance import cache as policies
 from governance.admission import Admission, call_status
@@ -84,7 +86,8 @@ class Breakers:
     """Which deployments routing must leave out for their breaker: open, and not yet due
     for a half-open probe (one that is due is tried: its admission decides). Read from
     the breakers' shared state (one pipelined HMGET for the deployments not seen within
-    _BREAKER_TTL_S), per process."""
+    _BREAKER_TTL_S), per process; when Redis fails, only what was already known open is
+    left out (the breaker's own admission fails open too)."""
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[float, float]] = {}  # name -> (fresh until, open until)
@@ -96,7 +99,11 @@ class Breakers:
             pipe = redis.pipeline(transaction=False)
             for name in stale:
                 pipe.hmget(q.deployment_key(name, "br"), "state", "opened_at")
-            replies = await pipe.execute()
+            try:
+                replies = await pipe.execute()
+            except RedisError:  # as the breaker's own admission does: fail open
+                return {n: Skip.BREAKER_OPEN for n in names
+                        if self._seen.get(n, (0.0, 0.0))[1] > now}
             wall = time.time()
             for name, (state, opened_at) in zip(stale, replies, strict=True):
                 open_until = 0.0
