@@ -3,7 +3,8 @@ the deployment's one `UpstreamClient` (inference/upstream/client.py: at most
 `concurrency` requests in flight, one connection pool).
 
 - `start(rid, job, ...)` starts request `rid`'s call; each of its events, in order, is
-  handed to `on_event(rid, event)` as it arrives, the last one a final event;
+  handed to `on_event(rid, event)` as it arrives, the last one a final event; `on_end()`
+  when its task has ended (it no longer counts in `len()`);
 - `cancel(rid)` cancels the call's task: the client's stream is closed, which closes the
   HTTP request (the upstream stops generating), and `on_event` gets nothing more of it;
 - `close()` cancels every call and waits for their tasks.
@@ -26,9 +27,11 @@ logger = logging.getLogger("sluice.upstream")
 
 
 class Calls:
-    def __init__(self, client: UpstreamClient, on_event: Callable[[str, Event], None]) -> None:
+    def __init__(self, client: UpstreamClient, on_event: Callable[[str, Event], None],
+                 on_end: Callable[[], None]) -> None:
         self.client = client
         self._on_event = on_event
+        self._on_end = on_end  # a call's task ended (after its last event, or cancelled)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ending: set[asyncio.Task[None]] = set()  # cancelled, closing their requests
 
@@ -43,7 +46,13 @@ class Calls:
         task = asyncio.get_running_loop().create_task(
             self._call(rid, job, tenant, continuation, deadline), name=f"upstream:{rid}")
         self._tasks[rid] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
+        task.add_done_callback(lambda _t: self._ended(rid, task))
+
+    def _ended(self, rid: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(rid) is task:
+            del self._tasks[rid]
+        self._ending.discard(task)
+        self._on_end()
 
     async def _call(self, rid: str, job: ChatJob, tenant: str,
                     continuation: Continuation | None, deadline: float) -> None:
@@ -69,7 +78,6 @@ class Calls:
         task = self._tasks.pop(rid, None)
         if task is not None and task.cancel():
             self._ending.add(task)
-            task.add_done_callback(self._ending.discard)
 
     async def close(self) -> None:
         """Cancel every call and wait for their tasks to end."""

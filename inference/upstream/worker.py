@@ -117,7 +117,7 @@ class UpstreamWorker:
         self.writer = Writer(client, spec.name, self.id)
         self.active: dict[str, Running] = {}  # the requests whose calls run, by id
         self._calls: Calls | None = None  # made on the loop, by run()
-        self._news: asyncio.Event | None = None  # a call had an event
+        self._news: asyncio.Event | None = None  # a call had an event, or ended
         self._event_wait_s = min(_MAX_EVENT_WAIT_S, max(0.001, spec.max_wait_ms / 1000))
         self._last_tenant: str | None = None
         self._alone: str | None = None
@@ -140,7 +140,8 @@ class UpstreamWorker:
     async def _run(self, drain_s: float) -> None:
         logger.info("upstream worker %s serving %s", self.id, self.spec.name)
         client = UpstreamClient(self.spec, private_ok=self.private_ok)
-        self._calls, self._news = Calls(client, self._on_event), asyncio.Event()
+        news = self._news = asyncio.Event()
+        self._calls = Calls(client, self._on_event, news.set)
         try:
             try:
                 while not self.stopping.is_set():
@@ -185,17 +186,18 @@ class UpstreamWorker:
         self._flush()
 
     async def _wait(self, timeout_s: float) -> None:
-        """Let the calls run until one has an event, at most `timeout_s`; then write
-        what they sent."""
+        """Let the calls run until one has an event or ends, at most `timeout_s`; then
+        write what they sent."""
         news = self._news
         assert news is not None  # noqa: S101
         if not self.outbox:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout_s):
                     await news.wait()
-            # The other calls whose replies came in the same moment add theirs: one
-            # write for all of them.
-            await asyncio.sleep(0)
+            if self.active:
+                # The other calls whose replies came in the same moment add theirs: one
+                # write for all of them.
+                await asyncio.sleep(0)
         news.clear()
         self._flush()
 
