@@ -135,13 +135,16 @@ class ToolCall(TypedDict):
 class DeltaEvent(TypedDict):
     """New text of a reply: `text` (possibly empty when held back: a stop string's
     start, a character split across tokens) for the token ids `ids`; `lp` their
-    log-probability entries when the job asked for them."""
+    log-probability entries when the job asked for them. The first delta of a request
+    (seq 0) carries `prompt_tokens`, the prompt's count, when the worker knows it then
+    (Anthropic's `message_start` reports it before any text)."""
 
     t: Literal["delta"]
     seq: int
     text: str
     ids: list[int]
     lp: NotRequired[list[dict[str, Any]]]
+    prompt_tokens: NotRequired[int]
     i: NotRequired[int]  # the choice's index, set by the gateway's fan-out (n > 1)
 
 

@@ -11,7 +11,8 @@ its token budget (length), at its deadline (a 504), when its grammar's value is
 complete, or on the model's numerical fault (FAILED: a 500 that is not retried).
 
 Events: one `DeltaEvent` per token that completes text (a streamed request), or one at
-the end (a request nobody reads token by token: `stream` false); then one final event,
+the end (a request nobody reads token by token: `stream` false), the first (seq 0) with
+the prompt's token count; then one final event,
 a `DoneEvent` (finish, usage, tool calls, the stop string) or an `ErrorEvent`. Every
 event goes to the `Outbox` (inference/engine/writer.py) with its sequence number; a
 final event with the entry's acknowledgement. `handle` returns the rows that ended, for
@@ -235,6 +236,8 @@ class OutputProcessor:
                              "ids": row.unsent_ids}
         if row.logprobs:
             event["lp"], row.unsent_lps = row.unsent_lps, []
+        if row.seq == 0:
+            event["prompt_tokens"] = row.prompt_tokens
         self.outbox.add(row.req, event)
         row.seq += 1
         row.sent_text = text

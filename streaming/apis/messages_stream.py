@@ -6,10 +6,13 @@ A stream is Anthropic's event sequence: `message_start`, then per content block
 as `input_json_delta`) / `content_block_stop`, one `ping` after the first block's start,
 `message_delta` (stop_reason, stop_sequence, usage), `message_stop`. The text block opens
 at the first text; tool calls arrive whole with the final event, so each tool_use block
-carries its input in one `input_json_delta`. The prompt's token count is known only at
-the end: `message_start` says 0 input tokens and `message_delta` the real figures (the
-SDK's accumulated message takes them). A worker error after the stream began is an
-`error` event, and the stream ends without `message_stop`.
+carries its input in one `input_json_delta`. `message_start` is written once the first
+event is in (the 200 waits for it anyway, so an error before any output is a plain
+HTTP error), and reports that event's prompt count: a worker's first delta carries it,
+a reply that is only tool calls has it in its final event; a worker that does not send
+it early (an upstream deployment's) leaves 0 there, and `message_delta` has the real
+figures either way (the SDK's accumulated message takes them). A worker error after the
+stream began is an `error` event, and the stream ends without `message_stop`.
 """
 
 from __future__ import annotations
@@ -93,6 +96,15 @@ async def message_body(sub: Submitted, model: str) -> dict[str, Any]:
             "usage": usage(final)}
 
 
+def _prompt_tokens(first: Event) -> int:
+    """The prompt's token count as far as a request's first event tells it."""
+    if first["t"] == "delta":
+        return first.get("prompt_tokens", 0)
+    if first["t"] == "done":
+        return first["usage"]["prompt_tokens"]
+    return 0
+
+
 def _sse(name: str, payload: dict[str, Any]) -> bytes:
     return b"event: %s\ndata: %s\n\n" % (name.encode(), orjson.dumps(payload))
 
@@ -117,7 +129,7 @@ async def stream(sub: Submitted, model: str, send: Send,
             await out.send(_sse("message_start", {"type": "message_start", "message": {
                 "id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
                 "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0}}}))
+                "usage": {"input_tokens": _prompt_tokens(first), "output_tokens": 0}}}))
             event: Event | None = first
             while event is not None:
                 if event["t"] == "delta" and event["text"]:
