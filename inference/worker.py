@@ -21,8 +21,8 @@ Delivery is at-least-once with no duplicates visible to the caller:
 The `Worker` wires the parts of inference/engine/ (each module states its contract):
   intake.py   reads entries (XREADGROUP), reaps dead workers' entries, dead-letters,
               holds the backlog, looks up cancellations, hands entries back
-  inference/scheduler.py
-              which waiting requests join the batch (pure)
+  admission.py
+              which waiting requests start now (inference/scheduler.py, pure, decides)
   inputs.py   a job into the engine's sequence (prompt, sampling, grammar)
   engine.py   the runtime's sequences and steps, overlapped on the model thread
   output.py   tokens into events: detokenizing, stop strings, logprobs, finishes
@@ -50,12 +50,12 @@ from typing import Any
 import redis
 
 from inference import queue as q
+from inference.engine.admission import Admission
 from inference.engine.engine import OVERLAP_MIN_STEP_S, Engine
 from inference.engine.entries import (
     Pending,
     RequestError,
     dead_lettered,
-    expired_in_queue,
 )
 from inference.engine.health import Health
 from inference.engine.inputs import InputProcessor, embed_texts
@@ -64,7 +64,6 @@ from inference.engine.output import OutputProcessor, Row, done_event, error_even
 from inference.engine.writer import Outbox, Writer
 from inference.runtimes import load_runtime
 from inference.runtimes.base import ChatRuntime, EmbeddingRuntime, NewSequence
-from inference.scheduler import admit, expired
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.upstream.worker import UpstreamWorker
 from sluice import gctuning, telemetry
@@ -105,15 +104,19 @@ class Worker:
         self.writer = Writer(client, spec.name, self.id)
         # An idle embedding worker waits up to max_wait_ms for a fuller batch.
         self._gather = isinstance(self.runtime, EmbeddingRuntime)
-        self._last_tenant: str | None = None  # the scheduler's rounds rotate from it
-        self._alone: str | None = None  # a request on its last chance, running alone
-        # The request ids of the most recent admissions, for tests and debugging.
-        self.admitted: deque[list[str]] = deque(maxlen=256)
+        self.admission = Admission(self.intake, self.outbox, self.health,
+                                   max_batch_size=spec.max_batch_size,
+                                   max_deliveries=spec.max_deliveries)
 
     @property
     def active(self) -> dict[str, Row]:
         """The running requests, by request id."""
         return self.output.rows
+
+    @property
+    def admitted(self) -> deque[list[str]]:
+        """The request ids of the most recent admissions (tests and debugging)."""
+        return self.admission.admitted
 
     @property
     def backlog(self) -> list[Pending]:
@@ -228,24 +231,9 @@ class Worker:
 
     # -- admission -----------------------------------------------------------------
     def _admit(self) -> None:
-        for pending in expired(self.backlog, q.now_ms()):
-            self.intake.take([pending])
-            self.outbox.final(pending, error_event(expired_in_queue()))
-        if self._alone is not None and self._alone not in self.active:
-            self._alone = None  # it has ended: the batch may grow again
-        chosen, alone = admit(self.backlog, running=len(self.active),
-                              max_batch_size=self.spec.max_batch_size,
-                              max_deliveries=self.spec.max_deliveries,
-                              alone_running=self._alone is not None,
-                              after_tenant=self._last_tenant)
+        chosen = self.admission.next(self.active)
         if not chosen:
             return
-        if alone:
-            self._alone = chosen[0].req.rid
-        self.intake.take(chosen)
-        self._last_tenant = chosen[-1].tenant
-        self.admitted.append([p.req.rid for p in chosen])
-        self.health.open_batch(chosen)
         if isinstance(self.runtime, EmbeddingRuntime):
             self._embed(chosen)
         else:

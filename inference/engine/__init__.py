@@ -4,6 +4,7 @@ contract), in the shape of vLLM v1's engine:
     entries.py  a held queue entry (`Pending`) and a request's failure (`RequestError`)
     intake.py   reading entries, reaping dead workers' entries, dead letters, the
                 backlog, cancel flags, what an earlier delivery streamed
+    admission.py  which backlog entries start now (over inference/scheduler.py)
     inputs.py   a job into the engine's sequence: prompt, sampling, grammar
     engine.py   the runtime's sequences and steps, overlapped on the model thread
     output.py   tokens into events: detokenizing, stop strings, logprobs, finishes

@@ -7,8 +7,8 @@ deployments). The delivery contract is inference/worker.py's, through the same p
 
   intake      (inference/engine/intake.py) reading, reaping dead workers' entries,
               dead letters, the backlog, cancel flags, what an earlier delivery streamed
-  scheduler   (inference/scheduler.py) priorities, tenant fairness, the last delivery
-              alone, deadlines in the queue
+  admission   (inference/engine/admission.py, over inference/scheduler.py) priorities,
+              tenant fairness, the last delivery alone, deadlines in the queue
   writer      (inference/engine/writer.py) events before acks, each final once
   health      (inference/engine/health.py) heartbeats, the memory guard, batch spans
 and, in place of the model's parts, the calls (inference/upstream/calls.py): one task
@@ -54,11 +54,11 @@ from secrets import token_hex
 import redis
 
 from inference import queue as q
+from inference.engine.admission import Admission
 from inference.engine.entries import (
     Pending,
     RequestError,
     dead_lettered,
-    expired_in_queue,
     malformed,
 )
 from inference.engine.health import Health
@@ -67,7 +67,6 @@ from inference.engine.output import done_event, error_event
 from inference.engine.writer import Outbox, Writer
 from inference.jobs import ChatJob, Event, JobError
 from inference.runtimes.base import process_memory
-from inference.scheduler import admit, expired
 from inference.spec import DeploymentSpec
 from inference.upstream.body import Continuation
 from inference.upstream.calls import Calls
@@ -119,9 +118,14 @@ class UpstreamWorker:
         self._calls: Calls | None = None  # made on the loop, by run()
         self._news: asyncio.Event | None = None  # a call had an event, or ended
         self._event_wait_s = min(_MAX_EVENT_WAIT_S, max(0.001, spec.max_wait_ms / 1000))
-        self._last_tenant: str | None = None
-        self._alone: str | None = None
-        self.admitted: deque[list[str]] = deque(maxlen=256)  # for tests and debugging
+        self.admission = Admission(self.intake, self.outbox, self.health,
+                                   max_batch_size=self.spec.max_batch_size,
+                                   max_deliveries=spec.max_deliveries)
+
+    @property
+    def admitted(self) -> deque[list[str]]:
+        """The request ids of the most recent admissions (tests and debugging)."""
+        return self.admission.admitted
 
     @property
     def backlog(self) -> list[Pending]:
@@ -255,24 +259,7 @@ class UpstreamWorker:
 
     # -- calls ---------------------------------------------------------------------
     def _admit(self) -> None:
-        for pending in expired(self.backlog, q.now_ms()):
-            self.intake.take([pending])
-            self.outbox.final(pending, error_event(expired_in_queue()))
-        if self._alone is not None and self._alone not in self.active:
-            self._alone = None
-        chosen, alone = admit(self.backlog, running=len(self.active),
-                              max_batch_size=self.spec.max_batch_size,
-                              max_deliveries=self.spec.max_deliveries,
-                              alone_running=self._alone is not None,
-                              after_tenant=self._last_tenant)
-        if not chosen:
-            return
-        if alone:
-            self._alone = chosen[0].req.rid
-        self.intake.take(chosen)
-        self._last_tenant = chosen[-1].tenant
-        self.admitted.append([p.req.rid for p in chosen])
-        self.health.open_batch(chosen)
+        chosen = self.admission.next(self.active)
         for pending in chosen:
             try:
                 self._start(pending)
