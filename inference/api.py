@@ -9,7 +9,6 @@ from ninja import Field, Router, Status
 from ninja.pagination import paginate
 
 from inference import selectors, services
-from inference.models import Deployment
 from inference.schemas import (
     AliasCreateIn,
     AliasOut,
@@ -111,19 +110,30 @@ def alias_delete(request: HttpRequest, name: str):
     return Status(204, None)
 
 
-def _model(deployment: Deployment) -> ModelOut:
-    return ModelOut(id=deployment.name, created=int(deployment.created_at.timestamp()))
+def _usable(request: HttpRequest) -> dict[str, ModelOut]:
+    """The models the caller may call, by id: the enabled deployments and model aliases
+    its key allows (a name that is both is the deployment, as a call reads it)."""
+    actor = actor_of(request)
+    usable = {d.name: ModelOut(id=d.name, created=int(d.created_at.timestamp()))
+              for d in selectors.models_for(actor=actor)}
+    for alias in selectors.aliases_for(actor=actor):
+        usable.setdefault(alias.name, ModelOut(id=alias.name,
+                                               created=int(alias.created_at.timestamp())))
+    return usable
 
 
 @models_router.get("/models", response=ModelListOut)
 def model_list(request: HttpRequest):
-    return ModelListOut(data=[_model(d) for d in selectors.models_for(actor=actor_of(request))])
+    """The deployments and model aliases the caller may call, by id."""
+    usable = _usable(request)
+    return ModelListOut(data=[usable[name] for name in sorted(usable)])
 
 
-@models_router.get("/models/{model}", response=ModelOut)
+# An alias's id may hold "/" ("org/model"): the path converter takes it.
+@models_router.get("/models/{path:model}", response=ModelOut)
 def model_get(request: HttpRequest, model: str):
-    usable = {d.name: d for d in selectors.models_for(actor=actor_of(request))}
-    if model not in usable:
+    found = _usable(request).get(model)
+    if found is None:
         raise NotFound(f"The model '{model}' does not exist or you do not have access to it.",
                        code="model_not_found", param="model")
-    return _model(usable[model])
+    return found

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Prefetch, Q, QuerySet
 
 from inference.autoscaler import events, state
 from inference.models import AliasFallback, AliasTarget, Deployment, ModelAlias
@@ -42,6 +42,16 @@ def models_for(*, actor: Principal) -> list[Deployment]:
     require(actor, Action.MODEL_LIST)
     return [d for d in Deployment.objects.filter(enabled=True).order_by("name")
             if actor.may_use_model(d.name)]
+
+
+def aliases_for(*, actor: Principal) -> list[ModelAlias]:
+    """The enabled model aliases this caller may use: a key's allow-list must name the
+    alias itself; an alias none of whose deployments is enabled cannot serve a call and
+    is left out."""
+    require(actor, Action.MODEL_LIST)
+    serving = Q(targets__deployment__enabled=True) | Q(fallbacks__deployment__enabled=True)
+    aliases = ModelAlias.objects.filter(serving, enabled=True).distinct().order_by("name")
+    return [a for a in aliases if actor.may_use_model(a.name)]
 
 
 def scaling(*, actor: Principal, name: str, limit: int = 50) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.models import Deployment
+from inference.models import AliasFallback, AliasTarget, Deployment, ModelAlias
 from inference.services import deployment_seed_defaults
 from tenants.roles import Role
 from tests.conftest import ApiClient, Org, assert_openai_error
@@ -66,6 +66,42 @@ def test_model_list_shows_enabled_models_within_the_key_allow_list(alice: Org) -
     assert error["code"] == "model_not_found"
     assert_openai_error(dev.get("/v1/models/retired"), 404)
     assert_openai_error(ApiClient().get("/v1/models"), 401)
+
+
+def test_model_list_shows_the_aliases_a_key_may_use(alice: Org) -> None:
+    # Given aliases over echo (one a fallback only), a disabled one, one whose only
+    # deployment is disabled, and a key that allows one alias and echo.
+    deployment_seed_defaults()
+    echo = Deployment.objects.get(name="echo")
+    retired = Deployment.objects.create(name="retired", runtime="echo", enabled=False)
+    served = ModelAlias.objects.create(name="org/chat")
+    AliasTarget.objects.create(alias=served, deployment=echo, weight=2)
+    backup = ModelAlias.objects.create(name="backup")
+    AliasTarget.objects.create(alias=backup, deployment=retired)
+    AliasFallback.objects.create(alias=backup, deployment=echo, position=0)
+    off = ModelAlias.objects.create(name="org/off", enabled=False)
+    AliasTarget.objects.create(alias=off, deployment=echo)
+    dead = ModelAlias.objects.create(name="org/dead")
+    AliasTarget.objects.create(alias=dead, deployment=retired)
+    dev = alice.client(Role.DEVELOPER)
+    # When the developer lists the models, then the aliases that can serve are there, in
+    # OpenAI's model shape, sorted by id with the deployments.
+    listed = dev.get("/v1/models").body["data"]
+    assert [m["id"] for m in listed] == ["all-minilm-l6-v2", "backup", "echo", "org/chat",
+                                         "smollm2-135m-instruct"]
+    chat = dev.get("/v1/models/org/chat").body
+    assert chat == {"id": "org/chat", "object": "model", "owned_by": "sluice",
+                    "created": int(served.created_at.timestamp())}
+    for hidden in ("org/off", "org/dead", "org/none"):
+        assert assert_openai_error(dev.get(f"/v1/models/{hidden}"), 404)["code"] == \
+            "model_not_found"
+    # A key's allow-list must name the alias: allowing its deployment is not enough.
+    narrow = dev.post("/api/v1/keys", {"name": "n", "allowed_models": ["echo", "backup"]}
+                      ).body["key"]
+    assert [m["id"] for m in ApiClient(narrow).get("/v1/models").body["data"]] == \
+        ["backup", "echo"]
+    assert_openai_error(ApiClient(narrow).get("/v1/models/org/chat"), 404)
+    assert ApiClient(narrow).get("/v1/models/backup").body["id"] == "backup"
 
 
 def test_seeding_is_idempotent_and_keeps_edits(db: None) -> None:
