@@ -13,9 +13,13 @@ retention (tenants/privacy.py) or a malformed id are all the same NotFound. A ne
 as far as its links are readable (a deleted or expired response ends it). The retention
 task deletes what is past retention (`responses_purge`).
 
-Writes from the call's path (`response_save`) go through streaming/responses_writer.py:
-the saves of a busy moment share one INSERT, each committed when its caller returns,
-and a DELETE wins over a save it races (`response_delete`).
+Where a stored response is: a call's save (`response_save`) puts it in Redis, in the
+call's coalesced round trip (streaming/responses_copy.py), and a writer process moves it
+into the database in batches (streaming/responses_writer.py), dropping the copy once it
+is committed; every reader looks at the copy first, then the database, so a response
+is readable from every gateway process as soon as its caller has the reply. A DELETE
+wins over a save it races (`response_delete`). Until the writer commits it, a response
+is only in Redis (as the audit stream's events and the queue's jobs are).
 """
 
 from __future__ import annotations
@@ -31,16 +35,12 @@ from redis.exceptions import RedisError
 
 from governance.privacy import Redactor, redact_json, redactor, redactor_now
 from sluice.errors import NotFound
+from sluice.redis import Coalescer
+from streaming import responses_copy
 from streaming.gateway import queue_unavailable
 from streaming.models import StoredResponse
-from streaming.responses_writer import (
-    FORGET_STORED_S,
-    Row,
-    forget,
-    forget_pending_s,
-    insert,
-    save,
-)
+from streaming.responses_copy import Row
+from streaming.responses_writer import insert
 from tenants.principal import Principal
 from tenants.privacy import policy_of, retention_groups
 from tenants.roles import Action
@@ -67,9 +67,27 @@ def _missing(param: str | None = None) -> NotFound:
     return NotFound("No such response.", code="response_not_found")
 
 
+def _find(actor: Principal, scoped: QuerySet[StoredResponse],
+          response_id: str) -> StoredResponse | None:
+    """The response if the actor may read it (`scoped`: `_scoped(actor)`): its copy in
+    Redis (not written yet) under the same rules as the rows, else its row."""
+    if not RESPONSE_ID.match(response_id):
+        return None
+    try:
+        copy = responses_copy.read(actor.tenant_id, response_id)
+    except RedisError:
+        raise queue_unavailable() from None
+    if copy is not None:
+        mine = (actor.can(Action.CONVERSATION_MANAGE_ALL)
+                or copy.created_by == actor.subject)
+        if not mine or copy.created_at < policy_of(actor.tenant_id).cutoff():
+            return None
+        return StoredResponse(**copy._asdict())
+    return scoped.filter(public_id=response_id).first()
+
+
 def response_get(*, actor: Principal, response_id: str) -> StoredResponse:
-    found = (_scoped(actor).filter(public_id=response_id).first()
-             if RESPONSE_ID.match(response_id) else None)
+    found = _find(actor, _scoped(actor), response_id)
     if found is None:
         raise _missing()
     return found
@@ -89,21 +107,22 @@ def response_input_items(*, actor: Principal, response_id: str) -> list[dict[str
 
 
 def response_delete(*, actor: Principal, response_id: str) -> str:
-    """Delete a stored response; a DELETE wins over a save of that id in flight (a
-    stream's reply, known from its first event, or an idempotent retry's), also when
-    nothing is stored yet (NotFound all the same): the deletion is recorded first
-    (streaming/responses_writer.py `forget`), then the row deleted."""
+    """Delete a stored response, from Redis and the database; a DELETE wins over a save
+    of that id in flight (a stream's reply, known from its first event, or an
+    idempotent retry's), also when nothing is stored yet (NotFound all the same): the
+    deletion is recorded first (streaming/responses_copy.py `forget`), then the row
+    deleted."""
     scoped = _scoped(actor)  # the rights first: a refused caller records nothing
     if RESPONSE_ID.match(response_id):
         found = scoped.filter(public_id=response_id).exists()
         try:
-            forget(tenant_id=actor.tenant_id, response_id=response_id,
-                   subject=None if actor.can(Action.CONVERSATION_MANAGE_ALL)
-                   else actor.subject,
-                   ttl_s=FORGET_STORED_S if found else forget_pending_s())
+            dropped = responses_copy.forget(
+                tenant_id=actor.tenant_id, response_id=response_id,
+                subject=None if actor.can(Action.CONVERSATION_MANAGE_ALL) else actor.subject,
+                found=found)
         except RedisError:
             raise queue_unavailable() from None
-        if scoped.filter(public_id=response_id).delete()[0]:
+        if scoped.filter(public_id=response_id).delete()[0] or dropped:
             return response_id
     raise _missing()
 
@@ -113,13 +132,12 @@ def response_context(*, actor: Principal, response_id: str) -> list[dict[str, An
     oldest first, each its input then its output. NotFound (naming
     previous_response_id) unless the actor may read `response_id` itself."""
     scoped = _scoped(actor)
-    row = scoped.filter(public_id=response_id).first() \
-        if RESPONSE_ID.match(response_id) else None
+    row = _find(actor, scoped, response_id)
     if row is None:
         raise _missing("previous_response_id")
     chain = [row]
     while chain[-1].previous_response_id and len(chain) < MAX_CHAIN:
-        before = scoped.filter(public_id=chain[-1].previous_response_id).first()
+        before = _find(actor, scoped, chain[-1].previous_response_id)
         if before is None:
             break
         chain.append(before)
@@ -190,7 +208,7 @@ def _row(actor: Principal, body: dict[str, Any], input_items: list[dict[str, Any
 def response_create(*, actor: Principal, body: dict[str, Any],
                     input_items: list[dict[str, Any]]) -> StoredResponse:
     """Store a response object `body` and the call's own `input_items`, redacted per the
-    tenant's policy (read now), as `response_save` does (one INSERT, autocommit);
+    tenant's policy (read now), in the database at once (sync callers: services, tests);
     storing an id again stores nothing. The row as stored (unsaved instance)."""
     require(actor, Action.MODEL_USE)
     row = _row(actor, body, input_items, redactor_now(actor.tenant_id))
@@ -199,16 +217,17 @@ def response_create(*, actor: Principal, body: dict[str, Any],
 
 
 async def response_save(*, actor: Principal, body: dict[str, Any],
-                        input_items: list[dict[str, Any]], announced: bool = True) -> None:
-    """`response_create` from async code, with the tenant's cached redaction policy:
-    the row goes with the saves of a busy moment (streaming/responses_writer.py) and is
-    committed, readable from every process, when this returns. `announced`: whether the
-    response's id may have been given out before (a stream's first event; a call with
-    an Idempotency-Key, whose retry saves it again): only then can a DELETE race the
-    save, and it is looked for."""
+                        input_items: list[dict[str, Any]], scripts: Coalescer) -> None:
+    """Store a response from the call's path, with the tenant's cached redaction policy:
+    put in Redis on the call's coalescer (`scripts`, the gateway's), readable from every
+    process when this returns; a writer process puts it in the database. Redis failing
+    is the queue's retriable 503."""
     require(actor, Action.MODEL_USE)
     row = _row(actor, body, input_items, await redactor(actor.tenant_id))
-    await save(row, announced=announced)
+    try:
+        await responses_copy.put(scripts, row)
+    except RedisError:
+        raise queue_unavailable() from None
 
 
 def responses_purge(now: datetime | None = None) -> int:

@@ -1,84 +1,56 @@
-"""Stored responses written together: the group commit of streaming/responses_store.py.
+"""The stored responses' writer: rows from the Redis stream into the database, in batches.
 
-    await save(row)     # returns once the row is committed (or raises)
+    manage.py responseswriter        # until SIGTERM/SIGINT; several may run
 
-One writer thread per process takes every row saved while it was busy and writes them
-with one multi-row INSERT (a constant statement per row count, no model instances) on
-its own connection: under load N calls share a round trip and a hop between threads;
-idle, a save waits for nothing but its own. A thread of its own rather than a database
-thread per save (sluice.db.async_db): each hop to a thread and back, and async_db's
-connection health check (a SELECT 1 each time), cost the gateway more CPU than the
-INSERT itself (docs/BENCHMARKS.md, "Each API's gateway CPU per call (issue #30)").
-
-The contract a caller relies on:
-- a save returns after its row is committed (autocommit: the INSERT is its own
-  transaction), so every process reads the row as soon as the caller has returned;
-- a row whose id is already stored is not written again (ON CONFLICT DO NOTHING: an
-  idempotent retry of the same call stores nothing new);
-- a DELETE that races a save wins (see `forget`): after its INSERT, a batch looks up
-  among the deletions the ids that were given out before their save (a stream's, from
-  its first event; a call's that an idempotent retry saves again) and deletes the rows
-  a deletion names, before any of its callers returns (an id nobody has seen cannot be
-  named: looking it up cost a quarter of a stored call's gateway CPU);
-- a database outage fails every save of its batch with the retriable 503
-  (`database_unavailable`), after one more try on a new connection (a connection the
-  server cut while idle costs no call); Redis failing, with the queue's 503; any other
-  error of a batch (one bad row) is retried row by row, so that it fails its own save
-  only.
-The thread closes its connection after IDLE_CLOSE_S without work, and reopens one past
-the database's CONN_MAX_AGE, as a request's connection would be.
+The gateway puts each stored response in Redis (streaming/responses_copy.py: a copy the
+readers find, and an entry of the stream `sluice:responses:stored`); this process moves
+them into PostgreSQL off the calls' path, as the audit writer moves audit events
+(governance/audit.py), in the same way:
+- a consumer group hands each entry to one writer; a writer takes up to BATCH entries
+  at a time (after a partial batch it lingers LINGER_S, so a busy stream is written in
+  a few large INSERTs) and writes them with multi-row INSERTs (a constant statement per
+  row count, no model instances; autocommit);
+- entries are acknowledged (and deleted) only after their rows are committed; a
+  writer's entries left unacknowledged (it crashed) are claimed by another after
+  CLAIM_IDLE_MS, its own after a failed batch at once. The INSERT ignores an id
+  already stored (ON CONFLICT DO NOTHING): a redelivered entry, or an idempotent retry
+  that stored the id again, writes nothing;
+- after its INSERT a batch deletes the rows a deletion names
+  (responses_copy.forgotten), then drops the rows' copies: a row is in Redis, in the
+  database, or in both for a moment, never in neither;
+- a database outage or Redis failing fails the batch (retried, nothing acknowledged); a
+  row the database refuses (its tenant deleted since) is logged and dropped alone.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import os
-import queue
+import socket
 import threading
 import time
-from collections import defaultdict
-from datetime import datetime
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import orjson
-from django.conf import settings
-from django.db import connection
+from django.db import close_old_connections, connection
 from django.db.models import Field, JSONField
 from django.db.models.constants import OnConflict
-from redis.exceptions import RedisError
+from redis import exceptions as redis_errors
 
 from sluice.db import OUTAGE
-from sluice.errors import database_unavailable
 from sluice.redis import sync_redis
-from streaming.gateway import queue_unavailable
 from streaming.models import StoredResponse
+from streaming.responses_copy import STREAM, Row, copy_key, forgotten, from_wire
 
 logger = logging.getLogger(__name__)
-MAX_ROWS = 64  # rows an INSERT takes at most (SQLite's 999 parameters: 11 a row)
-IDLE_CLOSE_S = 1.0
-# How long a deletion outlives the response it names: an idempotent retry of its call
-# (inference/queue.py IDEM_TTL_S) stores it again within this.
-FORGET_STORED_S = 86_400
-
-
-class Row(NamedTuple):
-    """A StoredResponse's columns, already redacted (the field names are the model's)."""
-
-    tenant_id: int
-    public_id: str
-    created_by: str
-    model: str
-    status: str
-    previous_response_id: str
-    input_items: list[dict[str, Any]]
-    output_items: list[dict[str, Any]]
-    usage: dict[str, Any] | None
-    details: dict[str, Any]
-    created_at: datetime
-
+GROUP = "writers"
+BATCH = 500  # entries a batch takes at most
+LINGER_S = 0.1
+CLAIM_IDLE_MS = 60_000
+# Rows one INSERT takes at most: 11 parameters a row, SQLite allows 999 a statement.
+_PER_INSERT = {"sqlite": 64}
+_PER_INSERT_DEFAULT = BATCH
 
 _FIELDS: list[Field[Any, Any]] = [
     cast("Field[Any, Any]", StoredResponse._meta.get_field(
@@ -89,7 +61,7 @@ _JSON = frozenset(i for i, f in enumerate(_FIELDS) if isinstance(f, JSONField))
 @functools.cache
 def _insert_sql(vendor: str, rows: int) -> str:
     ops = connection.ops
-    # JSON goes as text (orjson's: the JSONField's own adapter cost more than the
+    # JSON goes as text (orjson's: the JSONField's own adapter costs more than the
     # INSERT), cast where the column is jsonb
     values = "(" + ", ".join("%s::jsonb" if i in _JSON and vendor == "postgresql" else "%s"
                              for i in range(len(_FIELDS))) + ")"
@@ -106,179 +78,129 @@ def _params(rows: list[Row]) -> list[Any]:
             for row in rows for i, value in enumerate(row)]
 
 
-def insert(rows: list[Row], announced: list[bool] | None = None) -> None:
-    """Write `rows` with one INSERT on this thread's connection (autocommit), then
-    delete those a deletion names (`forget`), looking up the rows `announced` marks (by
-    default all): a row whose id nobody was given yet cannot be named by a DELETE."""
+def insert(rows: list[Row]) -> None:
+    """Write `rows` (ids already stored are skipped) on this thread's connection, in
+    autocommit INSERTs, then delete those a deletion names. Raises what the database
+    or Redis raise."""
+    step = _PER_INSERT.get(connection.vendor, _PER_INSERT_DEFAULT)
     with connection.cursor() as cursor:
-        cursor.execute(_insert_sql(connection.vendor, len(rows)), _params(rows))
-    known = rows if announced is None else [r for r, a in zip(rows, announced, strict=True)
-                                            if a]
-    gone = _forgotten(known) if known else []
+        for start in range(0, len(rows), step):
+            part = rows[start:start + step]
+            cursor.execute(_insert_sql(connection.vendor, len(part)), _params(part))
+    gone = forgotten(rows)
     if gone:
         StoredResponse.objects.filter(public_id__in=gone).delete()
 
 
-# -- deletions that win over a pending write ------------------------------------------
-def _forget_key(tenant_id: int, response_id: str) -> str:
-    return f"sluice:{{{tenant_id}}}:response-deleted:{response_id}"
-
-
-def forget(*, tenant_id: int, response_id: str, subject: str | None, ttl_s: int) -> None:
-    """Record that `subject` (None: a tenant admin, who may delete any of the tenant's
-    responses) deleted `response_id`, for `ttl_s`. Call before deleting the row: a save
-    of that id whose batch looks after this is deleted by the batch, and one whose batch
-    looked before this had committed before it, so the caller's delete finds it.
-    Raises RedisError."""
-    key = _forget_key(tenant_id, response_id)
-    with sync_redis().pipeline(transaction=False) as pipe:
-        pipe.sadd(key, subject or "*")
-        pipe.expire(key, ttl_s, gt=True)
-        pipe.expire(key, ttl_s, nx=True)
-        pipe.execute()
-
-
-def _forgotten(rows: list[Row]) -> list[str]:
-    """The ids among `rows` that a deletion by their creator or an admin names; those
-    deletions are kept for FORGET_STORED_S (a retry of the call would store it again)."""
-    with sync_redis().pipeline(transaction=False) as pipe:
-        for row in rows:
-            pipe.smembers(_forget_key(row.tenant_id, row.public_id))
-        found = pipe.execute()
-    gone = [row for row, who in zip(rows, found, strict=True)
-            if who and ({b"*", row.created_by.encode()} & who)]
-    if gone:
-        with sync_redis().pipeline(transaction=False) as pipe:
-            for row in gone:
-                pipe.expire(_forget_key(row.tenant_id, row.public_id), FORGET_STORED_S)
-            pipe.execute()
-    return [row.public_id for row in gone]
-
-
-def forget_pending_s() -> int:
-    """How long a deletion of an id not stored (yet) must last: a call's reply is saved
-    before its deadline ends it, and its save may queue a little behind others."""
-    return 2 * int(settings.SLUICE_REQUEST_TIMEOUT_S) + 60
-
-
-# -- the writer thread ------------------------------------------------------------------
-Waiter = tuple[Row, bool, asyncio.AbstractEventLoop, "asyncio.Future[None]"]
-_queue: queue.SimpleQueue[Waiter] = queue.SimpleQueue()
-_started = threading.Lock()
-_thread_pid: int | None = None  # the process whose writer thread runs (a fork has none)
-
-
-def save(row: Row, *, announced: bool = True) -> asyncio.Future[None]:
-    """Write `row` (see the module docstring): a future of the running loop. Only a row
-    `announced` (its id given out before this save) is looked up among the deletions."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[None] = loop.create_future()
-    _start()
-    _queue.put((row, announced, loop, future))
-    return future
-
-
-def pending() -> int:
-    """Rows saved and not yet taken by the writer thread."""
-    return _queue.qsize()
-
-
-def _start() -> None:
-    global _thread_pid
-    if _thread_pid == os.getpid():
-        return
-    with _started:
-        if _thread_pid != os.getpid():
-            threading.Thread(target=_run, name="responses-writer", daemon=True).start()
-            _thread_pid = os.getpid()
-
-
-def _run() -> None:
-    while True:
-        try:
-            batch = [_queue.get(timeout=IDLE_CLOSE_S)]
-        except queue.Empty:
-            _close()
-            continue
-        while len(batch) < MAX_ROWS:
-            try:
-                batch.append(_queue.get_nowait())
-            except queue.Empty:
-                break
-        try:
-            outcomes = _write([w[0] for w in batch], [w[1] for w in batch])
-        except Exception as exc:  # a bug of ours: every save of the batch sees it
-            logger.exception("writing stored responses failed")
-            outcomes = [exc] * len(batch)
-        _close_if_old()  # CONN_MAX_AGE 0: none is kept between batches
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None],
-                                                            BaseException | None]]] = \
-            defaultdict(list)
-        for (_, _, loop, future), outcome in zip(batch, outcomes, strict=True):
-            by_loop[loop].append((future, outcome))
-        for loop, settled in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
-                loop.call_soon_threadsafe(_settle, settled)
-
-
-def _settle(settled: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
-    for future, outcome in settled:
-        if future.done():
-            continue  # its caller was cancelled: the row is written all the same
-        if outcome is None:
-            future.set_result(None)
-        else:
-            future.set_exception(outcome)
-
-
-def _close_if_old() -> None:
-    """Close the thread's connection past CONN_MAX_AGE or after an error, as Django's
-    request handling would (without its SELECT 1 check of a connection it keeps)."""
-    if connection.connection is not None and (
-            connection.errors_occurred or (connection.close_at is not None
-                                           and time.monotonic() >= connection.close_at)):
-        _close()
-
-
-def _close() -> None:
-    with contextlib.suppress(*OUTAGE):  # closing a connection the server cut
-        connection.close()
-
-
-def _write(rows: list[Row], announced: list[bool]) -> list[BaseException | None]:
-    """What each row's save gets (None: committed)."""
-    for attempt in (1, 2):
-        _close_if_old()
-        try:
-            return _insert_each(rows, announced)
-        except OUTAGE as exc:
-            _close()  # the next try opens a new connection
-            if attempt == 2:
-                logger.warning("database unavailable: %s", type(exc).__name__)
-        except RedisError:
-            logger.warning("redis unavailable: the deletions could not be looked up")
-            return [queue_unavailable() for _ in rows]
-    return [database_unavailable() for _ in rows]
-
-
-def _insert_each(rows: list[Row], announced: list[bool]) -> list[BaseException | None]:
-    """`insert(rows)`; when that fails other than by an outage, each row alone. An
-    outage or Redis failing raises."""
+def _insert_each(rows: list[Row]) -> None:
+    """`insert(rows)`; when the database refuses the batch, each row alone, dropping
+    (logged) a row it refuses alone. An outage or Redis failing raises."""
     try:
-        insert(rows, announced)
-        return [None] * len(rows)
-    except (*OUTAGE, RedisError):
+        insert(rows)
+        return
+    except (*OUTAGE, redis_errors.RedisError):
         raise
-    except Exception as exc:
+    except Exception:
         if len(rows) == 1:
-            return [exc]
-    outcomes: list[BaseException | None] = []
-    for row, known in zip(rows, announced, strict=True):
+            logger.exception("stored response %s refused by the database; dropped",
+                             rows[0].public_id)
+            return
+    for row in rows:
+        _insert_each([row])
+
+
+class Writer:
+    """Moves stored responses from the stream into the database (see the module
+    docstring). `claim_idle_ms`: how long another writer's entry waits unacknowledged
+    before this one takes it over."""
+
+    def __init__(self, name: str | None = None, batch: int = BATCH,
+                 claim_idle_ms: int = CLAIM_IDLE_MS) -> None:
+        self.redis = sync_redis()
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.batch, self.claim_idle_ms = batch, claim_idle_ms
+        self._own_pending = True  # at start: what this name took before a restart
         try:
-            insert([row], [known])
-            outcomes.append(None)
-        except (*OUTAGE, RedisError):
+            self.redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+        except redis_errors.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _entries(self, block_ms: int | None) -> list[tuple[Any, dict[bytes, bytes]]]:
+        """This writer's unacknowledged entries after a failure, others' stale ones,
+        then new ones: at most `batch`."""
+        entries: list[tuple[Any, dict[bytes, bytes]]] = []
+        if self._own_pending:
+            for _stream, items in self.redis.xreadgroup(
+                    GROUP, self.name, {STREAM: "0"}, count=self.batch) or []:
+                entries += items
+            self._own_pending = len(entries) == self.batch
+        if len(entries) < self.batch:
+            _, stale, _ = self.redis.xautoclaim(STREAM, GROUP, self.name, self.claim_idle_ms,
+                                                count=self.batch - len(entries))
+            entries += stale
+        if not entries:
+            for _stream, items in self.redis.xreadgroup(
+                    GROUP, self.name, {STREAM: ">"}, count=self.batch, block=block_ms) or []:
+                entries += items
+        return entries
+
+    def run_once(self, block_ms: int | None = None) -> int:
+        """One batch. Returns the entries done (written, or dropped as malformed)."""
+        entries = self._entries(block_ms)
+        if not entries:
+            return 0
+        rows: dict[str, Row] = {}  # by id: an id twice in a batch is written once
+        for entry_id, fields in entries:
+            try:
+                row = from_wire(fields[b"row"])
+            except (KeyError, ValueError, TypeError):
+                logger.error("stored responses' entry %s is malformed; dropped", entry_id)
+                continue
+            rows.setdefault(row.public_id, row)
+        try:
+            if rows:
+                _insert_each(list(rows.values()))
+        except BaseException:
+            self._own_pending = True  # retried by this writer's next batch
             raise
-        except Exception as exc:
-            outcomes.append(exc)
-    return outcomes
+        ids = [entry_id for entry_id, _ in entries]
+        with self.redis.pipeline(transaction=False) as pipe:
+            for row in rows.values():
+                pipe.delete(copy_key(row.tenant_id, row.public_id))
+            pipe.xack(STREAM, GROUP, *ids)
+            pipe.xdel(STREAM, *ids)
+            pipe.execute()
+        return len(entries)
+
+    def serve(self, stop: threading.Event, block_ms: int = 1000,
+              linger_s: float = LINGER_S) -> None:
+        while not stop.is_set():
+            try:
+                done = self.run_once(block_ms)
+            except Exception:
+                logger.exception("stored responses' writer: batch failed; retrying")
+                close_old_connections()
+                stop.wait(1.0)
+                continue
+            close_old_connections()  # CONN_MAX_AGE, as a request's connection
+            if 0 < done < self.batch:
+                # Group commit: let the next batch gather for a moment (each INSERT
+                # costs a round trip and a commit).
+                stop.wait(linger_s)
+
+
+def drain(settle_s: float = 0.3, timeout_s: float = 30.0) -> int:
+    """Write everything in the stream now, until it stays empty for `settle_s` (tests,
+    and operators before a maintenance)."""
+    writer = Writer(name=f"drain-{os.getpid()}", claim_idle_ms=0)
+    done, quiet_since = 0, time.monotonic()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        n = writer.run_once(block_ms=50)
+        done += n
+        if n:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= settle_s:
+            break
+    return done

@@ -7,8 +7,10 @@ ChatCompletionRequest, so it gets the same governance, quotas, audit (action
 "responses"), metrics and structured generation as chat. With `previous_response_id`
 the call starts from that stored response's chain (streaming/responses_store.py; its
 instructions are not carried over, as OpenAI does). With `store` (the default) the reply
-is stored, redacted per the tenant's policy, before the caller sees it: a next call can
-always find it. A streamed reply is encoded by streaming/apis/responses_stream.py.
+is stored, redacted per the tenant's policy, before the caller sees it (in Redis, in
+the call's coalesced round trip; a writer process puts it in the database): a next call
+from any gateway can always find it. A streamed reply is encoded by
+streaming/apis/responses_stream.py.
 
 Everything the caller got wrong is a 400 in OpenAI's shape naming the Responses field
 (`input[2].call_id`, `text.format.schema`, `max_output_tokens`), never chat's.
@@ -331,7 +333,7 @@ class ResponsesApi(Api):
         body = finished(head(req, rid), output(rid, text, final), final)
         if req.store:  # before the caller sees it: its next call must find it
             await response_save(actor=ctx.principal, body=body, input_items=items,
-                                announced="idempotency-key" in ctx.headers)
+                                scripts=ctx.call.gateway.client.scripts)
         await send_json(ctx.send, 200, body, sub.headers)
 
     async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
@@ -374,8 +376,9 @@ class ResponsesApi(Api):
             await stream.fail(error or BadRequest("The generation failed."))
         if req.store:
             try:
-                await response_save(actor=ctx.principal, body=body, input_items=items)
-            except ApiError as exc:  # the database went away: the caller must not chain
+                await response_save(actor=ctx.principal, body=body, input_items=items,
+                                    scripts=ctx.call.gateway.client.scripts)
+            except ApiError as exc:  # Redis went away: the caller must not chain
                 body = {**body, "status": "failed", "completed_at": None,
                         "error": {"code": "server_error", "message": exc.message}}
         await stream.close(body)

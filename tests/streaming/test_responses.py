@@ -20,7 +20,10 @@ from django.utils import timezone
 
 from governance import audit, privacy
 from governance.models import AuditEvent, Quota, RateLimitPolicy
+from sluice.redis import sync_redis
+from streaming import responses_writer
 from streaming.models import StoredResponse
+from streaming.responses_copy import copy_key
 from streaming.responses_store import response_create, response_get, responses_purge
 from tenants.models import Member, Tenant
 from tenants.roles import Role
@@ -153,6 +156,7 @@ def test_a_generation_that_fails_midway_ends_the_stream_failed(client: openai.Op
     assert [e.sequence_number for e in events] == list(range(len(events)))
     done = [e for e in events if e.type == "response.output_item.done"]
     assert done and done[0].item.status == "incomplete"
+    responses_writer.drain()
     assert StoredResponse.objects.get(public_id=last.response.id).status == "failed"
 
 
@@ -203,6 +207,7 @@ def test_an_idempotency_key_answers_a_retry_with_the_first_response(
     again = client.responses.create(model="echo", input="charge me once", extra_headers=key)
     # Then it is the same response, stored once
     assert again.id == first.id and again.output_text == first.output_text
+    responses_writer.drain()
     assert StoredResponse.objects.filter(public_id=first.id).count() == 1
     # and the key with another body is refused, not answered with the first reply
     with pytest.raises(openai.UnprocessableEntityError) as refused:
@@ -430,6 +435,7 @@ def test_another_tenants_or_members_response_is_a_404(live: Live, org: Org) -> N
     # Given a developer's stored response
     mine = sdk(live, org.keys[Role.DEVELOPER]).responses.create(model="echo", input="mine")
     bob = make_org("bob", [Role.TENANT_ADMIN, Role.DEVELOPER])
+    responses_writer.drain()
     before = list(StoredResponse.objects.order_by("pk").values())
     # When another tenant's admin or developer, or another developer of the same tenant,
     # names it: Then it is the missing-id 404 on every route, and nothing changed
@@ -471,6 +477,7 @@ def test_personal_data_in_a_stored_response_is_redacted_in_the_database(
     # Then the caller got their own reply
     assert response.output_text == f"Repeat: {SSN}"
     # and the database keeps none of it raw (a NUL too is kept as U+FFFD)
+    responses_writer.drain()
     row = StoredResponse.objects.values().get(public_id=response.id)
     stored = json.dumps(row, default=str)
     assert SSN not in stored and "[SSN]" in stored and "\\u0000" not in stored
@@ -485,6 +492,7 @@ def test_a_tenant_that_turned_redaction_off_keeps_its_text(client: openai.OpenAI
     Tenant.objects.filter(pk=org.tenant.pk).update(redact_stored=False)
     privacy.clear()
     response = client.responses.create(model="echo", input=f"My SSN is {SSN}")
+    responses_writer.drain()
     assert SSN in json.dumps(StoredResponse.objects.values().get(public_id=response.id),
                              default=str)
 
@@ -531,7 +539,11 @@ def test_previous_response_id_works_across_gateways_and_a_restart(live: Live, or
         # When another gateway process continues it, Then it finds it
         with gateway_process(env) as (_b, second_base):
             second = ask(second_base, "What is my name?", first["id"])
-    # And after both stopped, a new one continues the chain (it is in the database)
+    # And after both stopped and the writer ran, a new one continues the chain from the
+    # database (Redis no longer has a copy)
+    assert responses_writer.drain() >= 3
+    assert not any(sync_redis().exists(copy_key(org.tenant.pk, r["id"]))
+                   for r in (first, second))
     with gateway_process(env) as (_c, third_base):
         third = ask(third_base, "Say it again.", second["id"])
         items = httpx.get(f"{third_base}/v1/responses/{third['id']}/input_items",

@@ -1,9 +1,11 @@
-"""Stored responses written together (streaming/responses_writer.py) on the real
-database and Redis: the saves that arrive while the writer is busy share one INSERT and
-each is readable from another connection as soon as its caller has returned; a bad row
-fails its own save only; an id stored again stores nothing; a DELETE wins over a save
-it races (at the database, during a stream, before an idempotent retry), and only its
-creator's or an admin's does."""
+"""Stored responses on the real database and Redis (streaming/responses_copy.py,
+streaming/responses_writer.py): a save is readable from Redis as soon as its caller has
+returned and from the database once the writer has run; the writer writes a busy
+stream in one INSERT, loses nothing when a writer dies before its commit, and drops a
+row the database refuses without holding up the rest; an id stored again stores
+nothing; a DELETE wins over a save it races (in Redis, at the writer's INSERT, during a
+stream, before an idempotent retry), and only its creator's or an admin's does; what
+Redis and the database keep is redacted."""
 
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ import openai
 import psycopg
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import DataError, connection
+from django.db import connection
 
-from sluice.errors import NotFound
+from sluice.errors import NotFound, PermissionDenied
+from sluice.redis import Coalescer, async_redis, sync_redis
 from streaming import responses_writer
-from streaming.models import StoredResponse
+from streaming.responses_copy import STREAM, copy_key
 from streaming.responses_store import response_delete, response_get, response_save
 from tenants.models import Member
 from tenants.principal import Principal
@@ -35,7 +38,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def org() -> Org:
-    return make_org("alice", [Role.TENANT_ADMIN, Role.DEVELOPER])
+    return make_org("alice", [Role.TENANT_ADMIN, Role.DEVELOPER, Role.AUDITOR])
 
 
 def dev_of(org: Org) -> Principal:
@@ -51,6 +54,22 @@ def body(rid: str | None = None, *, text: str = "hi", model: str = "echo") -> di
                         "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
 
 
+def save(actor: Principal, *bodies: dict[str, Any],
+         items: list[dict[str, Any]] | None = None) -> None:
+    """Save each of `bodies` as a gateway does, on a coalescer of its own (together)."""
+    async def run() -> None:
+        client = async_redis()
+        scripts = Coalescer(client)
+        try:
+            await asyncio.gather(*(response_save(actor=actor, body=b, input_items=items or [],
+                                                 scripts=scripts) for b in bodies))
+        finally:
+            await scripts.aclose()
+            await client.aclose()
+
+    asyncio.run(run())
+
+
 def other_connection() -> psycopg.Connection[Any]:
     """A connection of its own to the test database (what another process would use)."""
     s = connection.settings_dict
@@ -64,35 +83,6 @@ def stored_elsewhere(rid: str) -> bool:
                              [rid]).fetchone() is not None
 
 
-@contextmanager
-def writer_held(org: Org) -> Iterator[str]:
-    """The writer thread stuck on an INSERT until the block ends: another transaction
-    inserts (uncommitted) the id a first save then writes; that save waits for it. The
-    saves made meanwhile queue behind it. Yields that first id."""
-    rid = f"resp_{token_hex(12)}"
-    holder = other_connection()
-    holder.autocommit = False
-    holder.execute(
-        "INSERT INTO streaming_storedresponse (tenant_id, public_id, created_by, model, "
-        "status, previous_response_id, input_items, output_items, details, created_at) "
-        "VALUES (%s, %s, 'x', 'echo', 'completed', '', '[]', '[]', '{}', now())",
-        [org.tenant.pk, rid])
-    first = threading.Thread(target=asyncio.run, args=(
-        response_save(actor=dev_of(org), body=body(rid), input_items=[]),))
-    first.start()
-    try:
-        with other_connection() as watcher:
-            eventually(lambda: watcher.execute(
-                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
-                "AND wait_event_type = 'Lock' AND query ILIKE 'INSERT%%'").fetchone(),
-                30, what="the writer's INSERT waiting")
-        yield rid
-    finally:
-        holder.rollback()  # the first save goes through (nothing conflicts any more)
-        holder.close()
-        first.join(30)
-
-
 def xmins(rids: list[str]) -> set[str]:
     """The transactions that wrote `rids` (PostgreSQL's xmin: one per INSERT here)."""
     with other_connection() as other:
@@ -101,90 +91,161 @@ def xmins(rids: list[str]) -> set[str]:
             [rids])}
 
 
-# -- one INSERT for the saves of a busy moment -----------------------------------------
-def test_saves_made_while_the_writer_is_busy_share_one_insert_and_are_readable_at_once(
-        org: Org) -> None:
+def copied(org: Org, rid: str) -> bool:
+    return bool(sync_redis().exists(copy_key(org.tenant.pk, rid)))
+
+
+@contextmanager
+def insert_held(org: Org, rid: str) -> Iterator[threading.Thread]:
+    """A writer's batch stuck at its INSERT until the block ends: another transaction
+    inserts (uncommitted) the id the batch writes, and the batch waits for it. Yields
+    the thread that runs the batch."""
+    holder = other_connection()
+    holder.autocommit = False
+    holder.execute(
+        "INSERT INTO streaming_storedresponse (tenant_id, public_id, created_by, model, "
+        "status, previous_response_id, input_items, output_items, details, created_at) "
+        "VALUES (%s, %s, 'x', 'echo', 'completed', '', '[]', '[]', '{}', now())",
+        [org.tenant.pk, rid])
+    batch = threading.Thread(target=responses_writer.drain)
+    batch.start()
+    try:
+        with other_connection() as watcher:
+            eventually(lambda: watcher.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query ILIKE 'INSERT%%'").fetchone(),
+                30, what="the writer's INSERT waiting")
+        yield batch
+    finally:
+        holder.rollback()  # the batch goes through (nothing conflicts any more)
+        holder.close()
+        batch.join(30)
+
+
+# -- readable at once, from Redis then from the database ----------------------------------
+def test_a_save_is_readable_at_once_and_in_the_database_after_the_writer(org: Org) -> None:
     dev = dev_of(org)
-    rids = [f"resp_{token_hex(12)}" for _ in range(8)]
-    seen: dict[str, bool] = {}
-
-    async def save_then_read(rid: str) -> None:
-        await response_save(actor=dev, body=body(rid, text=rid), input_items=[
-            {"id": f"msg_{token_hex(12)}", "type": "message", "role": "user",
-             "status": "completed", "content": [{"type": "input_text", "text": rid}]}])
-        # the caller has returned: another connection (another process) sees the row
-        seen[rid] = await asyncio.to_thread(stored_elsewhere, rid)
-
-    async def saves() -> None:
-        # Given a writer busy with a first INSERT
-        tasks = [asyncio.create_task(save_then_read(rid)) for rid in rids]
-        # When 8 saves queue behind it
-        await asyncio.to_thread(eventually, lambda: responses_writer.pending() == 8, 30,
-                                what="8 queued saves")
-        release.set()
-        await asyncio.gather(*tasks)
-
-    release = threading.Event()
-    with writer_held(org) as first:
-        runner = threading.Thread(target=asyncio.run, args=(saves(),))
-        runner.start()
-        assert release.wait(60)
-    runner.join(60)
-    # Then they left as one INSERT (one transaction), apart from the first one's
-    assert seen == dict.fromkeys(rids, True)
-    assert len(xmins(rids)) == 1 and xmins(rids) != xmins([first])
-    # and each is the response it was saved as
-    for rid in rids:
-        row = response_get(actor=dev, response_id=rid)
-        assert row.output_items[0]["content"][0]["text"] == rid
-        assert row.input_items[0]["content"][0]["text"] == rid
-
-
-def test_a_lone_save_is_written_without_waiting_for_company(org: Org) -> None:
     rid = f"resp_{token_hex(12)}"
-    asyncio.run(response_save(actor=dev_of(org), body=body(rid), input_items=[]))
-    assert stored_elsewhere(rid)
-    assert responses_writer.pending() == 0
+    # Given a saved response (its caller has returned)
+    save(dev, body(rid, text="kept"), items=[
+        {"id": "msg_1", "type": "message", "role": "user", "status": "completed",
+         "content": [{"type": "input_text", "text": "asked"}]}])
+    # Then it is readable before any writer ran (from Redis), and not in the database
+    assert response_get(actor=dev, response_id=rid).output_items[0]["content"][0]["text"] \
+        == "kept"
+    assert copied(org, rid) and not stored_elsewhere(rid)
+    # When the writer runs, Then it is in the database, its copy is gone, and it reads
+    # the same
+    assert responses_writer.drain() == 1
+    assert stored_elsewhere(rid) and not copied(org, rid)
+    row = response_get(actor=dev, response_id=rid)
+    assert row.output_items[0]["content"][0]["text"] == "kept"
+    assert row.input_items[0]["content"][0]["text"] == "asked"
+    assert sync_redis().xlen(STREAM) == 0
 
 
-def test_a_bad_row_fails_its_own_save_only(org: Org) -> None:
-    # Given saves made together, one of a row the database refuses (too long a model name)
+def test_another_tenants_or_members_copy_is_not_found(org: Org) -> None:
+    # Given a developer's response, in Redis only
+    rid = f"resp_{token_hex(12)}"
+    save(dev_of(org), body(rid))
+    user = get_user_model().objects.create_user(username="alice-dev3", password="x" * 16)
+    colleague = principal_for(Member.objects.create(tenant=org.tenant, user=user,
+                                                    role=Role.DEVELOPER))
+    bob = make_org("bob", [Role.TENANT_ADMIN])
+    # Then another tenant's admin and a colleague get the missing-id 404, and neither's
+    # DELETE removes it; an auditor may not read it; the tenant's admin may
+    for who in (principal_for(bob.members[Role.TENANT_ADMIN]), colleague):
+        with pytest.raises(NotFound):
+            response_get(actor=who, response_id=rid)
+        with pytest.raises(NotFound):
+            response_delete(actor=who, response_id=rid)
+    with pytest.raises(PermissionDenied):
+        response_get(actor=principal_for(org.members[Role.AUDITOR]), response_id=rid)
+    admin = principal_for(org.members[Role.TENANT_ADMIN])
+    assert response_get(actor=admin, response_id=rid).public_id == rid
+    responses_writer.drain()
+    assert response_get(actor=dev_of(org), response_id=rid).public_id == rid
+
+
+# -- the writer ---------------------------------------------------------------------------
+def test_the_writer_writes_a_busy_stream_in_one_insert(org: Org) -> None:
+    # Given 40 saves made together
+    dev = dev_of(org)
+    rids = [f"resp_{token_hex(12)}" for _ in range(40)]
+    save(dev, *(body(rid, text=rid) for rid in rids))
+    # When the writer runs, Then they are written by one INSERT (one transaction)
+    assert responses_writer.drain() == 40
+    assert len(xmins(rids)) == 1
+    for rid in rids:
+        assert response_get(actor=dev, response_id=rid).output_items[0]["content"][0][
+            "text"] == rid
+
+
+def test_a_writer_that_died_before_its_commit_loses_nothing(org: Org) -> None:
+    # Given saves that a writer took from the stream and died with (never acknowledged)
+    rids = [f"resp_{token_hex(12)}" for _ in range(3)]
+    save(dev_of(org), *(body(rid) for rid in rids))
+    dead = responses_writer.Writer(name="dead")
+    assert dead.redis.xreadgroup(responses_writer.GROUP, "dead", {STREAM: ">"}, count=10)
+    # When another writer runs (past the claim delay), Then it writes them, once
+    other = responses_writer.Writer(name="alive", claim_idle_ms=0)
+    assert other.run_once(block_ms=50) == 3
+    assert all(stored_elsewhere(rid) for rid in rids)
+    assert sync_redis().xpending(STREAM, responses_writer.GROUP)["pending"] == 0
+    # and the dead writer's name, restarted, finds nothing left to write
+    assert responses_writer.Writer(name="dead").run_once(block_ms=50) == 0
+
+
+def test_a_row_the_database_refuses_is_dropped_alone(org: Org) -> None:
+    # Given saves of which one the database refuses (too long a model name)
     dev = dev_of(org)
     good = [f"resp_{token_hex(12)}" for _ in range(3)]
     bad = f"resp_{token_hex(12)}"
-
-    async def saves() -> list[Any]:
-        return await asyncio.gather(
-            *(response_save(actor=dev, body=body(rid), input_items=[]) for rid in good),
-            response_save(actor=dev, body=body(bad, model="m" * 300), input_items=[]),
-            return_exceptions=True)
-
-    outcomes = asyncio.run(saves())
-    # Then that save alone failed, and the others are stored
-    assert outcomes[:3] == [None, None, None]
-    assert isinstance(outcomes[3], DataError)
-    assert set(StoredResponse.objects.values_list("public_id", flat=True)) == set(good)
+    save(dev, *(body(rid) for rid in good), body(bad, model="m" * 300))
+    # When the writer runs, Then the others are written and nothing is left behind
+    assert responses_writer.drain() == 4
+    assert all(stored_elsewhere(rid) for rid in good) and not stored_elsewhere(bad)
+    assert sync_redis().xlen(STREAM) == 0
 
 
 def test_saving_a_stored_id_again_stores_nothing(org: Org) -> None:
     dev = dev_of(org)
     rid = f"resp_{token_hex(12)}"
-    asyncio.run(response_save(actor=dev, body=body(rid, text="first"), input_items=[]))
-    asyncio.run(response_save(actor=dev, body=body(rid, text="second"), input_items=[]))
-    [row] = StoredResponse.objects.filter(public_id=rid)
-    assert row.output_items[0]["content"][0]["text"] == "first"
+    save(dev, body(rid, text="first"))
+    save(dev, body(rid, text="second"))
+    assert response_get(actor=dev, response_id=rid).output_items[0]["content"][0][
+        "text"] == "first"
+    responses_writer.drain()
+    save(dev, body(rid, text="third"))
+    responses_writer.drain()
+    with other_connection() as other:
+        rows = other.execute("SELECT output_items->0->'content'->0->>'text' FROM "
+                             "streaming_storedresponse WHERE public_id = %s", [rid]).fetchall()
+    assert rows == [("first",)]
 
 
 # -- a DELETE wins ------------------------------------------------------------------------
-def test_a_delete_while_the_insert_is_pending_wins(org: Org) -> None:
+def test_a_delete_before_the_writer_ran_wins(org: Org) -> None:
     dev = dev_of(org)
-    # Given a save whose INSERT is waiting at the database
-    # When its creator deletes it meanwhile (a stream's id is known from its first
-    # event): nothing is stored yet, so it is the missing-id 404
-    with writer_held(org) as rid, pytest.raises(NotFound):
-        response_delete(actor=dev, response_id=rid)
-    # Then once the INSERT went through, the response is gone all the same
+    rid = f"resp_{token_hex(12)}"
+    save(dev, body(rid))
+    assert response_delete(actor=dev, response_id=rid) == rid
+    with pytest.raises(NotFound):
+        response_get(actor=dev, response_id=rid)
+    responses_writer.drain()
     assert not stored_elsewhere(rid)
+
+
+def test_a_delete_while_the_writer_inserts_wins(org: Org) -> None:
+    dev = dev_of(org)
+    rid = f"resp_{token_hex(12)}"
+    save(dev, body(rid))
+    # Given a writer's batch waiting at its INSERT of the response
+    with insert_held(org, rid):
+        # When its creator deletes it meanwhile (its copy is still there)
+        assert response_delete(actor=dev, response_id=rid) == rid
+    # Then once the INSERT went through, the response is gone all the same
+    assert not stored_elsewhere(rid) and not copied(org, rid)
     with pytest.raises(NotFound):
         response_get(actor=dev, response_id=rid)
 
@@ -204,6 +265,7 @@ def test_a_delete_during_a_stream_wins_over_its_save(live: Live, org: Org) -> No
     assert [e.type for e in events][-1] == "response.completed"
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.response.id)
+    responses_writer.drain()
     assert not stored_elsewhere(created.response.id)
 
 
@@ -220,28 +282,23 @@ def test_a_call_retried_after_its_delete_stays_deleted(live: Live, org: Org) -> 
     assert again.id == first.id
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-
-
-def test_a_save_whose_id_nobody_was_given_is_not_looked_up(org: Org) -> None:
-    # A plain call's id is first given out with its reply, after its save: a DELETE
-    # naming it earlier can only be a guess of another call's id, and is not looked up
-    rid = f"resp_{token_hex(12)}"
-    with pytest.raises(NotFound):
-        response_delete(actor=principal_for(org.members[Role.TENANT_ADMIN]), response_id=rid)
-    asyncio.run(response_save(actor=dev_of(org), body=body(rid), input_items=[],
-                              announced=False))
-    assert stored_elsewhere(rid)
+    responses_writer.drain()
+    assert not stored_elsewhere(first.id)
 
 
 def test_a_retry_after_a_delete_stores_nothing(org: Org) -> None:
     # Given a stored response, deleted
     dev = dev_of(org)
     rid = f"resp_{token_hex(12)}"
-    asyncio.run(response_save(actor=dev, body=body(rid), input_items=[]))
+    save(dev, body(rid))
+    responses_writer.drain()
     assert response_delete(actor=dev, response_id=rid) == rid
     # When an idempotent retry of its call saves it again
-    asyncio.run(response_save(actor=dev, body=body(rid), input_items=[]))
-    # Then it stays deleted
+    save(dev, body(rid))
+    # Then it stays deleted, in Redis and in the database
+    with pytest.raises(NotFound):
+        response_get(actor=dev, response_id=rid)
+    responses_writer.drain()
     assert not stored_elsewhere(rid)
 
 
@@ -259,14 +316,17 @@ def test_only_the_creators_or_an_admins_delete_stops_a_save(org: Org) -> None:
         with pytest.raises(NotFound):
             response_delete(actor=who, response_id=kept)
     # When the developer's save of it comes, Then it is stored
-    asyncio.run(response_save(actor=dev, body=body(kept), input_items=[]))
+    save(dev, body(kept))
     assert response_get(actor=dev, response_id=kept).public_id == kept
     # But the tenant admin's DELETE wins over the developer's save
     gone = f"resp_{token_hex(12)}"
     with pytest.raises(NotFound):
         response_delete(actor=admin, response_id=gone)
-    asyncio.run(response_save(actor=dev, body=body(gone), input_items=[]))
-    assert not stored_elsewhere(gone)
+    save(dev, body(gone))
+    with pytest.raises(NotFound):
+        response_get(actor=dev, response_id=gone)
+    responses_writer.drain()
+    assert stored_elsewhere(kept) and not stored_elsewhere(gone)
 
 
 # -- redaction before the write ------------------------------------------------------------
@@ -283,8 +343,13 @@ def test_every_field_of_the_callers_is_redacted_before_the_write(org: Org) -> No
          "call_id": ssn, "output": f"found {ssn}"},
     ]
     # When they are saved
-    asyncio.run(response_save(actor=dev_of(org), body=body(rid, text=ssn), input_items=items))
-    # Then the row holds none of it raw, and the rest as it was
+    save(dev_of(org), body(rid, text=ssn), items=items)
+    # Then Redis's copy holds none of it raw, nor, once written, the row
+    raw = sync_redis().hgetall(copy_key(org.tenant.pk, rid))
+    assert raw and all(ssn.encode() not in v for v in raw.values())
+    assert b"[SSN]" in raw[b"row"]
+    assert all(ssn.encode() not in fields[b"row"] for _, fields in sync_redis().xrange(STREAM))
+    responses_writer.drain()
     with other_connection() as other:
         row = other.execute("SELECT input_items::text, output_items::text FROM "
                             "streaming_storedresponse WHERE public_id = %s", [rid]).fetchone()

@@ -1,0 +1,171 @@
+"""Stored responses in Redis: the copy every gateway reads until the database has it.
+
+A response the gateway stores (streaming/responses_store.py `response_save`) is written
+to Redis, redacted, in the call's coalesced round trip (sluice.redis Coalescer), as two
+scripts that leave in one write on a single Redis:
+
+    sluice:{<tenant>}:response:<id>          hash: by (its creator), row (Row as JSON);
+                                             TTL COPY_TTL_S, dropped once written
+    sluice:responses:stored                  stream of rows (field "row") for the
+                                             writer (streaming/responses_writer.py)
+    sluice:{<tenant>}:response-deleted:<id>  set of who deleted it ("*": an admin)
+
+A reader looks at the copy first, then the database; the writer moves rows into the
+database and drops their copies after its commit, so a row is always in one or the
+other. What a copy holds is the database row as the writer will insert it.
+
+A DELETE wins over a save it races, at each step: its script records the deletion and
+drops a copy its caller may delete, in one step; a save's script stores no copy of an
+id its creator or an admin deleted; and the writer, after each INSERT, deletes the rows
+a deletion names (`forgotten`). A deletion is kept FORGET_STORED_S once something was
+found (an idempotent retry stores the id again within that), `forget_pending_s()` when
+nothing was (an id given out by a stream, whose save may still come).
+
+Durability: until the writer commits a row, Redis holds its only copy (the stream
+entry and the hash), as it holds the audit stream and the queue: a Redis that loses
+its data before then loses those responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Any, NamedTuple
+
+import orjson
+from django.conf import settings
+
+from sluice.redis import Coalescer, ScriptBatch, sync_redis
+
+STREAM = "sluice:responses:stored"
+STREAM_MAXLEN = 1_000_000  # bounds Redis memory if no writer runs for a long time
+# A copy outlives its write by far; it lapses only if no writer runs for this long.
+COPY_TTL_S = 7 * 86_400
+# How long a deletion outlives the response it names: an idempotent retry of its call
+# (inference/queue.py IDEM_TTL_S) stores it again within this.
+FORGET_STORED_S = 86_400
+
+
+class Row(NamedTuple):
+    """A StoredResponse's columns, already redacted (the field names are the model's):
+    what the copy, the stream entry and the INSERT carry."""
+
+    tenant_id: int
+    public_id: str
+    created_by: str
+    model: str
+    status: str
+    previous_response_id: str
+    input_items: list[dict[str, Any]]
+    output_items: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    details: dict[str, Any]
+    created_at: datetime
+
+
+def to_wire(row: Row) -> bytes:
+    return orjson.dumps(row._asdict())
+
+
+def from_wire(raw: bytes | str) -> Row:
+    """A row from `to_wire`; ValueError or TypeError when it is not one."""
+    fields = orjson.loads(raw)
+    fields["created_at"] = datetime.fromisoformat(fields["created_at"])
+    return Row(**fields)
+
+
+def copy_key(tenant_id: int, response_id: str) -> str:
+    return f"sluice:{{{tenant_id}}}:response:{response_id}"
+
+
+def forget_key(tenant_id: int, response_id: str) -> str:
+    return f"sluice:{{{tenant_id}}}:response-deleted:{response_id}"
+
+
+# KEYS: copy, deletions. ARGV: creator, row, copy TTL, FORGET_STORED_S. An id its
+# creator or an admin deleted gets no copy (and its deletion is kept longer: the
+# writer will still see the row); an id already copied keeps its first copy.
+_PUT_LUA = """
+if redis.call('SISMEMBER', KEYS[2], '*') == 1
+   or redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  return 0
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'by', ARGV[1], 'row', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+end
+return 1
+"""
+# KEYS: the stream. ARGV: row, maxlen.
+_ENQUEUE_LUA = """
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'row', ARGV[1])
+"""
+# KEYS: deletions, copy. ARGV: who deletes ("*": an admin), the deletion's TTL when no
+# copy is dropped, FORGET_STORED_S. Returns 1 when a copy was dropped.
+_DELETE_LUA = """
+local by = redis.call('HGET', KEYS[2], 'by')
+local ttl, dropped = ARGV[2], 0
+if by and (ARGV[1] == '*' or by == ARGV[1]) then
+  redis.call('DEL', KEYS[2])
+  ttl, dropped = ARGV[3], 1
+end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ttl, 'GT')
+redis.call('EXPIRE', KEYS[1], ttl, 'NX')
+return dropped
+"""
+
+
+async def put(scripts: Coalescer, row: Row) -> None:
+    """Copy `row` for the readers and queue it for the writer: two scripts that share
+    the call's coalesced round trip. Raises RedisError."""
+    wire = to_wire(row)
+    copied = scripts.script(_PUT_LUA, [copy_key(row.tenant_id, row.public_id),
+                                       forget_key(row.tenant_id, row.public_id)],
+                            [row.created_by, wire, COPY_TTL_S, FORGET_STORED_S])
+    queued = scripts.script(_ENQUEUE_LUA, [STREAM], [wire, STREAM_MAXLEN])
+    await asyncio.gather(copied, queued)
+
+
+def read(tenant_id: int, response_id: str) -> Row | None:
+    """The copy of a response not yet in the database (None: none). Raises RedisError."""
+    raw = sync_redis().hget(copy_key(tenant_id, response_id), "row")
+    return None if raw is None else from_wire(raw)
+
+
+def forget(*, tenant_id: int, response_id: str, subject: str | None, found: bool) -> bool:
+    """Record that `subject` (None: a tenant admin, who may delete any of the tenant's
+    responses) deleted `response_id`, and drop its copy if `subject` may; call before
+    deleting its row (`found`: whether the database has it). True when a copy was
+    dropped. Raises RedisError."""
+    batch = ScriptBatch(sync_redis())
+    batch.script(_DELETE_LUA, [forget_key(tenant_id, response_id),
+                               copy_key(tenant_id, response_id)],
+                 [subject or "*", FORGET_STORED_S if found else forget_pending_s(),
+                  FORGET_STORED_S])
+    return bool(batch.run()[0])
+
+
+def forgotten(rows: list[Row]) -> list[str]:
+    """The ids among `rows` that a deletion by their creator or an admin names; those
+    deletions are kept for FORGET_STORED_S more (a retry of the call would store the id
+    again). Raises RedisError."""
+    with sync_redis().pipeline(transaction=False) as pipe:
+        for row in rows:
+            pipe.smembers(forget_key(row.tenant_id, row.public_id))
+        found = pipe.execute()
+    gone = [row for row, who in zip(rows, found, strict=True)
+            if who and ({b"*", row.created_by.encode()} & who)]
+    if gone:
+        with sync_redis().pipeline(transaction=False) as pipe:
+            for row in gone:
+                pipe.expire(forget_key(row.tenant_id, row.public_id), FORGET_STORED_S)
+            pipe.execute()
+    return [row.public_id for row in gone]
+
+
+def forget_pending_s() -> int:
+    """How long a deletion of an id not stored (yet) must last: a call's reply is saved
+    before its deadline ends it."""
+    return 2 * int(settings.SLUICE_REQUEST_TIMEOUT_S) + 60
