@@ -29,11 +29,41 @@ from sluice import wirejson
 
 class ToolSpec(msgspec.Struct, frozen=True):
     """A function the reply may call; `parameters` is its JSON schema (key order kept:
-    the grammar writes properties in that order)."""
+    the grammar writes properties in that order); `description` what it is for (an
+    upstream server shows it to its model; our own models read it in the tool prompt
+    the gateway writes)."""
 
     name: str
     parameters: dict[str, Any] | None = None
     strict: bool = False
+    description: str = ""
+
+
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(TypedDict):
+    """A call an earlier assistant message made, in OpenAI's chat shape."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Message(TypedDict):
+    """One chat message: its role and its text (content parts joined; "" when it has
+    none); an assistant's calls in `tool_calls`, a tool result's call in
+    `tool_call_id`, a participant's `name`. A key that is absent means none. The
+    gateway writes tool traffic into the text for our own models (streaming/
+    prompting.py), so only an upstream deployment's jobs carry the last three keys."""
+
+    role: str
+    content: str
+    tool_calls: NotRequired[list[MessageToolCall]]
+    tool_call_id: NotRequired[str]
+    name: NotRequired[str]
 
 
 class ResponseFormat(msgspec.Struct, frozen=True):
@@ -53,10 +83,14 @@ class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind"
     `max_tokens` None means `default_max_tokens` of the model's context; `logprobs` is
     how many alternatives each token's entry lists (None: no log probabilities);
     `stream` False asks for the reply in one piece at the end (no per-token events);
-    `count_only` asks for the prompt's token count and nothing generated."""
+    `count_only` asks for the prompt's token count and nothing generated.
 
-    messages: list[dict[str, str]] = []
-    history: list[dict[str, str]] = []
+    Wire compatibility: a body with a message key or a `ToolSpec` field the other end
+    does not know is refused (`messages`) or ignored (tools' `description`), so a
+    gateway and its workers upgrade together."""
+
+    messages: list[Message] = []
+    history: list[Message] = []  # older turns of the conversation (role and text)
     prompt: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0

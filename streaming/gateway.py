@@ -51,7 +51,7 @@ from sluice.errors import (
     Unavailable,
 )
 from streaming import choices, replay
-from streaming.prompting import chat_job, prompt_bound
+from streaming.prompting import chat_job, native_messages, prompt_bound
 from streaming.routed import Attempt, Routed, call_bound
 from streaming.schemas import (
     ChatCompletionRequest,
@@ -235,7 +235,7 @@ class Gateway:
                                  code="max_tokens_too_large")
             # An upstream server gets the caller's messages and its tools natively (the
             # tool prompt is for Sluice's own models).
-            attempt = msgspec.structs.replace(job, messages=turn) \
+            attempt = msgspec.structs.replace(job, messages=native_messages(req)) \
                 if spec.runtime == RuntimeName.OPENAI_UPSTREAM else job
             max_tokens = asked or default_max_tokens(spec.max_context)
             texts = [m["content"] for m in attempt.messages] + \
@@ -268,7 +268,8 @@ class Gateway:
         if isinstance(target, DeploymentSpec):
             return await on(target)
         return await self._routed(
-            target, Kind.CHAT, on, texts=[m["content"] for m in (*job.messages, *history)],
+            target, Kind.CHAT, on, texts=[m["content"] for m in job.messages]
+            + [m["content"] for m in history],
             max_tokens=asked, timeout_s=timeout_s)
 
     async def count(self, principal: Principal, req: ChatCompletionRequest, *,

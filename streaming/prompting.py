@@ -1,6 +1,8 @@
-"""A chat request as the worker's prompt: its messages as role + text (tool traffic
-written the way the tool prompt teaches the model), the tool prompt before them, the
-sampling parameters, and an upper bound of its tokens without the model's tokenizer."""
+"""A chat request as a job: for our own models its messages as role + text (tool traffic
+written the way the tool prompt teaches the model) after the tool prompt; for an
+upstream server the caller's messages with their tool traffic native (inference/jobs.py
+Message); the sampling parameters; an upper bound of its tokens without the model's
+tokenizer."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from typing import Any
 import msgspec
 
 from inference.grammar import TOOL_MARKER
-from inference.jobs import ChatJob
+from inference.jobs import ChatJob, Message, MessageToolCall
 from inference.spec import DeploymentSpec
+from sluice.errors import BadRequest
 from streaming.schemas import ChatCompletionRequest
 from streaming.structured import structured_body, tool_prompt
 
@@ -34,34 +37,72 @@ def message_text(content: Any) -> str:
     return "".join(str(p) for p in parts)
 
 
-def chat_message(message: Any) -> dict[str, str]:
-    """An OpenAI message as role + text, tool traffic written the way the tool prompt
-    tells the model to write it."""
-    content = message_text(message.content)
-    if message.role not in ("assistant", "tool"):
-        return {"role": message.role, "content": content}
+def native_message(message: Any, where: str) -> Message:
+    """An OpenAI message as a job carries it: its text, and its tool traffic (an
+    assistant's `tool_calls`, a tool result's `tool_call_id`, a `name`) as fields.
+    `where` names the message in a 400 when its tool calls are malformed."""
+    out: Message = {"role": message.role, "content": message_text(message.content)}
     # Tool traffic rides in the message's extra fields (a plain getattr on a missing one
     # costs pydantic an exception: this runs for every message of every call).
     extra = message.model_extra or {}
-    calls = extra.get("tool_calls") or []
-    if message.role == "assistant" and calls:
+    if not extra:
+        return out
+    if message.role == "assistant" and extra.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(extra["tool_calls"], f"{where}.tool_calls")
+    if message.role == "tool" and extra.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(extra["tool_call_id"])
+    if isinstance(extra.get("name"), str):
+        out["name"] = extra["name"]
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[MessageToolCall]:
+    out: list[MessageToolCall] = []
+    for i, call in enumerate(calls if isinstance(calls, list) else [None]):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str | None):
+            raise BadRequest(f"{where}.{i}: a tool call is {{\"id\", \"type\": \"function\", "
+                             "\"function\": {\"name\", \"arguments\"}}.",
+                             param=f"{where}.{i}", code="invalid_value")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": name, "arguments": arguments or "{}"}})
+    return out
+
+
+def rendered(message: Message) -> dict[str, str]:
+    """A message as our own models read it: role and text, tool traffic written the
+    way the tool prompt tells the model to write it."""
+    content = message["content"]
+    if message["role"] == "assistant" and "tool_calls" in message:
         content += "".join(
             f'{TOOL_MARKER}{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
-            f'{c["function"].get("arguments") or "{}"}}}' for c in calls)
-    if message.role == "tool":
-        content = f"[result of {extra.get('tool_call_id', 'the call')}] {content}"
-    return {"role": message.role, "content": content}
+            f'{c["function"]["arguments"]}}}' for c in message["tool_calls"])
+    elif message["role"] == "tool":
+        content = f"[result of {message.get('tool_call_id', 'the call')}] {content}"
+    return {"role": message["role"], "content": content}
+
+
+def native_messages(req: ChatCompletionRequest) -> list[Message]:
+    """The caller's messages as an upstream server gets them (tool traffic native)."""
+    return [native_message(m, f"messages.{i}") for i, m in enumerate(req.messages)]
 
 
 def chat_job(req: ChatCompletionRequest) -> tuple[ChatJob, list[dict[str, str]]]:
-    """The job of a chat request (messages, the tool prompt before them, sampling,
-    structure; no history, max_tokens or stream yet) and the turn its conversation
-    keeps (the caller's messages)."""
+    """The job of a chat request for our own models (messages as text, the tool prompt
+    before them, sampling, structure; no history, max_tokens or stream yet) and the
+    turn its conversation keeps (the caller's messages as that text). An upstream
+    deployment's job takes `native_messages` instead."""
     structured = structured_body(req)
-    turn = [chat_message(m) for m in req.messages]
-    messages = list(turn)
+    turn = [rendered(m) for m in native_messages(req)]
     if structured.tools and req.tools:
-        messages[:0] = tool_prompt(req.tools, parallel=structured.parallel_tool_calls)
+        turn_and_prompt = [*tool_prompt(req.tools, parallel=structured.parallel_tool_calls),
+                           *turn]
+    else:
+        turn_and_prompt = turn
+    messages: list[Message] = [{"role": m["role"], "content": m["content"]}
+                               for m in turn_and_prompt]
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     return msgspec.structs.replace(
         structured, messages=messages, stop=stop, seed=req.seed,

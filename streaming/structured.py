@@ -86,7 +86,8 @@ def structured_body(req: ChatCompletionRequest) -> ChatJob:
             raise BadRequest(f"tool_choice names '{wanted}', which is not among the tools.",
                              param="tool_choice")
         job = ChatJob(response_format=response_format, tools=[
-            ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict))
+            ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict),
+                     t.function.description or "")
             for t in req.tools], tool_choice=wanted,
             parallel_tool_calls=req.parallel_tool_calls is not False)
     if job.constrained:

@@ -17,11 +17,11 @@ structured outputs on a model that cannot write them, a schema that cannot be en
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from inference.engine.entries import Pending, RequestError, malformed
 from inference.engine.output import Row
-from inference.jobs import ChatJob, EmbedJob, JobError, default_max_tokens
+from inference.jobs import ChatJob, EmbedJob, JobError, Message, default_max_tokens
 from inference.runtimes.base import ChatRuntime, SamplingParams, TorchModel
 
 if TYPE_CHECKING:
@@ -114,18 +114,19 @@ class InputProcessor:
         return Constraint(self._vocab, plan, budget=budget)
 
 
-def conversation_prompt(runtime: ChatRuntime, messages: list[dict[str, Any]],
-                        history: list[dict[str, Any]], max_tokens: int) -> list[int]:
+def conversation_prompt(runtime: ChatRuntime, messages: list[Message],
+                        history: list[Message], max_tokens: int) -> list[int]:
     """The prompt for a conversation: history, then this request's messages.
 
     Trimming policy: every message of this request stays; the oldest history messages
     are dropped, one by one, until the prompt leaves room for max_tokens (or for at
     least a quarter of the context when max_tokens asks for more)."""
     budget = runtime.max_context - min(max_tokens, runtime.max_context // 4)
-    prompt = runtime.encode_chat([*history, *messages])
+    # A Message is a plain dict: the chat template reads it as one.
+    prompt = runtime.encode_chat(cast("list[dict[str, Any]]", [*history, *messages]))
     while history and len(prompt) > budget:
         history = history[1:]
-        prompt = runtime.encode_chat([*history, *messages])
+        prompt = runtime.encode_chat(cast("list[dict[str, Any]]", [*history, *messages]))
     return prompt
 
 

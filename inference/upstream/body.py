@@ -2,14 +2,16 @@
 chunks that come back. Pure: no I/O (inference/upstream/client.py does the sending).
 
 Requests
-- A chat job (`messages`, after its `history`) goes to /chat/completions; a legacy
+- A chat job (`messages`, after its `history`) goes to /chat/completions, each message
+  with its tool traffic native (an assistant's `tool_calls`, with null content when it
+  said nothing else; a tool result's `tool_call_id`; a `name`); a legacy
   completion job (`prompt`) to /completions. Streamed, with
   `stream_options.include_usage`, so usage is the upstream's own count; a job whose
   reply nobody reads token by token (`stream` false) asks for one JSON reply instead
   (its usage is in it; the upstream does no per-token work for it).
 - Passed through: max_tokens, temperature, top_p, seed, stop, presence and frequency
   penalties, logit_bias (token ids of the upstream's vocabulary), logprobs /
-  top_logprobs, tools (name, parameters, strict), tool_choice, parallel_tool_calls,
+  top_logprobs, tools (name, description, parameters, strict), tool_choice, parallel_tool_calls,
   response_format (json_object, json_schema). What the dialect (inference/spec.py
   Dialect) accepts beyond OpenAI's parameters: `cache_salt` (vLLM: the tenant's salt,
   so prefix caches are never shared across tenants), `ignore_eos` (vLLM, SGLang).
@@ -38,13 +40,13 @@ from dataclasses import dataclass, field
 from secrets import token_hex
 from typing import Any
 
-from inference.jobs import ChatJob, ToolCall, Usage, usage
+from inference.jobs import ChatJob, Message, ToolCall, Usage, usage
 from inference.spec import Dialect, UpstreamSpec
 from inference.upstream.secrets import cache_salt
 
 _SALTED = (Dialect.VLLM,)
 _EXTENDED = (Dialect.VLLM, Dialect.SGLANG)  # continue_final_message, ignore_eos
-_MESSAGE_KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")
+_MESSAGE_KEYS = frozenset(("role", "content", "name", "tool_call_id", "tool_calls"))
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,11 @@ def path_of(job: ChatJob) -> str:
     return "/completions" if job.prompt is not None else "/chat/completions"
 
 
-def _message(message: dict[str, Any]) -> dict[str, Any]:
-    return {k: message[k] for k in _MESSAGE_KEYS if k in message}
+def _message(message: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {k: v for k, v in message.items() if k in _MESSAGE_KEYS}
+    if "tool_calls" in message and not message["content"]:
+        out["content"] = None  # OpenAI's own shape of an assistant turn that only calls
+    return out
 
 
 def _structure(job: ChatJob) -> dict[str, Any]:
@@ -75,6 +80,7 @@ def _structure(job: ChatJob) -> dict[str, Any]:
     if job.tools:
         out["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.parameters or {"type": "object"},
+            **({"description": t.description} if t.description else {}),
             **({"strict": True} if t.strict else {})}} for t in job.tools]
         out["tool_choice"] = job.tool_choice if job.tool_choice in ("auto", "required") \
             else {"type": "function", "function": {"name": job.tool_choice}}

@@ -218,8 +218,11 @@ def to_chat(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
     words (its field name where the two differ)."""
     body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req)}
     if req.tools:
+        # Anthropic allows longer descriptions than chat's 4,096 characters: the rest
+        # would only lengthen the tool prompt.
         body["tools"] = [{"type": "function", "function": {
-            "name": t.name, "parameters": t.input_schema, "strict": t.strict}}
+            "name": t.name, "parameters": t.input_schema, "strict": t.strict,
+            **({"description": t.description[:4096]} if t.description else {})}}
             for t in req.tools]
     fmt = req.output_config.format if req.output_config else None
     if fmt is not None:
