@@ -1,7 +1,12 @@
 """Shared fixtures: two tenants (alice's and bob's) with a member and an API key for each
 role, a platform admin in an operator tenant, and a JSON client for the management API.
 
-Everything runs against the real PostgreSQL and Redis the test command points at."""
+Everything runs against the real PostgreSQL and Redis the test command points at: a
+single Redis, or a Redis Cluster (REDIS_URL=redis+cluster://..., the test command's
+cluster pass). Tests reach it through sluice.redis's clients, which speak to either
+(FLUSHDB, KEYS and SCAN go to every master of a cluster). A test that can only run on
+a single Redis says why with `@pytest.mark.single_redis("reason")`: skipped on a
+cluster."""
 
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from sluice import telemetry
 from sluice.localinfra import free_port
-from sluice.redis import sync_redis
+from sluice.redis import is_cluster_url, sync_redis
 from sluice.servers import DEFAULT as DEFAULT_SERVER
 from sluice.servers import http_command
 from tenants.models import ApiKey, Member, Tenant
@@ -44,6 +49,26 @@ REPO = Path(__file__).resolve().parents[1]
 SPANS = InMemorySpanExporter()
 telemetry.setup("sluice-test", mode="on")
 telemetry.provider().add_span_processor(SimpleSpanProcessor(SPANS))
+
+
+# The tests that put tests/replycutter.py's relay in front of one Redis server: a cluster
+# client reads the topology from it and then talks to each slot's node past it.
+RELAYED = pytest.mark.single_redis("a reply-cutting relay in front of one Redis server")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "single_redis(reason): runs on a single Redis only "
+                            "(skipped when REDIS_URL is a Redis Cluster), for the reason given")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not is_cluster_url(settings.REDIS_URL):
+        return
+    for item in items:
+        marker = item.get_closest_marker("single_redis")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else "needs a single Redis"
+            item.add_marker(pytest.mark.skip(reason=f"single Redis only: {reason}"))
 
 
 @pytest.fixture(autouse=True)

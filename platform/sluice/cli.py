@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sluice.localinfra import Started, ensure_postgres, ensure_redis
+from sluice.localinfra import Started, ensure_postgres, ensure_redis, start_redis_cluster
 from sluice.private_files import DIR_MODE, FILE_MODE, narrow
 from sluice.processes import ProcessGroup
 from sluice.servers import DEFAULT as DEFAULT_SERVER
@@ -215,9 +215,76 @@ Press Ctrl-C to stop.
 """
 
 
+# The cluster pass (issue #32): what runs a second time on a private Redis Cluster. Every
+# directory whose tests drive the Redis under test; left out: the browser UI
+# (tests/frontend), benches, the netns multi-node test (tests/cluster, which builds its
+# own cluster), deploy/image tests, and the files that are pure CPU (model runtimes,
+# grammar, sampling) or start a Redis of their own. docs/REDIS_CLUSTER.md, "Testing".
+CLUSTER_PASS_TESTS = ("tests/governance", "tests/inference", "tests/streaming",
+                      "tests/tenants", "tests/resilience", "tests/sluice")
+CLUSTER_PASS_LEAVES_OUT = (
+    "tests/inference/test_grammar.py", "tests/inference/test_sampling.py",
+    "tests/inference/test_detokenize.py", "tests/inference/test_runtimes.py",
+    "tests/inference/test_scheduler.py", "tests/inference/test_cuda_graphs.py",
+    "tests/inference/test_static_cache.py", "tests/inference/test_runtime_kv.py",
+    "tests/governance/test_redaction.py", "tests/sluice/test_wirejson.py",
+    "tests/sluice/test_redis_cluster.py", "tests/sluice/test_redis_cluster_failover.py",
+    "tests/sluice/test_redis_cluster_urls.py", "tests/sluice/test_localinfra.py",
+    "tests/sluice/test_deploy_manifests.py", "tests/sluice/test_processes.py",
+)
+
+
+def _cluster_mode(args: argparse.Namespace) -> str:
+    """"off", "also" (after the single-Redis pass) or "only": --redis-cluster, else
+    SLUICE_TEST_REDIS_CLUSTER (1/also, only, 0/off), else "also" under CI=true."""
+    wanted = args.redis_cluster or os.environ.get("SLUICE_TEST_REDIS_CLUSTER", "")
+    wanted = {"1": "also", "true": "also", "0": "off", "false": "off", "": ""}.get(
+        wanted.lower(), wanted.lower())
+    if wanted not in ("", "off", "also", "only"):
+        raise RuntimeError(f"--redis-cluster / SLUICE_TEST_REDIS_CLUSTER: {wanted!r} is "
+                           "not one of off, also, only")
+    return wanted or ("also" if os.environ.get("CI", "").lower() == "true" else "off")
+
+
+def _names_tests(pytest_args: list[str]) -> bool:
+    """Whether the pytest arguments name tests (a path, or path::test) to run."""
+    return any(not a.startswith("-") and (REPO / a.split("::")[0]).exists()
+               for a in pytest_args)
+
+
+def _pytest(pytest_args: list[str], env: Mapping[str, str], what: str) -> int:
+    _say(f"pytest on {what}")
+    began = time.monotonic()
+    code = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO,  # noqa: S603
+                           env=env)
+    _say(f"pytest on {what}: exit {code} in {time.monotonic() - began:.0f} s")
+    if code == 5:
+        _say("pytest collected no tests: that is a failure")
+        return 1
+    return code
+
+
+def _cluster_pass(pytest_args: list[str], env: dict[str, str]) -> int:
+    """The tests again with REDIS_URL on a private Redis Cluster (3 masters, 3 replicas),
+    Celery and Channels on the single Redis of the first pass (they cannot use a
+    cluster); with no tests named, CLUSTER_PASS_TESTS less CLUSTER_PASS_LEAVES_OUT."""
+    # A long node timeout: no test here fails a node over on purpose (the failover tests
+    # start clusters of their own), and a starved CI machine must not trigger one.
+    cluster = start_redis_cluster(masters=3, replicas=1, node_timeout_ms=15000)
+    try:
+        selection = [] if _names_tests(pytest_args) else [
+            *CLUSTER_PASS_TESTS, *(f"--ignore={path}" for path in CLUSTER_PASS_LEAVES_OUT)]
+        return _pytest([*selection, *pytest_args], {
+            **env, "REDIS_URL": cluster.url, "SLUICE_CELERY_REDIS_URL": env["REDIS_URL"],
+            "SLUICE_CHANNELS_REDIS_URL": env["REDIS_URL"]}, cluster.name)
+    finally:
+        cluster.stop()
+
+
 def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
     started: list[Started] = []
     try:
+        cluster = _cluster_mode(args)
         db_url, pg = ensure_postgres(os.environ.get("DATABASE_URL", TEST_DATABASE))
         if pg:
             started.append(pg)
@@ -241,11 +308,9 @@ def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
                     lint = subprocess.call([sys.executable, "-m", *tool], cwd=REPO, env=env)  # noqa: S603
                     if lint != 0:
                         return lint
-            code = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO,  # noqa: S603
-                                   env=env)
-        if code == 5:
-            _say("pytest collected no tests: that is a failure")
-            return 1
+            code = 0 if cluster == "only" else _pytest(pytest_args, env, redis_url)
+            if cluster != "off":
+                code = _cluster_pass(pytest_args, env) or code
         return code
     except RuntimeError as exc:
         _say(f"error: {exc}")
@@ -275,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                      default=int(os.environ.get("SLUICE_GRPC_PORT", "50051")))
     test = sub.add_parser("test", help="run the test suite (extra args go to pytest)")
     test.add_argument("--no-lint", action="store_true")
+    test.add_argument("--redis-cluster", choices=("off", "also", "only"), default=None,
+                      help="run the Redis tests again on a private Redis Cluster after the "
+                           "single-Redis pass (also), instead of it (only), or not (off); "
+                           "default SLUICE_TEST_REDIS_CLUSTER, else also under CI=true")
     sub.add_parser("manage", help="Django management commands", add_help=False)
 
     if argv[:1] == ["manage"]:

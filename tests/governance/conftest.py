@@ -11,12 +11,13 @@ import redis
 from django.conf import settings
 
 from governance import cache as policy_cache
+from sluice.redis import sync_client
 from tests.streaming.conftest import live, tiny  # noqa: F401 - live server fixtures
 
 
 @pytest.fixture
 def rds() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(settings.REDIS_URL)
+    client = sync_client(settings.REDIS_URL)
     client.flushdb()
     policy_cache.clear()
     yield client

@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import redis
 from django.conf import settings
 
 from governance import cache as policy_cache
 from governance.models import BreakerPolicy, RateLimitPolicy
 from inference.models import Deployment
 from inference.queue import guard_key
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import Org, assert_openai_error
 
@@ -98,7 +98,7 @@ def test_breaker_update_reaches_the_workers_and_shows_live_state(
         put = client.call("PUT", f"/api/v1/governance/breakers/{echo}",
                           {"memory_high": 0.95, "memory_low": 0.9, "shed_queue_depth": 50})
     assert put.status == 200 and put.body["shed_queue_depth"] == 50
-    guard = redis.Redis.from_url(settings.REDIS_URL).hgetall(guard_key(echo))
+    guard = sync_client(settings.REDIS_URL).hgetall(guard_key(echo))
     assert guard == {b"high": b"0.95", b"low": b"0.9", b"hold_s": b"10.0"}
     cleared = client.call("PUT", f"/api/v1/governance/breakers/{echo}",
                           {"shed_queue_depth": None})

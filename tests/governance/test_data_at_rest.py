@@ -32,6 +32,7 @@ from inference import queue as q
 from inference.jobs import encode_event
 from sluice.cli import private_state
 from sluice.errors import NotFound
+from sluice.redis import sync_client
 from streaming import files
 from streaming.batches import batch_list
 from streaming.models import Batch, BatchStatus, StoredFile
@@ -123,7 +124,7 @@ def _redis_hits(rds: redis.Redis) -> dict[str, int]:
 
 @pytest.fixture
 def rds() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    client = sync_client(django_settings.REDIS_URL)
     yield client
     client.close()
 

@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis
 from django.conf import settings
 
 from governance import live as live_state
@@ -27,9 +26,10 @@ from inference.models import Deployment
 from inference.spec import DeploymentSpec
 from sluice.errors import Unavailable
 from sluice.localinfra import free_port
+from sluice.redis import sync_client
 from tenants.models import ApiKey
 from tenants.roles import Role
-from tests.conftest import Org, make_org, principal_for, process_env
+from tests.conftest import RELAYED, Org, make_org, principal_for, process_env
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
@@ -274,7 +274,7 @@ def test_open_breaker_refuses_then_a_probe_closes_it(live: Live, org: Org) -> No
     from governance import breaker
     from governance.breaker import Outcome
     policy = _breaker("echo", min_calls=1, window_size=1, open_wait_s=0.5, half_open_probes=1)
-    r = redis.Redis.from_url(settings.REDIS_URL)
+    r = sync_client(settings.REDIS_URL)
     r.eval(breaker.RECORD_LUA, 4, *breaker.keys("echo"),
            *breaker.record_args("", [(Outcome.FAILURE, 10)], policy))
     time.sleep(0.25)  # gateways re-ask a breaker they saw closed after 0.2 s
@@ -289,6 +289,7 @@ def test_open_breaker_refuses_then_a_probe_closes_it(live: Live, org: Org) -> No
     client.chat.completions.create(**chat_body())
 
 
+@RELAYED
 def test_concurrent_calls_share_one_read_of_a_closed_breaker(live: Live, org: Org) -> None:
     """At a burst, one read of a closed breaker serves every call (a read per call had
     been a quarter of the script calls at 64 connections); a breaker that is not closed
@@ -299,7 +300,7 @@ def test_concurrent_calls_share_one_read_of_a_closed_breaker(live: Live, org: Or
     from tests.replycutter import ReplyCutter
     spec = DeploymentSpec(f"breaker-{time.monotonic_ns()}", RuntimeName.ECHO)
     principal = principal_for(org.members[Role.DEVELOPER])
-    r = redis.Redis.from_url(settings.REDIS_URL)
+    r = sync_client(settings.REDIS_URL)
     url = r.connection_pool.connection_kwargs
 
     async def scenario() -> tuple[int, int, int, list[str]]:
@@ -341,7 +342,7 @@ def test_concurrent_calls_share_one_read_of_a_closed_breaker(live: Live, org: Or
 
 
 def _rotation(name: str) -> list[bool]:
-    client = redis.Redis.from_url(settings.REDIS_URL)
+    client = sync_client(settings.REDIS_URL)
     from inference.worker import heartbeats
     return [b.get("in_rotation", True) for b in heartbeats(client, name).values()]
 
@@ -457,7 +458,7 @@ def test_calls_are_refused_not_served_unaudited_while_the_audit_log_cannot_keep_
     from governance.models import AuditEvent
     audit.drain()
     settings.SLUICE_AUDIT_REFUSE_AT = 20
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     client = sdk(live, org.keys[Role.DEVELOPER])
 
     def call() -> openai.APIStatusError | None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 from django.conf import settings
 
 from governance import cache as policy_cache
@@ -21,6 +20,7 @@ from governance.models import BreakerPolicy, Quota, RateLimitPolicy, RateLimitSc
 from governance.ranges import BREAKER, QUOTA, RATE_LIMIT, Range
 from inference.models import Deployment
 from inference.queue import guard_key
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import Org, assert_openai_error, eventually, make_org
 from tests.frontend.test_pages import signed_in
@@ -188,7 +188,7 @@ def test_garbage_in_redis_state_never_breaks_a_chat_call(live: Live, tenant: Org
                                    requests_per_minute=600)
     key = tenant.keys[Role.DEVELOPER]
     assert _chat(live, key).status_code == 200
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     buckets = rds.keys(f"sluice:{{{tenant.tenant.slug}}}:rl:*")
     assert buckets
     # When both are overwritten with values that are no numbers

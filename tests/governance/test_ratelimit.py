@@ -25,6 +25,7 @@ from governance.ratelimit import (
     duration,
     verdict,
 )
+from sluice.redis import sync_client
 
 
 def take(rds: redis.Redis, buckets: list[Bucket], costs: list[float], *,
@@ -159,7 +160,7 @@ class BucketMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.rds = redis.Redis.from_url(settings.REDIS_URL)
+        self.rds = sync_client(settings.REDIS_URL)
         self.now = 1_000_000.0
         self.buckets = [per_min(f"m{id(self)}a", 120, 5), per_min(f"m{id(self)}b", 30, 3)]
         self.levels = [5.0, 3.0]

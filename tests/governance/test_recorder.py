@@ -17,7 +17,6 @@ from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 from redis.asyncio.retry import Retry
@@ -26,9 +25,9 @@ from redis.backoff import NoBackoff
 from governance import audit, breaker, ratelimit, signals, usage
 from governance.models import AuditEvent, BreakerPolicy
 from governance.recorder import CORRECT_LUA, LATENCIES_LUA, OUTCOMES_LUA, Recorder
-from sluice.redis import reconnecting
+from sluice.redis import reconnecting, sync_client
 from tenants.roles import Role
-from tests.conftest import make_org, principal_for
+from tests.conftest import RELAYED, make_org, principal_for
 from tests.replycutter import ReplyCutter
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -67,13 +66,14 @@ def flush_cut_then_retried(retries: bool, before: Callable[[Recorder], None],
     return asyncio.run(scenario())
 
 
+@RELAYED
 @pytest.mark.parametrize("retries", [True, False], ids=["redis-py retries", "held"])
 def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once(
         retries: bool) -> None:
     org = make_org("recorded", [Role.DEVELOPER])
     principal = principal_for(org.members[Role.DEVELOPER])
     tenant = principal.tenant_slug
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     rds.delete(audit.STREAM)
     rds.script_load(usage.COUNT_LUA)  # so the cut flush runs it (no NOSCRIPT first)
     day = datetime.now(UTC).date().isoformat()
@@ -110,11 +110,12 @@ def test_a_flush_applied_with_its_reply_lost_counts_usage_and_audit_once(
     rds.close()
 
 
+@RELAYED
 def test_a_flushs_token_bucket_corrections_are_summed_into_one_call_per_tenant() -> None:
     """Thirty calls' corrections (refunds and overruns) to two tenants' buckets: one
     script call per tenant, and each bucket ends where one call per correction would
     have left it."""
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     url = urlsplit(str(settings.REDIS_URL))
     slow = 6e-4  # per minute: no refill worth counting during the test
     tenants = [f"sum-{i}-{datetime.now(UTC).timestamp()}" for i in range(2)]
@@ -149,13 +150,14 @@ def test_a_flushs_token_bucket_corrections_are_summed_into_one_call_per_tenant()
             assert level == pytest.approx(5000 - sum(corrections), abs=1.0)
 
 
+@RELAYED
 @pytest.mark.parametrize("retries", [True, False], ids=["redis-py retries", "held"])
 def test_a_flushs_bucket_corrections_applied_with_the_reply_lost_count_once(
         retries: bool) -> None:
     """A refund to a tenant's token bucket in a flush whose reply was cut, then a debit
     in the next: the retried flush carries both, and the refund is applied once (twice,
     a tenant would get the tokens back twice)."""
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     rds.script_load(CORRECT_LUA)  # so the cut flush runs it (no NOSCRIPT first)
     tenant = f"refund-{datetime.now(UTC).timestamp()}"
     bucket = ratelimit.Bucket(ratelimit.bucket_key(tenant, 1, "tokens", "tenant"), "tokens",
@@ -174,6 +176,7 @@ def test_a_flushs_bucket_corrections_applied_with_the_reply_lost_count_once(
     rds.close()
 
 
+@RELAYED
 @pytest.mark.parametrize("retries", [True, False], ids=["redis-py retries", "held"])
 def test_a_flushs_breaker_outcomes_and_latencies_applied_with_the_reply_lost_count_once(
         retries: bool) -> None:
@@ -181,7 +184,7 @@ def test_a_flushs_breaker_outcomes_and_latencies_applied_with_the_reply_lost_cou
     the next: the breaker's window holds three failures, not five (counted twice, the
     failures of a retried flush could open a breaker), and the latency histogram three
     calls."""
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     rds.script_load(LATENCIES_LUA)  # so the cut flush runs them (no NOSCRIPT first)
     rds.script_load(OUTCOMES_LUA)
     deployment = f"outcomes-{datetime.now(UTC).timestamp()}"

@@ -24,6 +24,7 @@ from inference.client import InferenceClient, RequestHandle
 from inference.jobs import ChatJob
 from inference.spec import DeploymentSpec
 from inference.worker import Worker, heartbeats
+from sluice.redis import sync_client
 
 # The live gateway (uvicorn + in-thread workers) for the autoscaler tests.
 from tests.streaming.conftest import live  # noqa: F401
@@ -39,7 +40,7 @@ def redis_url() -> str:
 
 @pytest.fixture
 def rds(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     client.flushdb()
     yield client
     client.close()
@@ -55,7 +56,7 @@ def thread_worker(rds: redis.Redis) -> Iterator[Callable[..., Worker]]:
     started: list[tuple[Worker, threading.Thread]] = []
 
     def start(spec: DeploymentSpec, **kwargs: Any) -> Worker:
-        worker = Worker(spec, redis.Redis.from_url(str(settings.REDIS_URL)), **kwargs)
+        worker = Worker(spec, sync_client(str(settings.REDIS_URL)), **kwargs)
         thread = threading.Thread(target=worker.run, kwargs={"drain_s": 2}, daemon=True)
         thread.start()
         started.append((worker, thread))

@@ -16,7 +16,10 @@ import redis
 import redis.asyncio as aioredis
 
 from sluice.redis import Coalescer
+from tests.conftest import RELAYED
 from tests.replycutter import ReplyCutter
+
+pytestmark = RELAYED  # every test puts the relay in front of Redis
 
 ECHO_LUA = "return {KEYS[1], ARGV[1]}"
 REFUSE_LUA = "return redis.error_reply('REFUSED ' .. ARGV[1])"

@@ -25,6 +25,7 @@ from inference.runtimes.echo import EchoRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker, heartbeats
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable
+from tests.conftest import RELAYED
 from tests.inference.conftest import Result, chat, collect, run, unique
 from tests.replycutter import ReplyCutter
 
@@ -224,6 +225,7 @@ def test_a_caller_that_leaves_while_its_enqueue_is_in_flight_leaves_nothing_runn
     run(go, redis_url)
 
 
+@RELAYED
 def test_an_enqueue_whose_reply_is_lost_fails_retriably_and_leaves_nothing_running(
         thread_worker: StartWorker, redis_url: str, rds: redis.Redis) -> None:
     """Redis applies the enqueue and the reply is lost with the connection. The gateway's
@@ -546,6 +548,7 @@ def test_a_requests_final_events_are_written_once_and_a_later_claim_gets_the_sto
     assert 0 < rds.ttl(q.out_key(tenant, rids[0])) <= q.OUT_TTL_S
 
 
+@RELAYED
 def test_a_first_deliverys_final_goes_out_in_one_round_trip_a_redeliverys_asks_first(
         redis_url: str, rds: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
     """A worker writing the final of a first delivery claims it in the same round trip

@@ -18,6 +18,7 @@ from inference.runtimes.base import SamplingParams
 from inference.runtimes.static_lm import StaticCausalLMRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker
+from sluice.redis import sync_client
 from tests.inference.conftest import Result, chat, collect, run, unique
 from tests.reference import tiny_reply
 
@@ -71,7 +72,7 @@ def test_a_static_worker_whose_model_raises_is_taken_over_and_resumed(
     deployment, tokens = spec(max_batch_size=8), 16
     texts = [f"request {i}: tell me about the sea" for i in range(6)]
     expected = [tiny_reply(t, SamplingParams(max_tokens=tokens)) for t in texts]
-    victim = Worker(deployment, redis.Redis.from_url(redis_url), reclaim_after_ms=20_000,
+    victim = Worker(deployment, sync_client(redis_url), reclaim_after_ms=20_000,
                     block_ms=50)
     forwards = 0
 
@@ -90,7 +91,7 @@ def test_a_static_worker_whose_model_raises_is_taken_over_and_resumed(
         crashed.set()
 
     threading.Thread(target=run_victim, daemon=True).start()
-    survivor = Worker(deployment, redis.Redis.from_url(redis_url), reclaim_after_ms=20_000,
+    survivor = Worker(deployment, sync_client(redis_url), reclaim_after_ms=20_000,
                       block_ms=50)
 
     async def go(client: InferenceClient) -> list[Result]:

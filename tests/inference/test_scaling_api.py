@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import redis
 from django.conf import settings
 
 from inference import autoscaler
 from inference.client import InferenceClient
 from inference.jobs import ChatJob
 from inference.models import Deployment
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import Org, assert_openai_error
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture(autouse=True)
 def _empty_redis() -> None:
-    redis.Redis.from_url(settings.REDIS_URL).flushdb()  # no state, events or lease left
+    sync_client(settings.REDIS_URL).flushdb()  # no state, events or lease left
 
 
 def test_a_waiting_request_is_a_decision_with_its_reason(ops: Org) -> None:
@@ -35,7 +35,7 @@ def test_a_waiting_request_is_a_decision_with_its_reason(ops: Org) -> None:
         await client.close()
 
     asyncio.run(enqueue())
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     scaler = autoscaler.Autoscaler(rds, settings.REDIS_URL, driver="none", only=["lazy"])
     scaler.tick()
     body = ops.client(Role.PLATFORM_ADMIN).get("/api/v1/deployments/lazy/scaling").body

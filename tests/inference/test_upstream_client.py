@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import redis
 from django.db import connection
 
 from inference.jobs import ChatJob, ResponseFormat, ToolSpec
@@ -25,6 +24,7 @@ from inference.upstream.body import Continuation
 from inference.upstream.client import Event, UpstreamClient
 from inference.upstream.secrets import seal
 from sluice.localinfra import free_port
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import Org, eventually, gateway_process, make_org, principal_for, process_env
 from tests.streaming.conftest import Live, roomy  # noqa: F401  (a fixture)
@@ -167,7 +167,7 @@ def test_cancellation_reaches_the_upstream(live: Live, org: Org, settings: Any) 
 
     assert asyncio.run(run()) == 3
     eventually(lambda: not worker.active, 10, what="the upstream's worker to stop")
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     finals = [f[b"e"] for key in rds.scan_iter("sluice:{alice}:out:*")
               for _i, f in rds.xrange(key) if b'"done"' in f[b"e"]]
     assert any(b'"cancelled"' in e for e in finals), finals

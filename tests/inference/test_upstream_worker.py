@@ -27,6 +27,7 @@ from inference.spec import DeploymentSpec, Dialect, RuntimeName, UpstreamSpec
 from inference.upstream.secrets import seal
 from inference.upstream.worker import UpstreamWorker
 from inference.worker import heartbeats
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import REPO, Org, eventually, make_org, process_env
 from tests.inference.conftest import ProcessWorkers, Result, collect, run
@@ -55,7 +56,7 @@ def upstream_worker() -> Iterator[Callable[..., UpstreamWorker]]:
     started: list[tuple[UpstreamWorker, threading.Thread]] = []
 
     def start(spec: DeploymentSpec, **kwargs: Any) -> UpstreamWorker:
-        worker = UpstreamWorker(spec, redis.Redis.from_url(settings.REDIS_URL),
+        worker = UpstreamWorker(spec, sync_client(settings.REDIS_URL),
                                 private_ok=True, block_ms=200, **kwargs)
         thread = threading.Thread(target=worker.run, kwargs={"drain_s": 2}, daemon=True)
         thread.start()
@@ -89,7 +90,7 @@ def test_a_queued_request_streams_from_the_upstream(
     assert result.final["t"] == "done" and result.final["finish"] == "stop"
     assert result.final["usage"] == {"prompt_tokens": size, "completion_tokens": size}
     # The heartbeat reports the upstream's concurrency as the batch it may run.
-    [beat] = heartbeats(redis.Redis.from_url(settings.REDIS_URL), "up").values()
+    [beat] = heartbeats(sync_client(settings.REDIS_URL), "up").values()
     assert beat["max_batch"] == 5 and beat["kind"] == "chat"
 
 

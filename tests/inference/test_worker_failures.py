@@ -23,6 +23,7 @@ from inference.runtimes.base import SamplingParams
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker
+from sluice.redis import sync_client
 from tests.inference.conftest import ProcessWorkers, Result, chat, collect, run, unique
 from tests.reference import tiny_reply
 
@@ -144,7 +145,7 @@ def faulty_worker(spec: DeploymentSpec, redis_url: str, reclaim_ms: int, *,
     """A worker, running in a thread, whose toy model raises on its `at_forward`th
     forward pass (a transient device error, injected), and the list its crash time is
     appended to once it has handed its requests back and exited."""
-    victim = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=reclaim_ms,
+    victim = Worker(spec, sync_client(redis_url), reclaim_after_ms=reclaim_ms,
                     block_ms=50)
     assert isinstance(victim.runtime, CausalLMRuntime)
     forwards = 0
@@ -180,7 +181,7 @@ def test_a_worker_whose_model_raises_hands_its_requests_back_at_once(
     texts = [f"request {i}: tell me about the sea" for i in range(6)]
     expected = [tiny_reply(t, SamplingParams(max_tokens=tokens)) for t in texts]
     victim, crashed = faulty_worker(spec, redis_url, reclaim_ms, at_forward=6)
-    survivor = Worker(spec, redis.Redis.from_url(redis_url), reclaim_after_ms=reclaim_ms,
+    survivor = Worker(spec, sync_client(redis_url), reclaim_after_ms=reclaim_ms,
                       block_ms=50)
 
     async def go(client: InferenceClient) -> tuple[list[Result], float]:
@@ -217,7 +218,7 @@ def test_a_structured_reply_taken_over_mid_stream_is_still_one_valid_value(
         "ok": {"type": "boolean"}, "kind": {"enum": ["a", "b"]}}}
     spec = DeploymentSpec(unique("tiny"), RuntimeName.TINY_CAUSAL_LM, max_batch_size=8)
     _victim, crashed = faulty_worker(spec, redis_url, 20_000, at_forward=8)
-    survivor = Worker(spec, redis.Redis.from_url(redis_url), block_ms=50)
+    survivor = Worker(spec, sync_client(redis_url), block_ms=50)
 
     async def go(client: InferenceClient) -> tuple[list[Result], int]:
         handles = [await client.submit(spec, tenant="t", timeout_s=60, job=chat(
@@ -259,7 +260,7 @@ def test_a_poison_request_is_dead_lettered_without_its_neighbours(
 
     def serve() -> None:  # what the autoscaler does: a worker that dies is replaced
         while not done.is_set() and len(crashes) < 6:
-            worker = Worker(spec, redis.Redis.from_url(redis_url), block_ms=50)
+            worker = Worker(spec, sync_client(redis_url), block_ms=50)
             assert isinstance(worker.runtime, CausalLMRuntime)
             poison = worker.runtime.encode(" zebra")[0]
 

@@ -27,11 +27,11 @@ import grpc
 import httpx
 import openai
 import pytest
-import redis
 from django.conf import settings
 
 from inference.models import Deployment
 from inference.worker import Worker
+from sluice.redis import sync_client
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
@@ -144,7 +144,7 @@ def trickle_worker(live: Live) -> Iterator[str]:
     deployment = Deployment.objects.create(
         name="trickle", runtime="echo", max_batch_size=1200, max_wait_ms=50,
         echo_token_delay_ms=1000, max_queue_depth=5000, tenant_queue_share=1.0)
-    worker = Worker(deployment.to_spec(), redis.Redis.from_url(settings.REDIS_URL),
+    worker = Worker(deployment.to_spec(), sync_client(settings.REDIS_URL),
                     block_ms=200)
     thread = threading.Thread(target=worker.run, kwargs={"drain_s": 0}, daemon=True)
     thread.start()

@@ -24,7 +24,6 @@ import grpc
 import httpx
 import openai
 import pytest
-import redis
 import websockets
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -40,6 +39,7 @@ from inference.worker import Worker
 from sluice import servers
 from sluice.grpcserver import build
 from sluice.localinfra import free_port
+from sluice.redis import sync_client
 from sluice.servers import Tls, choose, http_command
 from sluice.settings import tls as tls_settings
 from streaming.protos import inference_pb2 as pb
@@ -87,13 +87,13 @@ def trust(cert: Tls, *, max_version: ssl.TLSVersion | None = None) -> ssl.SSLCon
 @pytest.fixture
 def key(transactional_db: None) -> Iterator[str]:
     """A developer's API key, with an echo deployment served by a worker thread."""
-    redis.Redis.from_url(settings.REDIS_URL).flushdb()
+    sync_client(settings.REDIS_URL).flushdb()
     auth_cache.clear()
     registry_cache.clear()
     spec = Deployment.objects.create(name="echo", runtime="echo", max_batch_size=8,
                                      echo_token_delay_ms=2).to_spec()
     org = make_org("edgeorg", [Role.DEVELOPER])
-    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
+    worker = Worker(spec, sync_client(settings.REDIS_URL), block_ms=200)
     thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
     thread.start()
     yield org.keys[Role.DEVELOPER]

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis
 from django.conf import settings
 
 from governance import audit
@@ -21,6 +20,7 @@ from inference.models import Deployment
 from inference.weights import MINILM
 from inference.worker import Worker
 from sluice.grpcserver import build
+from sluice.redis import sync_client
 from tenants import cache as auth_cache
 from tests.conftest import uvicorn_server
 
@@ -33,7 +33,7 @@ class Live:
 
 @pytest.fixture
 def live(transactional_db: None) -> Iterator[Live]:
-    redis.Redis.from_url(settings.REDIS_URL).flushdb()
+    sync_client(settings.REDIS_URL).flushdb()
     auth_cache.clear()
     registry_cache.clear()
     specs = [
@@ -49,7 +49,7 @@ def live(transactional_db: None) -> Iterator[Live]:
     workers: dict[str, Worker] = {}
     threads = []
     for deployment in specs[:3]:
-        worker = Worker(deployment.to_spec(), redis.Redis.from_url(settings.REDIS_URL),
+        worker = Worker(deployment.to_spec(), sync_client(settings.REDIS_URL),
                         block_ms=200)
         thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
         thread.start()
@@ -68,7 +68,7 @@ def _tiny_worker(name: str, max_context: int) -> Iterator[str]:
     """The toy-weights chat model deployed as `name`, served by a worker thread."""
     spec = Deployment.objects.create(name=name, runtime="tiny_causal_lm",
                                      max_context=max_context, max_batch_size=4).to_spec()
-    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
+    worker = Worker(spec, sync_client(settings.REDIS_URL), block_ms=200)
     thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
     thread.start()
     yield name

@@ -12,7 +12,6 @@ from typing import Any
 
 import openai
 import pytest
-import redis
 from django.conf import settings
 from openai import OpenAI
 
@@ -25,6 +24,7 @@ from inference.services import alias_create, deployment_create
 from inference.upstream.worker import UpstreamWorker
 from inference.worker import Worker
 from sluice.localinfra import free_port
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tenants.services import apikey_create
 from tests.conftest import Org, eventually, make_org, principal_for
@@ -65,7 +65,7 @@ def small(live: Live, started: Callable[[Any], Any]) -> Worker:
     """An echo deployment with a 64-token context, served."""
     spec = Deployment.objects.create(name="echo-small", runtime="echo", max_context=64,
                                      max_batch_size=8).to_spec()
-    worker: Worker = started(Worker(spec, redis.Redis.from_url(settings.REDIS_URL),
+    worker: Worker = started(Worker(spec, sync_client(settings.REDIS_URL),
                                     block_ms=200))
     return worker
 
@@ -143,7 +143,7 @@ def test_a_retriable_upstream_failure_falls_back_until_the_breaker_opens(
     BreakerPolicy.objects.create(deployment=down, min_calls=2, window_size=4,
                                  failure_rate=0.5, open_wait_s=600)
     policy_cache.clear()
-    started(UpstreamWorker(down.to_spec(), redis.Redis.from_url(settings.REDIS_URL),
+    started(UpstreamWorker(down.to_spec(), sync_client(settings.REDIS_URL),
                            private_ok=True, block_ms=200))
     alias_create(actor=admin, name="org/ha", targets=[("up-down", 1)], fallbacks=["echo"])
     for i in range(2):
@@ -168,7 +168,7 @@ def test_a_final_failure_is_the_answer(live: Live, org: Org, admin: Any, caller:
     bad = deployment_create(actor=admin, name="up-bad", runtime="openai_upstream",
                             upstream_url=live.base_url, upstream_model="echo",
                             upstream_api_key="sk-not-a-key-of-that-server", max_context=2048)
-    started(UpstreamWorker(bad.to_spec(), redis.Redis.from_url(settings.REDIS_URL),
+    started(UpstreamWorker(bad.to_spec(), sync_client(settings.REDIS_URL),
                            private_ok=True, block_ms=200))
     alias_create(actor=admin, name="org/bad", targets=[("up-bad", 1)], fallbacks=["echo"])
     with pytest.raises(openai.InternalServerError) as failed:

@@ -23,7 +23,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis
 from django.conf import settings
 from django.db import connection
 from openai import OpenAI
@@ -35,6 +34,7 @@ from inference.models import Deployment
 from inference.selectors import clear_routes
 from inference.services import alias_create, deployment_create
 from inference.upstream.worker import UpstreamWorker
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import eventually, gateway_process, make_org, principal_for, process_env
 from tests.streaming.conftest import Live, roomy  # noqa: F401  (a fixture)
@@ -76,7 +76,7 @@ class Front:
                                  upstream_url=base_url, upstream_model=model,
                                  upstream_api_key=key or self.relay_key,
                                  upstream_dialect="sluice", **{"max_context": 2048, **fields})
-        worker = UpstreamWorker(made.to_spec(), redis.Redis.from_url(settings.REDIS_URL),
+        worker = UpstreamWorker(made.to_spec(), sync_client(settings.REDIS_URL),
                                 block_ms=200)
         thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
         thread.start()
@@ -265,7 +265,7 @@ def test_a_cancelled_call_stops_generating_on_the_upstream(front: Front, live: L
     eventually(lambda: not worker.active and not upstream.active, 15,
                what="the call to stop on both Sluices")
     assert time.monotonic() - began < 15
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     finals = [f[b"e"] for key in rds.scan_iter("sluice:{relay}:out:*")
               for _i, f in rds.xrange(key) if b'"t":"done"' in f[b"e"]]
     assert any(b'"cancelled"' in e for e in finals), "the upstream's own request cancelled"

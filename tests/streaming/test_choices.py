@@ -13,7 +13,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import redis
 import websockets
 from django.conf import settings
 
@@ -22,6 +21,7 @@ from governance import live as live_state
 from governance.models import AuditEvent, Quota
 from inference import queue as q
 from inference.models import Deployment
+from sluice.redis import sync_client
 from streaming.batches import _call
 from streaming.gateway import Gateway
 from streaming.prompting import prompt_bound
@@ -158,7 +158,7 @@ def test_n_out_of_range_or_with_what_it_cannot_have_is_a_400_naming_n(
             response = http.post(url, json=request, headers={**auth, **headers})
             assert response.status_code == 400, (request, headers, response.text)
             assert response.json()["error"]["param"] == "n", response.text
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     assert not list(rds.scan_iter("sluice:{alice}:out:*")), "nothing reached a worker"
 
 
@@ -176,7 +176,7 @@ def test_a_client_that_leaves_cancels_every_choice(live: Live, org: Org) -> None
     stream.close()
     worker = live.workers["slow-echo"]
     assert wait_for(lambda: not worker.active), "every generation stopped"
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     finals = [f[b"e"] for key in rds.scan_iter("sluice:{alice}:out:*")
               for _i, f in rds.xrange(key) if b'"done"' in f[b"e"]]
     assert len(finals) == 3 and all(b'"cancelled"' in e for e in finals)

@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis
 from django.conf import settings
 
 from governance import audit
@@ -23,6 +22,7 @@ from inference.client import InferenceClient
 from inference.jobs import ChatJob
 from inference.models import Deployment
 from inference.weights import smollm2_tokenizer_dir
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live
@@ -286,7 +286,7 @@ def test_a_list_refused_part_way_cancels_the_prompts_already_admitted(
     with pytest.raises(openai.RateLimitError):
         client.completions.create(model="slow-echo", prompt=["x" * 300, "y"], max_tokens=300)
     # then the first is cancelled (its final event says so), not left generating
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     deadline, finals = time.monotonic() + 10, list[dict[str, Any]]()
     while not finals and time.monotonic() < deadline:
         finals = [json.loads(f[b"e"]) for key in rds.scan_iter("sluice:{compl}:out:*")

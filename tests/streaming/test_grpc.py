@@ -12,7 +12,6 @@ from typing import Any
 
 import grpc
 import pytest
-import redis
 from django.conf import settings
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -22,6 +21,7 @@ from governance import cache as policy_cache
 from governance.models import AuditEvent, BreakerPolicy, Quota
 from inference.models import Deployment
 from sluice.localinfra import free_port, start_redis
+from sluice.redis import sync_client
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
@@ -105,7 +105,7 @@ def test_status_mapping(grpc_target: str, org: Org, live: Live) -> None:
         deployment=Deployment.objects.get(name="minilm"),
         defaults={"min_calls": 1, "window_size": 1, "open_wait_s": 30})
     policy_cache.clear()
-    redis.Redis.from_url(settings.REDIS_URL).eval(
+    sync_client(settings.REDIS_URL).eval(
         breaker.RECORD_LUA, 4, *breaker.keys("minilm"),
         *breaker.record_args("", [(breaker.Outcome.FAILURE, 5.0)], policy))
     time.sleep(0.25)

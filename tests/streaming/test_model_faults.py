@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
-import redis
 import torch
 from django.conf import settings
 
@@ -24,6 +23,7 @@ from inference import queue as q
 from inference.models import Deployment
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.worker import Worker
+from sluice.redis import sync_client
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
@@ -54,7 +54,7 @@ def prefill_prompt(rt: CausalLMRuntime, poison: int) -> str:
 def faulty(live: Live) -> Iterator[Faulty]:
     spec = Deployment.objects.create(name="faulty", runtime="tiny_causal_lm",
                                      max_context=256, max_batch_size=8).to_spec()
-    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=50)
+    worker = Worker(spec, sync_client(settings.REDIS_URL), block_ms=50)
     rt = worker.runtime
     assert isinstance(rt, CausalLMRuntime)
 
@@ -137,7 +137,7 @@ def test_a_request_the_model_fails_on_is_answered_alone_and_not_retried(
     # Seven requests, seven admissions: nothing was sent twice, nothing set aside.
     admitted = [rid for batch in faulty.worker.admitted for rid in batch]
     assert len(admitted) == len(set(admitted)) == 3 + len(NEIGHBOURS)
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     assert rds.xlen(q.dead_key("faulty")) == 0
     # The same worker serves the next request.
     assert faulty.thread.is_alive()

@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-import redis
 from django.conf import settings
 
 from inference import queue as q
 from inference.client import InferenceClient
 from inference.jobs import ChatJob
 from inference.models import Deployment
+from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
@@ -156,7 +156,7 @@ def test_client_disconnect_cancels_generation(live: Live, keys: dict[Role, str],
     while worker.active and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not worker.active, "generation stopped when the client left"
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     finals = [f[b"e"] for key in rds.scan_iter("sluice:{alice}:out:*")
               for _i, f in rds.xrange(key) if b'"done"' in f[b"e"]]
     assert any(b'"cancelled"' in e for e in finals)
@@ -191,7 +191,7 @@ def test_bad_input_is_a_clear_4xx_and_queues_nothing(live: Live, keys: dict[Role
         assert http.post(url, content=b"{nope", headers=auth).status_code == 400
         assert http.get(url, headers=auth).status_code == 400
         assert http.post(url, json={"model": "echo"}).status_code == 401
-    rds = redis.Redis.from_url(settings.REDIS_URL)
+    rds = sync_client(settings.REDIS_URL)
     assert not list(rds.scan_iter("sluice:{alice}:out:*")), "nothing reached a worker"
 
 
@@ -286,7 +286,7 @@ def test_silent_streams_get_keep_alive_comments(live: Live, keys: dict[Role, str
     settings.SLUICE_SSE_HEARTBEAT_S = 0.1
     spec = Deployment.objects.create(name="glacial", runtime="echo",
                                      echo_token_delay_ms=400).to_spec()
-    worker = Worker(spec, redis.Redis.from_url(settings.REDIS_URL), block_ms=200)
+    worker = Worker(spec, sync_client(settings.REDIS_URL), block_ms=200)
     thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
     thread.start()
     try:

@@ -12,12 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from governance import audit
 from governance.models import AuditEvent
+from sluice.redis import sync_client
 from tenants.models import Member
 from tenants.roles import Role
 from tenants.services import apikey_create
@@ -188,7 +188,7 @@ def test_idempotency_keys_are_per_caller_and_bound_to_the_request(
     assert (error["code"], error["param"]) == ("idempotency_key_reused", "Idempotency-Key")
     assert "mine" not in changed.text
 
-    store = redis.Redis.from_url(settings.REDIS_URL)
+    store = sync_client(settings.REDIS_URL)
     names = [k.decode() for k in store.scan_iter(match="*idem*", count=1000)]
     assert names, "the idempotency records exist"
     assert all(re.fullmatch(r"sluice:\{alice\}:idem:[0-9a-f]{64}", n) for n in names), names
