@@ -4,9 +4,8 @@
 says what is sent) and yields what a worker emits for it: DeltaEvents (`ids` is [] —
 an upstream's token ids are not ours), then exactly one DoneEvent or ErrorEvent, the
 last event. Sequence numbers start at 0, or at a continuation's `seq`. HTTP goes
-through httpcore's connection pool directly (inference/upstream/network.py), without
-httpx's client layer (cookies, redirects, request and response models: a third of a
-call's CPU); transport failures are typed from httpcore's exceptions (or httpx's).
+through the asyncio-native connections of inference/upstream/network.py, whose
+`NetworkError`s are typed here.
 
 Contract
 - Cancellation: closing the iterator (`aclose()`, or cancelling the task that reads it)
@@ -42,15 +41,21 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpcore
-import httpx
 import orjson
 
 from inference.jobs import ChatJob, DeltaEvent, DoneEvent, ErrorEvent, default_max_tokens, usage
 from inference.spec import DeploymentSpec
 from inference.upstream.body import ChunkReader, Continuation, can_continue, path_of, request_body
-from inference.upstream.network import pool
+from inference.upstream.network import (
+    ConnectFailed,
+    NetworkError,
+    Pool,
+    ReadTimeout,
+    Reply,
+    Timeouts,
+)
 from inference.upstream.secrets import Secret, SecretUnavailable, unseal
 from inference.upstream.urls import UpstreamURLError, allow_private
 
@@ -104,11 +109,10 @@ def exception_failure(exc: BaseException) -> UpstreamFailure:
     if isinstance(exc, UpstreamURLError):
         return UpstreamFailure(502, "upstream_address_refused", "The model's upstream "
                                "address is refused by the SSRF guard.", retry=False)
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
-                  | httpcore.ConnectError | httpcore.ConnectTimeout | httpcore.PoolTimeout):
+    if isinstance(exc, ConnectFailed):
         return UpstreamFailure(503, "upstream_unavailable", "The model's upstream server "
                                "cannot be reached.", retry=True)
-    if isinstance(exc, httpx.TimeoutException | httpcore.TimeoutException):
+    if isinstance(exc, ReadTimeout):
         return UpstreamFailure(504, "upstream_timeout", "The model's upstream server "
                                "stopped answering.", retry=True)
     if isinstance(exc, orjson.JSONDecodeError):
@@ -139,9 +143,9 @@ class UpstreamClient:
                          (b"User-Agent", b"sluice-upstream")]
         if self._secret:
             self._headers.append((b"Authorization", f"Bearer {self._secret.reveal()}".encode()))
-        self._base = up.base_url.rstrip("/")
-        self._pool = pool(private_ok=allow_private() if private_ok is None else private_ok,
-                          max_connections=up.concurrency)
+        self._path = urlsplit(up.base_url).path.rstrip("/")
+        self._pool = Pool(up.base_url, private_ok=allow_private() if private_ok is None
+                          else private_ok, max_connections=up.concurrency)
         self._slots = asyncio.Semaphore(up.concurrency)
 
     async def aclose(self) -> None:
@@ -155,7 +159,7 @@ class UpstreamClient:
             text = text.replace(secret, "[redacted]")
         return _CONTROL.sub(" ", text)[:_QUOTE_MAX].strip()
 
-    def _timeout(self, deadline: float | None, *, whole: bool = False) -> dict[str, Any]:
+    def _timeout(self, deadline: float | None, *, whole: bool = False) -> Timeouts:
         """`whole`: the reply comes in one piece, after the whole generation: its read
         waits until the deadline, not read_timeout_s (silence between chunks)."""
         up = self.upstream
@@ -163,7 +167,7 @@ class UpstreamClient:
         if deadline is not None:
             left = max(0.001, deadline - time.monotonic())
             connect, read = min(connect, left), left if whole else min(read, left)
-        return {"timeout": {"connect": connect, "read": read, "write": read, "pool": None}}
+        return Timeouts(connect=connect, read=read)
 
     async def stream(self, job: ChatJob, *, tenant: str,
                      continuation: Continuation | None = None,
@@ -186,10 +190,10 @@ class UpstreamClient:
                 raise failure
             body = request_body(job, self.upstream, tenant=tenant, max_tokens=max_tokens,
                                 continuation=continuation)
-            async with self._slots, self._pool.stream(
-                    "POST", self._base + path_of(job), headers=self._headers,
-                    content=orjson.dumps(body),
-                    extensions=self._timeout(deadline, whole=not job.stream)) as response:
+            async with self._slots, self._pool.request(
+                    "POST", self._path + path_of(job), headers=self._headers,
+                    body=orjson.dumps(body),
+                    timeouts=self._timeout(deadline, whole=not job.stream)) as response:
                 if response.status != 200:
                     raise status_failure(response.status, await self._quoted(response))
                 if not body["stream"]:  # one JSON reply, read as one chunk
@@ -226,9 +230,8 @@ class UpstreamClient:
                     raise UpstreamFailure(502, "upstream_disconnected", "The model's "
                                           "upstream server ended the reply early.",
                                           retry=True)
-        except (UpstreamFailure, UpstreamURLError, httpcore.NetworkError,
-                httpcore.TimeoutException, httpcore.ProtocolError, httpx.HTTPError,
-                orjson.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (UpstreamFailure, UpstreamURLError, NetworkError, orjson.JSONDecodeError,
+                UnicodeDecodeError) as exc:
             failed = exc if isinstance(exc, UpstreamFailure) else exception_failure(exc)
             logger.warning("upstream %s: %s (%s)", self.spec.name, failed.code,
                            type(exc).__name__)
@@ -258,9 +261,9 @@ class UpstreamClient:
                                    "the request again.", retry=True)
         return None
 
-    async def _quoted(self, response: httpcore.Response) -> str:
+    async def _quoted(self, response: Reply) -> str:
         raw = b""
-        async for part in response.aiter_stream():
+        async for part in response.parts():
             raw += part
             if len(raw) >= _ERROR_BODY_MAX:
                 break
@@ -295,10 +298,10 @@ class UpstreamClient:
         return done
 
 
-async def _whole(response: httpcore.Response) -> bytes:
+async def _whole(response: Reply) -> bytes:
     """A reply's whole body, up to _REPLY_MAX bytes."""
     parts, size = [], 0
-    async for part in response.aiter_stream():
+    async for part in response.parts():
         size += len(part)
         if size > _REPLY_MAX:
             raise UpstreamFailure(502, "upstream_bad_reply", "The model's upstream server "
@@ -312,10 +315,10 @@ async def _nothing() -> AsyncIterator[str]:
     yield  # an async generator that yields nothing
 
 
-async def _lines(response: httpcore.Response) -> AsyncIterator[str]:
+async def _lines(response: Reply) -> AsyncIterator[str]:
     """The body's lines (LF or CRLF; UTF-8), as they arrive."""
     pending = b""
-    async for part in response.aiter_stream():
+    async for part in response.parts():
         pending += part
         *complete, pending = pending.split(b"\n")
         for line in complete:
@@ -324,7 +327,7 @@ async def _lines(response: httpcore.Response) -> AsyncIterator[str]:
         yield pending.removesuffix(b"\r").decode()
 
 
-async def _sse_data(response: httpcore.Response) -> AsyncIterator[str]:
+async def _sse_data(response: Reply) -> AsyncIterator[str]:
     """The `data` of each server-sent event (its data lines joined)."""
     lines: list[str] = []
     async for line in _lines(response):

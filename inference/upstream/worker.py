@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 from secrets import token_hex
 
 import redis
+import uvloop
 
 from inference import queue as q
 from inference.engine.admission import Admission
@@ -138,8 +139,10 @@ class UpstreamWorker:
 
     # -- life cycle ----------------------------------------------------------------
     def run(self, *, drain_s: float = 10.0) -> None:
-        """Serve until `stopping` is set, then drain (on an event loop of its own)."""
-        asyncio.run(self._run(drain_s))
+        """Serve until `stopping` is set, then drain (on an event loop of its own:
+        uvloop's, whose transports and callbacks cost a fraction of asyncio's own)."""
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(self._run(drain_s))
 
     async def _run(self, drain_s: float) -> None:
         logger.info("upstream worker %s serving %s", self.id, self.spec.name)
