@@ -1,8 +1,8 @@
 """Stored responses in Redis: the copy every gateway reads until the database has it.
 
 A response the gateway stores (streaming/responses_store.py `response_save`) is written
-to Redis, redacted, in the call's coalesced round trip (sluice.redis Coalescer), as two
-scripts that leave in one write on a single Redis:
+to Redis, redacted, in the call's coalesced round trip (sluice.redis Coalescer): one
+script on a single Redis, two on a cluster (the stream is in a slot of its own):
 
     sluice:{<tenant>}:response:<id>          hash: by (its creator), row (Row as JSON);
                                              TTL COPY_TTL_S, dropped once written
@@ -15,8 +15,8 @@ database and drops their copies after its commit, so a row is always in one or t
 other. What a copy holds is the database row as the writer will insert it.
 
 A DELETE wins over a save it races, at each step: its script records the deletion and
-drops a copy its caller may delete, in one step; a save's script stores no copy of an
-id its creator or an admin deleted; and the writer, after each INSERT, deletes the rows
+drops a copy its caller may delete, in one step; a save's script neither copies nor
+queues an id its creator or an admin deleted; and the writer, after each INSERT, deletes the rows
 a deletion names (`forgotten`). A deletion is kept FORGET_STORED_S once something was
 found (an idempotent retry stores the id again within that), `forget_pending_s()` when
 nothing was (an id given out by a stream, whose save may still come).
@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import orjson
 from django.conf import settings
 
-from sluice.redis import Coalescer, ScriptBatch, sync_redis
+from sluice.redis import Coalescer, ScriptBatch, is_cluster, sync_redis
 
 STREAM = "sluice:responses:stored"
 STREAM_MAXLEN = 1_000_000  # bounds Redis memory if no writer runs for a long time
@@ -82,9 +82,10 @@ def forget_key(tenant_id: int, response_id: str) -> str:
     return f"sluice:{{{tenant_id}}}:response-deleted:{response_id}"
 
 
-# KEYS: copy, deletions. ARGV: creator, row, copy TTL, FORGET_STORED_S. An id its
-# creator or an admin deleted gets no copy (and its deletion is kept longer: the
-# writer will still see the row); an id already copied keeps its first copy.
+# KEYS: copy, deletions[, the stream]. ARGV: creator, row, copy TTL, FORGET_STORED_S,
+# the stream's maxlen. An id its creator or an admin deleted is neither copied nor
+# queued (its deletion is kept longer: a writer may still hold the row); an id already
+# copied keeps its first copy.
 _PUT_LUA = """
 if redis.call('SISMEMBER', KEYS[2], '*') == 1
    or redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
@@ -95,9 +96,14 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 'by', ARGV[1], 'row', ARGV[2])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
 end
+if KEYS[3] then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'row', ARGV[2])
+end
 return 1
 """
-# KEYS: the stream. ARGV: row, maxlen.
+# On a cluster the stream is in another slot than the tenant's keys: queued by a
+# script of its own (the writer's check after its INSERT is then what makes a DELETE
+# win). KEYS: the stream. ARGV: row, maxlen.
 _ENQUEUE_LUA = """
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'row', ARGV[1])
 """
@@ -118,14 +124,16 @@ return dropped
 
 
 async def put(scripts: Coalescer, row: Row) -> None:
-    """Copy `row` for the readers and queue it for the writer: two scripts that share
-    the call's coalesced round trip. Raises RedisError."""
+    """Copy `row` for the readers and queue it for the writer, in the call's coalesced
+    round trip: one script on a single Redis, two on a cluster. Raises RedisError."""
     wire = to_wire(row)
-    copied = scripts.script(_PUT_LUA, [copy_key(row.tenant_id, row.public_id),
-                                       forget_key(row.tenant_id, row.public_id)],
-                            [row.created_by, wire, COPY_TTL_S, FORGET_STORED_S])
-    queued = scripts.script(_ENQUEUE_LUA, [STREAM], [wire, STREAM_MAXLEN])
-    await asyncio.gather(copied, queued)
+    keys = [copy_key(row.tenant_id, row.public_id), forget_key(row.tenant_id, row.public_id)]
+    args = [row.created_by, wire, COPY_TTL_S, FORGET_STORED_S, STREAM_MAXLEN]
+    if not is_cluster(scripts.client):
+        await scripts.script(_PUT_LUA, [*keys, STREAM], args)
+        return
+    await asyncio.gather(scripts.script(_PUT_LUA, keys, args),
+                         scripts.script(_ENQUEUE_LUA, [STREAM], [wire, STREAM_MAXLEN]))
 
 
 def read(tenant_id: int, response_id: str) -> Row | None:
