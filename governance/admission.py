@@ -103,22 +103,30 @@ class Admission:
         await self.finish(None, charge=False, audited=False)
 
     async def finish(self, final: FinalEvent | None, *, error: BaseException | None = None,
-                     charge: bool = True, audited: bool = True) -> None:
-        self.finish_now(final, error=error, charge=charge, audited=audited)
+                     charge: bool = True, audited: bool = True, replay: bool = False) -> None:
+        self.finish_now(final, error=error, charge=charge, audited=audited, replay=replay)
 
     def finish_now(self, final: FinalEvent | None, *, error: BaseException | None = None,
                    charge: bool = True, audited: bool = True,
-                   ended: float | None = None) -> None:
+                   ended: float | None = None, replay: bool = False) -> None:
         """Settle and audit the call (once): queued for the recorder, nothing awaited.
-        `ended`: when the call ended (time.monotonic()), when that was before now."""
+        `ended`: when the call ended (time.monotonic()), when that was before now;
+        `replay`: its events were another admission's request's, replayed to an
+        idempotent retry (Governor.settle)."""
         if self.done:
             return
         self.done = True
         status = call_status(final, error)
         latency_ms = ((time.monotonic() if ended is None else ended) - self.started) * 1000
-        self.governor.settle(self, final, status, latency_ms, error=error, charge=charge)
+        self.governor.settle(self, final, status, latency_ms, error=error, charge=charge,
+                             replay=replay)
         if audited:
             self._audit(final, status, latency_ms)
+
+    def audit_detail(self) -> dict[str, Any]:
+        """What the call's audit event adds to its detail beyond the finish, the probe
+        and the degradation (scalars: the audit keeps detail values small)."""
+        return {}
 
     def _audit(self, final: FinalEvent | None, status: int, latency_ms: float) -> None:
         usage = final["usage"] if final is not None else jobs.usage(0, 0)
@@ -132,7 +140,7 @@ class Admission:
             response_text="".join(self.reply), patterns=self.patterns,
             detail={"finish": final["finish"] if final is not None and final["t"] == "done"
                     else None, "probe": self.probe,
-                    "degraded": self.max_tokens_cap is not None}))
+                    "degraded": self.max_tokens_cap is not None, **self.audit_detail()}))
 
 
 def call_status(final: FinalEvent | None, error: BaseException | None) -> int:
@@ -245,7 +253,7 @@ class Governor:
             if quotas:
                 # The reservation may have been made with only its reply lost: release
                 # it when Redis answers again (releasing one never made is a no-op).
-                self.recorder.settle(tenant, quotas, adm.id, requests=0, tokens=0)
+                self.recorder.settle(tenant, quotas, quota.Settlement(adm.id, "", 0, 0, 0, ""))
             self._without_redis(adm, limits, quotas)
             return
         if quotas and replies[-1][0] == 1:
@@ -361,7 +369,7 @@ class Governor:
     # -- settlement ------------------------------------------------------------------
     def finish_later(self, adm: Admission, final: FinalEvent | None,
                      error: BaseException | None, rid: str, deadline_ms: int, *,
-                     charge: bool = True) -> None:
+                     charge: bool = True, replay: bool = False) -> None:
         """The consumer stopped before the call ended (client gone, stream left for a
         resume): settle when the worker's final event arrives (a cancel makes it come
         within milliseconds), or at the deadline."""
@@ -374,7 +382,7 @@ class Governor:
                                                          after_seq=2**62, timeout_s=timeout):
                         if item["t"] == "done" or item["t"] == "error":
                             event = item
-            await adm.finish(event, error=error, charge=charge)
+            await adm.finish(event, error=error, charge=charge, replay=replay)
 
         task = asyncio.create_task(run())
         self._background.add(task)
@@ -382,13 +390,18 @@ class Governor:
 
     def settle(self, adm: Admission, final: FinalEvent | None, status: int,
                latency_ms: float, *,
-               error: BaseException | None, charge: bool) -> None:
+               error: BaseException | None, charge: bool, replay: bool = False) -> None:
         """Queue the call's settlement (written by the recorder, off the response path);
-        `status` is `call_status(final, error)`, `latency_ms` the call's duration."""
+        `status` is `call_status(final, error)`, `latency_ms` the call's duration. The
+        charge is booked under the request's id, once whoever settles it (quota.py):
+        a `replay` (the events of a request another admission ran, fed to an idempotent
+        retry) charges what its final event says when nobody has (the gateway that ran
+        it died); it is not the deployment's outcome, and its token-bucket estimate is
+        refunded (the request's own admission paid the buckets)."""
         prompt, completion = ((final["usage"]["prompt_tokens"],
                                final["usage"]["completion_tokens"]) if final is not None
                               else (0, 0))
-        if not charge:
+        if not charge or replay:
             outcome = breaker.Outcome.IGNORED
         elif final is None:
             # A deadline is the deployment's failure; a call we never saw end is not.
@@ -405,11 +418,14 @@ class Governor:
         tokens = prompt + completion if billable else 0
         tenant, name = adm.principal.tenant_slug, adm.spec.name
         rec = self.recorder
-        if adm.quotas:
-            rec.settle(tenant, adm.quotas, adm.id, requests=int(billable), tokens=tokens)
+        if adm.quotas or billable:
+            rec.settle(tenant, adm.quotas, quota.Settlement(
+                adm.id, adm.request_id or adm.id, int(billable), prompt if billable else 0,
+                completion if billable else 0, f"{name}|{adm.principal.key_prefix}|"))
         if adm.token_buckets:
             # The estimate was debited up front: book the difference (a refund, mostly).
-            rec.correct_buckets(tenant, adm.token_buckets, tokens - adm.tokens)
+            rec.correct_buckets(tenant, adm.token_buckets,
+                                (0 if replay else tokens) - adm.tokens)
         policy = adm.policy
         if policy is not None and adm.probe:
             rec.write(breaker.RECORD_LUA, breaker.keys(name),
@@ -418,9 +434,6 @@ class Governor:
             rec.outcome(name, policy, outcome, latency_ms)
         if outcome != breaker.Outcome.IGNORED:
             rec.latency(name, latency_ms)
-        if billable:
-            rec.count_usage(tenant=tenant, model=name, key_prefix=adm.principal.key_prefix,
-                            prompt=prompt, completion=completion)
 
     def _opened(self, deployment: str) -> None:
         self._closed.discard(deployment)

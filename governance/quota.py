@@ -7,25 +7,38 @@ before any work, or refused further down the pipeline); a reservation nobody set
 (a gateway that died) expires after the request's deadline. So concurrent calls see each
 other's reservations and cannot overshoot a limit.
 
+A call is charged once per request id, to its quotas and the usage counters together
+(SETTLE_LUA), by whichever gateway settles it first: the one that ran it, or one that
+replayed it to an idempotent retry (the first gateway may have died with the call
+running on its worker).
+
 Per quota, three keys under the tenant's hash tag:
     sluice:{t}:qt:<id>:u   usage: fields r:<slot> and t:<slot> (requests and tokens)
     sluice:{t}:qt:<id>:r   open reservations: rid -> reserved tokens; #n, #t their totals
     sluice:{t}:qt:<id>:x   reservation expiries: rid scored by its deadline
+and per charged request (SETTLED_TTL_S):
+    sluice:{t}:settled:<request id>
 Calendar windows use one slot per period (UTC minute, day or month); rolling windows
 sixty slots of a sixtieth of the period, so "the last day" moves in 24-minute steps.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
+from governance import usage
 from governance.models import Quota, QuotaPeriod, QuotaWindow
 
 PERIOD_S: dict[str, int] = {QuotaPeriod.MINUTE: 60, QuotaPeriod.DAY: 86_400, QuotaPeriod.MONTH: 0}
 ROLLING_MONTH_S = 30 * 86_400
+# How long a charged request's mark (`settled_key`) is kept: longer than its events can be
+# replayed to an idempotent retry after it ended (inference.queue.OUT_TTL_S, 600 s) and
+# than a failed flush is retried (recorder.RETRY_FOR_S, 60 s).
+SETTLED_TTL_S = 900
 _ROLLING_SLOTS = 60
 
 _PRELUDE = """
@@ -142,33 +155,54 @@ end
 return {1, unpack(shadows)}
 """
 
-# KEYS: 3 per quota. ARGV: clock, per quota its period length and rolling flag, then per
-# settled call its rid, requests to charge (0/1) and tokens to charge: the calls of one
-# flush that had the same quotas, in one call. Drops each reservation and books the real
-# usage, once: a reservation no longer open (settled already, expired) is not charged
-# again.
+# KEYS: 3 per quota, the tenant's usage counters (governance/usage.py), then the settled
+# mark (`settled_key`) of each settlement that charges, in order. ARGV: clock, the number
+# of quotas, the marks' TTL, the counters' TTL, per quota its period length and rolling
+# flag, then per settled call (`Settlement`) its reservation id, the requests (0/1),
+# prompt and completion tokens to charge, and its usage counters' field prefix: the
+# calls of one flush that had the same quotas, in one call. Drops each reservation (one
+# no longer open, settled already or expired, is no matter) and charges each request
+# once, to the quotas and the usage counters both, whoever settles it first: the
+# gateway that ran it, or another that replayed it to a retry (SET NX of its mark). A
+# retried flush, or a second settlement of the same request, charges nothing.
 SETTLE_LUA = _PRELUDE + """
-local quotas = #KEYS / 3
-local reqs, toks = {}, {}
+local quotas, mark_ttl, usage_ttl = tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local counters = KEYS[3 * quotas + 1]
+local reqs, toks, fields = {}, {}, {}
 for q = 0, quotas - 1 do reqs[q], toks[q] = 0, 0 end
-for s = 2 + 2 * quotas, #ARGV, 3 do
-  local rid, req, tok = ARGV[s], tonumber(ARGV[s + 1]), tonumber(ARGV[s + 2])
+local mark = 3 * quotas + 1
+for s = 5 + 2 * quotas, #ARGV, 5 do
+  local rid, req = ARGV[s], tonumber(ARGV[s + 1])
   for q = 0, quotas - 1 do
-    local open = unhold(KEYS[3 * q + 2], rid)
+    unhold(KEYS[3 * q + 2], rid)
     redis.call('ZREM', KEYS[3 * q + 3], rid)
-    -- Only an open reservation is charged: settling twice (a retried write) charges once.
-    if open then reqs[q], toks[q] = reqs[q] + req, toks[q] + tok end
+  end
+  if req > 0 then
+    mark = mark + 1
+    if redis.call('SET', KEYS[mark], 1, 'NX', 'EX', mark_ttl) then
+      local prompt, completion, prefix = tonumber(ARGV[s + 2]), tonumber(ARGV[s + 3]), ARGV[s + 4]
+      for q = 0, quotas - 1 do
+        reqs[q], toks[q] = reqs[q] + req, toks[q] + prompt + completion
+      end
+      fields[prefix .. 'r'] = (fields[prefix .. 'r'] or 0) + req
+      fields[prefix .. 'p'] = (fields[prefix .. 'p'] or 0) + prompt
+      fields[prefix .. 'c'] = (fields[prefix .. 'c'] or 0) + completion
+    end
   end
 end
 for q = 0, quotas - 1 do
   if reqs[q] > 0 or toks[q] > 0 then
-    local len, rolling = tonumber(ARGV[2 + q * 2]), tonumber(ARGV[3 + q * 2])
+    local len, rolling = tonumber(ARGV[5 + q * 2]), tonumber(ARGV[6 + q * 2])
     local slot = window(len, rolling)
     redis.call('HINCRBY', KEYS[3 * q + 1], 'r:' .. slot, reqs[q])
     redis.call('HINCRBY', KEYS[3 * q + 1], 't:' .. slot, toks[q])
     local keep = (len == 0 and 32 * 86400 or len) * 2 + 3600
     redis.call('EXPIRE', KEYS[3 * q + 1], keep)
   end
+end
+if next(fields) then
+  for f, n in pairs(fields) do redis.call('HINCRBY', counters, f, n) end
+  redis.call('EXPIRE', counters, usage_ttl)
 end
 return 1
 """
@@ -232,13 +266,36 @@ def _limit(value: int | None) -> int:
     return -1 if value is None else value
 
 
-Settlement = tuple[str, int, int]  # a call's rid, requests and tokens to charge
+class Settlement(NamedTuple):
+    """A call's settlement: its reservation (an admission's id; released whatever
+    else happens), and what to charge (requests 0: nothing) under its request id, once
+    however many gateways settle that request (`settled_key`)."""
+
+    reservation: str
+    request: str  # the request id ("" when it charges nothing)
+    requests: int
+    prompt: int
+    completion: int
+    usage: str  # its usage counters' field prefix, "<model>|<key prefix>|"
 
 
-def settle_args(quotas: list[Quota], settlements: Sequence[Settlement],
-                clock: float | None = None) -> list[Any]:
-    return [clock_arg(clock), *shape_args(quotas),
-            *(x for settlement in settlements for x in settlement)]
+def settled_key(tenant: str, request: str) -> str:
+    """Set when the request is charged: a later settlement of it charges nothing."""
+    return f"sluice:{{{tenant}}}:settled:{request}"
+
+
+def settle_call(tenant: str, quotas: list[Quota], settlements: Sequence[Settlement],
+                clock: float | None = None) -> tuple[list[str], list[Any]]:
+    """SETTLE_LUA's keys and args: `settlements` (of calls with `quotas`, possibly none)
+    charged to the quotas and to the tenant's usage counters of today (UTC)."""
+    day = datetime.fromtimestamp(time.time() if clock is None else clock, UTC).date()
+    keys = [*keys_for(tenant, quotas), usage.usage_key(tenant, day.isoformat()),
+            *(settled_key(tenant, s.request) for s in settlements if s.requests)]
+    args: list[Any] = [clock_arg(clock), len(quotas), SETTLED_TTL_S, usage.USAGE_TTL_S,
+                       *shape_args(quotas)]
+    for s in settlements:
+        args += [s.reservation, s.requests, s.prompt, s.completion, s.usage]
+    return keys, args
 
 
 def peek_args(quotas: list[Quota], clock: float | None = None) -> list[Any]:

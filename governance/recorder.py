@@ -5,7 +5,7 @@ queued and written by one flusher task per gateway process, in one pipeline with
 whatever else is pending ("group commit": under load, hundreds of calls share a round
 trip). A probe's verdict is written within a round trip of its call's end, the rest
 within FLUSH_S. The quota settlements of calls with the same quotas go in one script
-call (each reservation is still settled once, by its rid); token-bucket corrections are
+call (each request is still charged once, by its id); token-bucket corrections are
 summed per bucket and written in one script call per tenant: the buckets' levels are the
 same as with one call per request (a forced debit has no check; only a refund to a
 bucket that is already full differs, by the part the cap would have cut). Counters that
@@ -18,8 +18,9 @@ A gateway that crashes loses at most FLUSH_S of these counters and audit events;
 open reservations expire at their deadline. A flush that fails because Redis is away
 (restart, failover) is kept and retried with the next one, for up to RETRY_FOR_S or
 MAX_HELD_AUDIT audit events (then dropped, logged); never a call. A flush that Redis
-applied but whose reply was lost is harmless to retry: quota settlements are idempotent
-(a reservation is charged once); usage counts, token-bucket corrections, latency
+applied but whose reply was lost is harmless to retry: a call's settlement (its quota
+charge and usage counts) is charged once per request id, whichever gateway settles the
+request first (quota.SETTLE_LUA); other usage counts, token-bucket corrections, latency
 histograms and breaker outcomes are applied once per flush number (a mark per tenant, or
 per deployment, and gateway process); and audit events carry their own id, which the
 audit writer stores once.
@@ -84,8 +85,8 @@ class _Pending:
     outcomes: dict[tuple[int, str], tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] \
         = field(default_factory=dict)
     audit: list[str] = field(default_factory=list)
-    # (the quotas' keys, their shape) -> (the quotas, their calls' settlements)
-    settlements: dict[tuple[tuple[str, ...], tuple[Any, ...]],
+    # (tenant, the quotas' keys) -> (the quotas, their calls' settlements)
+    settlements: dict[tuple[str, tuple[str, ...]],
                       tuple[list[Quota], list[quota.Settlement]]] = field(default_factory=dict)
     # (flush number, tenant) -> bucket key -> (the bucket, the sum of its corrections)
     buckets: dict[tuple[int, str], dict[str, tuple[ratelimit.Bucket, float]]] = field(
@@ -96,7 +97,7 @@ class _Pending:
                     or self.settlements or self.buckets)
 
     def settle(self, tenant: str, quotas: list[Quota], settlement: quota.Settlement) -> None:
-        group = (tuple(quota.keys_for(tenant, quotas)), tuple(quota.shape_args(quotas)))
+        group = (tenant, tuple(quota.keys_for(tenant, quotas)))
         self.settlements.setdefault(group, (quotas, []))[1].append(settlement)
 
     def correct(self, number: int, tenant: str, bucket: ratelimit.Bucket,
@@ -149,10 +150,10 @@ class Recorder:
         self._pending.writes.append((script, keys, args))
         self._flush_soon()
 
-    def settle(self, tenant: str, quotas: list[Quota], rid: str, *, requests: int,
-               tokens: int) -> None:
-        """Settle a call's quota reservation with what it used (0, 0: release it)."""
-        self._pending.settle(tenant, quotas, (rid, requests, tokens))
+    def settle(self, tenant: str, quotas: list[Quota], settlement: quota.Settlement) -> None:
+        """Settle a call: release its reservation of `quotas` (if any) and charge its
+        request (quota.SETTLE_LUA: once per request id, usage counters included)."""
+        self._pending.settle(tenant, quotas, settlement)
         self._flush_soon()
 
     def correct_buckets(self, tenant: str, buckets: list[ratelimit.Bucket],
@@ -225,10 +226,13 @@ class Recorder:
         pipe = batch.pipe
         for script, keys, args in pending.writes:
             batch.script(script, keys, args)
-        for (quota_keys, _shape), (quotas, settled) in pending.settlements.items():
+        charged = set()
+        for (tenant, _keys), (quotas, settled) in pending.settlements.items():
             for run in chunks(settled, PER_CALL):
-                batch.script(quota.SETTLE_LUA, list(quota_keys),
-                             quota.settle_args(quotas, run))
+                batch.script(quota.SETTLE_LUA, *quota.settle_call(tenant, quotas, run))
+            if any(s.requests for s in settled):
+                charged.add(tenant)
+        usage.index(batch, charged)
         # A tenant's buckets share a slot; the oldest flush's first (the marks' order).
         for (number, tenant), corrections in sorted(pending.buckets.items()):
             due = [(bucket, cost) for bucket, cost in corrections.values() if cost]

@@ -2,8 +2,10 @@
 
 Each settled call adds to `sluice:{<tenant>}:usage:<day>` (fields
 `<model>|<key prefix>|r|p|c`: requests, prompt and completion tokens) and names its
-tenant in `sluice:usage:tenants:<day>`; the gateway's recorder adds its calls' counts in
-flushes, each flush once (a retried one that Redis had applied adds nothing). The
+tenant in `sluice:usage:tenants:<day>`; the gateway's recorder adds a settled call's
+counts with its quota settlement, once per request id (governance/quota.py SETTLE_LUA),
+and other counts (`count`) in flushes, each flush once (a retried one that Redis had
+applied adds nothing). The
 rollup (a Celery beat task, every SLUICE_USAGE_ROLLUP_S) copies the counters' totals
 into UsageRecord rows; it writes absolute values, so running it twice, or from two
 workers, is harmless. The counters live 40 days.
@@ -11,6 +13,7 @@ workers, is harmless. The counters live 40 days.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -81,9 +84,16 @@ def count(batch: ScriptBatch, *, tenant: str, writer: str, flush: int,
         args += [field + "r", requests, field + "p", prompt, field + "c", completion]
     batch.script(COUNT_LUA, *once_per_flush([usage_key(tenant, day)], args,
                                             mark=applied_key(tenant, writer), flush=flush))
-    # The day's tenant index is in no tenant's slot; adding to a set twice is harmless.
-    batch.pipe.sadd(usage_index_key(day), tenant)
-    batch.pipe.expire(usage_index_key(day), USAGE_TTL_S)
+    index(batch, [tenant])
+
+
+def index(batch: ScriptBatch, tenants: Collection[str]) -> None:
+    """Queue naming `tenants` in today's tenant index (the rollup reads those tenants'
+    counters). The index is in no tenant's slot; adding to a set twice is harmless."""
+    if tenants:
+        day = datetime.now(UTC).date().isoformat()
+        batch.pipe.sadd(usage_index_key(day), *tenants)
+        batch.pipe.expire(usage_index_key(day), USAGE_TTL_S)
 
 
 def rollup(days: list[date] | None = None) -> int:

@@ -13,10 +13,15 @@ from inference.jobs import DoneEvent, FinalEvent, ToolCall
 from sluice.errors import ServerError
 from streaming.gateway import error_from_event
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
-from streaming.submitted import Submitted
+from streaming.submitted import Submitted, cancelled_error
 
 
-def finish_reason(final: DoneEvent) -> str:
+def finish_reason(final: DoneEvent) -> str | None:
+    """OpenAI's finish_reason of a choice's final event; None for a cancelled request
+    (its reply is cut: never reported as finished, "stop"). A reply in one piece is
+    never made of one (`all_done`)."""
+    if final["finish"] == "cancelled":
+        return None
     return {"length": "length", "tool_calls": "tool_calls"}.get(final["finish"], "stop")
 
 
@@ -60,7 +65,7 @@ async def whole_reply(sub: Submitted) -> tuple[str, DoneEvent]:
             elif event["t"] == "error":
                 raise error_from_event(event)
             elif event["t"] == "done":
-                return "".join(parts), event
+                return "".join(parts), whole(event)
     raise ServerError("The call ended without a final event.")
 
 
@@ -103,11 +108,20 @@ async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[st
 
 
 def all_done(finals: list[DoneEvent | None]) -> list[DoneEvent]:
-    """Every choice's final event (each choice ends with one, or the call raised)."""
-    done = [final for final in finals if final is not None]
+    """Every choice's final event (each choice ends with one, or the call raised), each
+    `whole`."""
+    done = [whole(final) for final in finals if final is not None]
     if len(done) != len(finals):
         raise ServerError("A choice ended without a final event.")
     return done
+
+
+def whole(final: DoneEvent) -> DoneEvent:
+    """`final`, when its reply is whole; a cancelled request's cut reply is the
+    retriable error `request_cancelled` instead."""
+    if final["finish"] == "cancelled":
+        raise error_from_event(cancelled_error(final))
+    return final
 
 
 async def embeddings(sub: Submitted, req: EmbeddingRequest) -> dict[str, Any]:

@@ -16,8 +16,13 @@ rest, whatever the codec did:
   audit event, metrics), also when the codec stops reading early;
 - leaving the block before every choice's final event (the client went away, the task
   was cancelled, the codec failed) stops the generation on the worker, billed what was
-  made; except after `client_gone(resumable=True)` of a one-choice stream, which is
-  cancelled only if no client resumes it within SLUICE_STREAM_RESUME_GRACE_S.
+  made, and frees the call's idempotency key (a retry with it runs afresh: a cut reply
+  is never replayed as the answer); except after `client_gone(resumable=True)` of a
+  one-choice stream, which is cancelled only if no client resumes it within
+  SLUICE_STREAM_RESUME_GRACE_S;
+- a call answered in one piece whose idempotent retry finds the first request
+  cancelled runs afresh (Submitted.again); a stream that replays one ends with the
+  retriable error `request_cancelled`.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class Call:
                 _in_background(_drain(sub))
             elif not sub.ended and not self._left:
                 with contextlib.suppress(Exception):  # it must not hide the call's error
-                    await asyncio.shield(sub.cancel())
+                    await asyncio.shield(sub.abandon())
         refused = not self.subs or self._admitting
         if isinstance(exc, RedisError):
             error = queue_unavailable()
@@ -118,8 +123,15 @@ class Call:
         conversation_id, timeout_s, stream, raw_prompt). A call may admit several (a
         legacy completion's prompts); a refusal of any is the call's."""
         self.model = req.model
-        return await self._admit(self.gateway.chat(
-            self.principal, req, protocol=self.protocol, action=self.action, **options))
+
+        def chat() -> Awaitable[Submitted]:
+            return self.gateway.chat(self.principal, req, protocol=self.protocol,
+                                     action=self.action, **options)
+
+        sub = await self._admit(chat())
+        if sub.handle.replayed and not options.get("stream", req.stream):
+            sub.again = chat  # a replay of a cancelled request runs afresh (Submitted)
+        return sub
 
     async def embed(self, req: EmbeddingRequest, *, timeout_s: float | None = None
                     ) -> Submitted:
@@ -174,7 +186,7 @@ class Call:
                 pass
             self.client_gone(resumable=resumable)
             if not self._left:
-                await asyncio.gather(*(sub.cancel() for sub in self.subs))
+                await asyncio.gather(*(sub.abandon() for sub in self.subs))
 
         watcher = asyncio.create_task(watch())
         try:
@@ -188,7 +200,7 @@ class Call:
 async def _drain(sub: Submitted) -> None:
     """Cancel a call nobody reads and read its events to their end: that settles it
     (billed what was made)."""
-    await sub.cancel()
+    await sub.abandon()
     with contextlib.suppress(Exception):
         async for _event in sub.events():
             pass

@@ -263,7 +263,7 @@ class Gateway:
                 owner=replay.ownership(principal, req.model, conversation_id)
                 if stream and n == 1 else None)
             return Submitted(principal, spec, handle, admission, conversation_id, turn, more,
-                             routed=routed)
+                             routed=routed, idempotency_key=key)
 
         if isinstance(target, DeploymentSpec):
             return await on(target)

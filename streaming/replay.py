@@ -16,6 +16,11 @@ reading the original is:
   the same key with another body is a 422 (`idempotency_key_reused`).
 
 Only requests submitted with an ownership record (streams) can be resumed.
+
+A key answers with its first request's reply only if that request ran to its end: when
+the gateway cancels a call because its client left (Call), or a replay finds the request
+was cancelled, the key is freed (`free_key`, only while it still names that request), so
+the client's retry runs afresh instead of being handed a cut reply.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import hashlib
 import re
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import orjson
 from pydantic import BaseModel
 
 from governance import audit
+from inference import queue as q
 from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import BadRequest, NotFound, PermissionDenied
@@ -87,6 +94,32 @@ def idempotency(principal: Principal, key: str | None,
     who = f"{principal.subject}\0{principal.key_id or ''}\0{key}"
     fingerprint = hashlib.sha256(request.model_dump_json(exclude_none=True).encode())
     return hashlib.sha256(who.encode()).hexdigest(), fingerprint.hexdigest()
+
+
+# KEYS: the idempotency record (inference.queue.idem_key), optionally the request's done
+# key. ARGV: the request id. Deletes the record only while it names that request (another
+# may have taken the key since) and, given the done key, the request has not ended (its
+# reply is whole: a retry may have been answered with it already).
+FREE_LUA = """
+if KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, record = pcall(cjson.decode, raw)
+if ok and type(record) == 'table' and record['rid'] == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+async def free_key(redis: Any, tenant: str, key: str, rid: str, *, unended: bool) -> None:
+    """Free the idempotency key `key` (as `idempotency` stores it) while it names the
+    request `rid` (and, when `unended`, that request has not ended): the next request
+    with it runs afresh."""
+    keys = [q.idem_key(tenant, key)]
+    if unended:
+        keys.append(q.done_key(tenant, rid))
+    await redis.eval(FREE_LUA, len(keys), *keys, rid)
 
 
 def ownership(principal: Principal, model: str, conversation: str | None) -> str:

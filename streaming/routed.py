@@ -37,13 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from governance import audit
 from governance import cache as policies
-from governance.admission import Admission, call_status
+from governance.admission import Admission
 from inference import queue as q
 from inference.cache import enabled_spec
 from inference.client import RequestHandle
-from inference.jobs import ErrorEvent, FinalEvent, usage
+from inference.jobs import ErrorEvent
 from inference.routing import Plan, Route, Skip, backoff_s, plan
 from inference.spec import DeploymentSpec, Kind, RuntimeName
 from sluice import telemetry
@@ -233,27 +232,9 @@ class RoutedAdmission(Admission):
 
     routed: Routed | None = None
 
-    def finish_now(self, final: FinalEvent | None, *, error: BaseException | None = None,
-                   charge: bool = True, audited: bool = True,
-                   ended: float | None = None) -> None:
-        if self.done:
-            return
-        super().finish_now(final, error=error, charge=charge, audited=False, ended=ended)
-        if not audited or self.routed is None:
-            return
-        spent = final["usage"] if final is not None else usage(0, 0)
+    def audit_detail(self) -> dict[str, Any]:
         routed = self.routed
-        self.governor.recorder.audit(audit.call_event(
-            principal=self.principal, action=self.action, model=self.spec.name,
-            protocol=self.protocol, status=call_status(final, error),
-            latency_ms=((time.monotonic() if ended is None else ended) - self.started) * 1000,
-            prompt_tokens=spent["prompt_tokens"], completion_tokens=spent["completion_tokens"],
-            request_id=self.request_id, trace_id=self.trace_id,
-            request_text=self.request_text, response_text="".join(self.reply),
-            patterns=self.patterns,
-            detail={"finish": final["finish"] if final is not None and final["t"] == "done"
-                    else None, "probe": self.probe, "degraded": self.max_tokens_cap is not None,
-                    "alias": routed.alias, **routed.described()}))
+        return {} if routed is None else {"alias": routed.alias, **routed.described()}
 
 
 def _s(value: bytes | str) -> str:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from opentelemetry.trace import Status, StatusCode
+from redis.exceptions import RedisError
 
 from governance import metrics
 from governance.admission import Admission
@@ -21,7 +22,7 @@ from inference.client import RequestHandle
 from inference.jobs import ErrorEvent, Event, FinalEvent
 from inference.spec import DeploymentSpec
 from sluice import telemetry
-from streaming import choices
+from streaming import choices, replay
 from streaming.routed import Routed, retriable_failure
 from tenants.principal import Principal
 
@@ -41,6 +42,10 @@ class Submitted:
     charge: bool = True  # False: settled without charge (a token count)
     read: bool = False  # its events are being (or were) read: they settle it
     routed: Routed | None = None  # a call to a model alias: its route
+    idempotency_key: str | None = None  # as the queue stores it (streaming/replay.py)
+    # Runs the call afresh (set by Call for a call answered in one piece): what a replay
+    # whose request was cancelled does instead of answering with the cut reply.
+    again: Callable[[], Awaitable[Submitted]] | None = None
     # The request's trace context and start, for the wait span and time to first token.
     trace_context: Any = field(default_factory=telemetry.current_context)
     began: float = field(default_factory=lambda: _began())
@@ -56,7 +61,9 @@ class Submitted:
 
     @property
     def charged(self) -> bool:
-        """Whether settlement charges the call (an idempotent replay was charged once)."""
+        """Whether the events are this call's own run, which its metrics observe (not
+        an idempotent replay: the replay's settlement charges the request only if the
+        gateway that ran it did not, Governor.settle)."""
         return self.charge and not self.handle.replayed
 
     @property
@@ -88,6 +95,9 @@ class Submitted:
         try:
             while True:
                 retried = False
+                # A replay answered in one piece: its events are held until its end shows
+                # whether its request ran to the end (else the call runs afresh).
+                held: list[Event] | None = [] if self._whole_replay() else None
                 # (RequestHandle.events is an async generator: closed on leaving early.)
                 events = merged or cast(AsyncGenerator[Event], self.handle.events())
                 async with contextlib.aclosing(events):
@@ -99,13 +109,24 @@ class Submitted:
                                 retried = True
                                 break
                             finals.append(event)
-                        elif event["t"] == "delta":
-                            if first is None:
-                                first = time.perf_counter()
-                                span.add_event("first_token")
-                            if merged is None or event["i"] == 0:  # the audit's: choice 0
-                                self.admission.note_reply(event.get("text", ""))
-                        yield event
+                            if self.handle.replayed and _cancelled(event):
+                                if held is not None and await self._afresh(event):
+                                    finals.pop()
+                                    retried = True
+                                    break
+                                await self._free_key()
+                                event = cancelled_error(event)
+                        elif held is not None:
+                            held.append(event)
+                            continue
+                        for out in [*(held or ()), event]:
+                            if out["t"] == "delta":
+                                if first is None:
+                                    first = time.perf_counter()
+                                    span.add_event("first_token")
+                                if merged is None or out["i"] == 0:  # the audit's: choice 0
+                                    self.admission.note_reply(out.get("text", ""))
+                            yield out
                 if not retried:
                     break
         except BaseException as exc:
@@ -115,7 +136,7 @@ class Submitted:
             else:
                 self.admission.governor.finish_later(
                     self.admission, finals[0] if finals else None, exc, self.handle.rid,
-                    self.handle.deadline_ms, charge=self.charged)
+                    self.handle.deadline_ms, charge=self.charge, replay=self.handle.replayed)
             self._observed(span, choices.combined(finals), first, exc)
             raise
         # Settlement, the audit event and the metrics (~0.15 ms of CPU, nothing awaited)
@@ -124,6 +145,41 @@ class Submitted:
         asyncio.get_running_loop().call_soon(
             self._settle, span, choices.combined(finals), first,
             (time.perf_counter(), time.time_ns()), time.monotonic())
+
+    def _whole_replay(self) -> bool:
+        return self.handle.replayed and self.again is not None and not self.more
+
+    async def _free_key(self, *, unended: bool = False) -> None:
+        """Free the call's idempotency key while it names this request (`unended`: and
+        the request has not ended): a retry with it runs afresh (the request was, or is
+        being, cancelled; its reply is not a whole one)."""
+        if self.idempotency_key is not None:
+            with contextlib.suppress(RedisError):
+                await replay.free_key(self.handle.client.redis, self.handle.tenant,
+                                      self.idempotency_key, self.handle.rid, unended=unended)
+
+    async def abandon(self) -> None:
+        """Stop the call because its caller left: its idempotency key is freed first
+        (unless the request has just ended whole), then every choice is cancelled, so a
+        retry with the key runs afresh rather than replay a cut reply."""
+        await self._free_key(unended=True)
+        await self.cancel()
+
+    async def _afresh(self, cancelled: FinalEvent) -> bool:
+        """This replay's request was cancelled (its first client left) and nothing was
+        sent: free the key and go on with the call run afresh (`again`); this attempt's
+        admission is released. False when it cannot run again (the `cancelled` event is
+        then the answer, reported as an error)."""
+        again, self.again = self.again, None  # once: a second cut answer is reported
+        if again is None:
+            return False
+        await self._free_key()
+        self.admission.finish_now(None, charge=False, audited=False)
+        fresh = await again()
+        self.spec, self.handle, self.admission = fresh.spec, fresh.handle, fresh.admission
+        self.idempotency_key = fresh.idempotency_key
+        self.admission.request_id = self.handle.rid
+        return True
 
     async def _fall_back(self, failed: ErrorEvent) -> bool:
         """After this attempt's request failed with `failed`, before any text: when the
@@ -140,7 +196,7 @@ class Submitted:
         if attempt is None:
             routed.failed.remove(this)  # the call's answer: its audit event's own status
             return False
-        self.admission.finish_now(failed, charge=self.charged, audited=False)
+        self.admission.finish_now(failed, charge=self.charge, audited=False)
         self.spec, self.handle, self.admission = attempt.spec, attempt.handle, attempt.admission
         self.admission.request_id = self.handle.rid
         return True
@@ -150,8 +206,8 @@ class Submitted:
         try:
             self._observed(span, final, first, None, ended)
         finally:
-            self.admission.finish_now(final, charge=self.charged,
-                                      ended=ended_monotonic)
+            self.admission.finish_now(final, charge=self.charge, ended=ended_monotonic,
+                                      replay=self.handle.replayed)
 
     def _observed(self, span: Any, final: FinalEvent | None, first: float | None,
                   error: BaseException | None,
@@ -183,6 +239,19 @@ class Submitted:
                 self.spec.name, ttft_s=first - self.began if first is not None else None,
                 decode_s=now - first if first is not None else 0.0,
                 prompt_tokens=prompt, completion_tokens=completion)
+
+
+def _cancelled(event: FinalEvent) -> bool:
+    return event["t"] == "done" and event["finish"] == "cancelled"
+
+
+def cancelled_error(final: FinalEvent) -> ErrorEvent:
+    """What a caller gets for a request that was cancelled (its first client left): a
+    retriable error, never the cut reply as if it were whole."""
+    return {"t": "error", "seq": final["seq"], "status": 503, "code": "request_cancelled",
+            "message": "The request was cancelled before it finished (its client went "
+                       "away); send it again to run it afresh (its Idempotency-Key too).",
+            "usage": final["usage"], "retry": True}
 
 
 def _began() -> float:

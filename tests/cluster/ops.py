@@ -92,6 +92,7 @@ def report() -> dict[str, Any]:
                 finals = sum(1 for _id, fields in rds.xrange(q.out_key(slug, event.request_id))
                              if b'"t":"done"' in fields[b"e"] or b'"t":"error"' in fields[b"e"])
             calls.append({"rid": event.request_id, "status": event.status,
+                          "finish": (event.detail or {}).get("finish"),
                           "tokens": event.prompt_tokens + event.completion_tokens,
                           "excerpt": event.request_excerpt[:60], "finals": finals})
         [quota] = Quota.objects.filter(tenant__slug=slug)

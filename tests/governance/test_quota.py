@@ -15,11 +15,12 @@ from governance.quota import (
     RESERVE_LUA,
     SETTLE_LUA,
     QuotaUse,
+    Settlement,
     keys_for,
     peek_args,
     refusal,
     reserve_args,
-    settle_args,
+    settle_call,
     shadow_hits,
 )
 
@@ -43,9 +44,9 @@ def reserve(rds: redis.Redis, quotas: list[Quota], rid: str, tokens: int, clock:
 
 def settle(rds: redis.Redis, quotas: list[Quota], rid: str, tokens: int, clock: float,
            requests: int = 1) -> None:
-    keys = keys_for("t", quotas)
-    rds.eval(SETTLE_LUA, len(keys), *keys,
-             *settle_args(quotas, [(rid, requests, tokens)], clock=clock))
+    keys, args = settle_call("t", quotas, [Settlement(rid, rid, requests, tokens, 0, "m|k|")],
+                             clock=clock)
+    rds.eval(SETTLE_LUA, len(keys), *keys, *args)
 
 
 def peek(rds: redis.Redis, quotas: list[Quota], clock: float) -> list[QuotaUse]:
@@ -161,9 +162,11 @@ def test_one_call_settles_many_reservations_each_once(rds: redis.Redis) -> None:
     for rid in "abcd":
         assert reserve(rds, quotas, rid, 100, now)[0] == 1
     settle(rds, quotas, "a", 30, now)
-    keys = keys_for("t", quotas)
-    rds.eval(SETTLE_LUA, len(keys), *keys, *settle_args(
-        quotas, [("a", 1, 30), ("b", 1, 20), ("c", 0, 0), ("d", 1, 5)], clock=now))
+    keys, args = settle_call("t", quotas, [
+        Settlement(rid, rid, requests, tokens, 0, "m|k|")
+        for rid, requests, tokens in [("a", 1, 30), ("b", 1, 20), ("c", 0, 0), ("d", 1, 5)]],
+        clock=now)
+    rds.eval(SETTLE_LUA, len(keys), *keys, *args)
     day, minute = peek(rds, quotas, now)
     assert (day.tokens, day.requests, day.open_reservations, day.reserved_tokens) == \
         (55, 3, 0, 0)

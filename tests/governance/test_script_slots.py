@@ -104,7 +104,11 @@ SITES: dict[tuple[str, str], Callable[[], Iterator[list[str]]]] = {
         lambda t: quota.keys_for(t, _quotas(1))),
     ("governance/live.py", "breaker.PEEK_LUA"): lambda: _per_deployment(breaker.keys),
     ("governance/recorder.py", "quota.SETTLE_LUA"): lambda: _per_tenant(
-        lambda t: quota.keys_for(t, _quotas(3))),
+        lambda t: quota.settle_call(t, _quotas(3), [
+            quota.Settlement(str(i), rid, 1, 2, 3, "m|k|")
+            for i, rid in enumerate(_rids(5))])[0]),
+    ("streaming/replay.py", "FREE_LUA"): lambda: _per_tenant(
+        lambda t: [q.idem_key(t, "k" * 64), q.done_key(t, _rids(1)[0])]),
     ("governance/recorder.py", "CORRECT_LUA"): lambda: _per_tenant(
         lambda t: _once([b.key for b in _buckets(t)], usage.applied_key(t, WRITER, "rl"))),
     ("governance/recorder.py", "LATENCIES_LUA"): lambda: (
