@@ -8,8 +8,8 @@ them into PostgreSQL off the calls' path, as the audit writer moves audit events
 (governance/audit.py), in the same way:
 - a consumer group hands each entry to one writer; a writer takes up to BATCH entries
   at a time (after a partial batch it lingers LINGER_S, so a busy stream is written in
-  a few large INSERTs) and writes them with multi-row INSERTs (a constant statement per
-  row count, no model instances; autocommit);
+  a few large batches) and writes them in one transaction (`insert`: one constant
+  statement for every row, no model instances);
 - entries are acknowledged (and deleted) only after their rows are committed; a
   writer's entries left unacknowledged (it crashed) are claimed by another after
   CLAIM_IDLE_MS, its own after a failed batch at once. The INSERT ignores an id
@@ -33,7 +33,7 @@ import time
 from typing import Any, cast
 
 import orjson
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connection, transaction
 from django.db.models import Field, JSONField
 from django.db.models.constants import OnConflict
 from redis import exceptions as redis_errors
@@ -48,10 +48,6 @@ GROUP = "writers"
 BATCH = 500  # entries a batch takes at most
 LINGER_S = 0.1
 CLAIM_IDLE_MS = 60_000
-# Rows one INSERT takes at most: 11 parameters a row, SQLite allows 999 a statement.
-_PER_INSERT = {"sqlite": 64}
-_PER_INSERT_DEFAULT = BATCH
-
 _FIELDS: list[Field[Any, Any]] = [
     cast("Field[Any, Any]", StoredResponse._meta.get_field(
         "tenant" if name == "tenant_id" else name)) for name in Row._fields]
@@ -59,7 +55,7 @@ _JSON = frozenset(i for i, f in enumerate(_FIELDS) if isinstance(f, JSONField))
 
 
 @functools.cache
-def _insert_sql(vendor: str, rows: int) -> str:
+def _insert_sql(vendor: str) -> str:
     ops = connection.ops
     # JSON goes as text (orjson's: the JSONField's own adapter costs more than the
     # INSERT), cast where the column is jsonb
@@ -68,7 +64,7 @@ def _insert_sql(vendor: str, rows: int) -> str:
     return (f"{ops.insert_statement(on_conflict=OnConflict.IGNORE)} "
             f"{ops.quote_name(StoredResponse._meta.db_table)} "
             f"({', '.join(ops.quote_name(str(f.column)) for f in _FIELDS)}) VALUES "
-            f"{', '.join([values] * rows)} "
+            f"{values} "
             f"{ops.on_conflict_suffix_sql(_FIELDS, OnConflict.IGNORE, None, None) or ''}")
 
 
@@ -79,14 +75,13 @@ def _params(rows: list[Row]) -> list[Any]:
 
 
 def insert(rows: list[Row]) -> None:
-    """Write `rows` (ids already stored are skipped) on this thread's connection, in
-    autocommit INSERTs, then delete those a deletion names. Raises what the database
-    or Redis raise."""
-    step = _PER_INSERT.get(connection.vendor, _PER_INSERT_DEFAULT)
-    with connection.cursor() as cursor:
-        for start in range(0, len(rows), step):
-            part = rows[start:start + step]
-            cursor.execute(_insert_sql(connection.vendor, len(part)), _params(part))
+    """Write `rows` (ids already stored are skipped) on this thread's connection in one
+    transaction: one INSERT statement run for every row (psycopg sends them in one
+    pipeline; a multi-row VALUES statement cost more, its long SQL parsed again by the
+    client each time), then delete those a deletion names. Raises what the database or
+    Redis raise."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.executemany(_insert_sql(connection.vendor), [_params([r]) for r in rows])
     gone = forgotten(rows)
     if gone:
         StoredResponse.objects.filter(public_id__in=gone).delete()

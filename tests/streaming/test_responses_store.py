@@ -1,7 +1,7 @@
 """Stored responses on the real database and Redis (streaming/responses_copy.py,
 streaming/responses_writer.py): a save is readable from Redis as soon as its caller has
 returned and from the database once the writer has run; the writer writes a busy
-stream in one INSERT, loses nothing when a writer dies before its commit, and drops a
+stream in one transaction, loses nothing when a writer dies before its commit, and drops a
 row the database refuses without holding up the rest; an id stored again stores
 nothing; a DELETE wins over a save it races (in Redis, at the writer's INSERT, during a
 stream, before an idempotent retry), and only its creator's or an admin's does; what
@@ -168,12 +168,12 @@ def test_another_tenants_or_members_copy_is_not_found(org: Org) -> None:
 
 
 # -- the writer ---------------------------------------------------------------------------
-def test_the_writer_writes_a_busy_stream_in_one_insert(org: Org) -> None:
+def test_the_writer_writes_a_busy_stream_in_one_transaction(org: Org) -> None:
     # Given 40 saves made together
     dev = dev_of(org)
     rids = [f"resp_{token_hex(12)}" for _ in range(40)]
     save(dev, *(body(rid, text=rid) for rid in rids))
-    # When the writer runs, Then they are written by one INSERT (one transaction)
+    # When the writer runs, Then they are written in one transaction
     assert responses_writer.drain() == 40
     assert len(xmins(rids)) == 1
     for rid in rids:
