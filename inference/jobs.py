@@ -166,12 +166,25 @@ class ToolCall(TypedDict):
     arguments: str  # JSON text, valid against the function's parameters
 
 
+class ToolDelta(TypedDict):
+    """A piece of a tool call as it is written: the call's `index` among the reply's
+    calls, its `id` and `name` on its first piece, then the next text of its
+    `arguments` (the pieces of a call join into its final `arguments`)."""
+
+    index: int
+    id: NotRequired[str]
+    name: NotRequired[str]
+    arguments: str
+
+
 class DeltaEvent(TypedDict):
     """New text of a reply: `text` (possibly empty when held back: a stop string's
     start, a character split across tokens) for the token ids `ids`; `lp` their
     log-probability entries when the job asked for them. The first delta of a request
     (seq 0) carries `prompt_tokens`, the prompt's count, when the worker knows it then
-    (Anthropic's `message_start` reports it before any text)."""
+    (Anthropic's `message_start` reports it before any text). A reply that calls tools
+    streams the calls as `tools` pieces (its `text` stays empty); the final event still
+    has every call whole."""
 
     t: Literal["delta"]
     seq: int
@@ -179,6 +192,7 @@ class DeltaEvent(TypedDict):
     ids: list[int]
     lp: NotRequired[list[dict[str, Any]]]
     prompt_tokens: NotRequired[int]
+    tools: NotRequired[list[ToolDelta]]
     i: NotRequired[int]  # the choice's index, set by the gateway's fan-out (n > 1)
 
 

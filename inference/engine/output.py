@@ -33,8 +33,9 @@ from inference.engine.entries import (
     expired_in_generation,
     not_finite,
 )
+from inference.engine.toolstream import CallText, read_calls
 from inference.engine.writer import Outbox
-from inference.jobs import DeltaEvent, DoneEvent, ErrorEvent, ToolCall, usage
+from inference.jobs import DeltaEvent, DoneEvent, ErrorEvent, ToolCall, ToolDelta, usage
 from inference.logprobs import TokenTexts
 from inference.runtimes.base import (
     FAILED,
@@ -73,6 +74,7 @@ class Row:
     seq: int = 0
     detok: Detokenizer | None = None
     stopped_by: str = ""  # the stop string that ended the reply, if one did
+    sent_args: list[str] = field(default_factory=list)  # each call's arguments streamed
 
     @property
     def req(self) -> q.QueuedRequest:
@@ -84,6 +86,11 @@ class Row:
             self.ids += event["ids"]
             self.sent_text += event["text"]
             self.seq = event["seq"] + 1
+            for piece in event.get("tools", ()):
+                if "name" in piece:
+                    self.sent_args.append(piece["arguments"])
+                else:
+                    self.sent_args[piece["index"]] += piece["arguments"]
         self.text = self.sent_text
 
 
@@ -136,6 +143,8 @@ class OutputProcessor:
         runtime = self._runtime
         assert isinstance(runtime, ChatRuntime)  # noqa: S101
         row.detok = Detokenizer(runtime.decode, row.ids)
+        if row.sent_args:  # resumed in the middle of its calls: their text is not content
+            row.text = runtime.decode(row.ids)
         self.rows[row.req.rid] = row
         return NewSequence(row.req.rid, prompt + row.ids, replace(params, max_tokens=left),
                            generated=len(row.ids), constraint=constraint)
@@ -218,7 +227,10 @@ class OutputProcessor:
 
     def _emit_text(self, row: Row, *, final: bool) -> None:
         if row.constraint is not None and row.constraint.kind() != "text":
-            return  # a tool call (or maybe the start of one) is not content
+            # A tool call (or maybe the start of one) is not content.
+            if row.streamed and not final and row.constraint.kind() == "calls":
+                self._emit_calls(row, read_calls(row.text))
+            return
         text = row.text
         if not final:
             if not row.streamed:
@@ -236,11 +248,32 @@ class OutputProcessor:
                              "ids": row.unsent_ids}
         if row.logprobs:
             event["lp"], row.unsent_lps = row.unsent_lps, []
+        row.sent_text = text
+        self._send(row, event)
+
+    def _emit_calls(self, row: Row, calls: list[CallText]) -> None:
+        """Stream what is new of the calls being written: a call's id and name once its
+        name is complete, then each new piece of its arguments."""
+        pieces: list[ToolDelta] = []
+        for k, call in enumerate(calls):
+            if k == len(row.sent_args):
+                row.sent_args.append(call.arguments)
+                pieces.append({"index": k, "id": _call_id(row.req.rid, k), "name": call.name,
+                               "arguments": call.arguments})
+                continue
+            sent = row.sent_args[k]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                row.sent_args[k] = call.arguments
+                pieces.append({"index": k, "arguments": call.arguments[len(sent):]})
+        if pieces:
+            self._send(row, {"t": "delta", "seq": row.seq, "text": "", "ids": row.unsent_ids,
+                             "tools": pieces})
+
+    def _send(self, row: Row, event: DeltaEvent) -> None:
         if row.seq == 0:
             event["prompt_tokens"] = row.prompt_tokens
         self.outbox.add(row.req, event)
         row.seq += 1
-        row.sent_text = text
         row.unsent_ids = []
 
     def _finish(self, row: Row, reason: str, *, flush: bool = True) -> bool:
@@ -255,11 +288,7 @@ class OutputProcessor:
         self.rows.pop(row.req.rid, None)
         pending, cost = row.pending, (row.prompt_tokens, len(row.ids))
         if reason == "tool_calls" and row.constraint is not None:
-            rid = row.req.rid[:20]
-            calls: list[ToolCall] = [
-                {"id": f"call_{rid}" if i == 0 else f"call_{rid}_{i}", "name": name,
-                 "arguments": arguments}
-                for i, (name, arguments) in enumerate(row.constraint.calls())]
+            calls = self._calls(row)
             # Seen one token ahead (an overlapped step), the call's last token is in
             # the constraint but not yet in ids.
             self.outbox.final(pending, done_event(
@@ -277,6 +306,28 @@ class OutputProcessor:
                 row.seq, reason, prompt_tokens=row.prompt_tokens,
                 completion_tokens=len(row.ids), stop_sequence=row.stopped_by))
         return True
+
+
+    def _calls(self, row: Row) -> list[ToolCall]:
+        """The calls of a reply that ended writing them, their arguments as the model
+        wrote them (what was streamed, the rest streamed now)."""
+        constraint = row.constraint
+        assert constraint is not None  # noqa: S101
+        # The constraint holds every token of the calls (the row may be one behind).
+        vocab = constraint.vocab
+        written = read_calls(vocab.decode([t for t in constraint.emitted
+                                           if t not in vocab.eos]))
+        found = [(c.name, c.arguments) for c in written if c.complete]
+        if len(found) != len(written) or not found:
+            found = constraint.calls()  # not of the grammar's usual shape: whole
+        elif row.streamed:
+            self._emit_calls(row, written)
+        return [{"id": _call_id(row.req.rid, i), "name": name, "arguments": arguments}
+                for i, (name, arguments) in enumerate(found)]
+
+
+def _call_id(rid: str, index: int) -> str:
+    return f"call_{rid[:20]}" if index == 0 else f"call_{rid[:20]}_{index}"
 
 
 def _cut_at_stop(row: Row) -> bool:

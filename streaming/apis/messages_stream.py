@@ -5,8 +5,10 @@ A stream is Anthropic's event sequence: `message_start`, then per content block
 `content_block_start` / `content_block_delta` (text as `text_delta`, a tool call's input
 as `input_json_delta`) / `content_block_stop`, one `ping` after the first block's start,
 `message_delta` (stop_reason, stop_sequence, usage), `message_stop`. The text block opens
-at the first text; tool calls arrive whole with the final event, so each tool_use block
-carries its input in one `input_json_delta`. `message_start` is written once the first
+at the first text; a tool_use block at its call's first piece (the worker's `tools`
+deltas), and its input follows in an `input_json_delta` per piece, as the model writes
+it; a call that was not streamed (a worker that sends calls only with the final event)
+gets its whole input in one. `message_start` is written once the first
 event is in (the 200 waits for it anyway, so an error before any output is a plain
 HTTP error), and reports that event's prompt count: a worker's first delta carries it,
 a reply that is only tool calls has it in its final event; a worker that does not send
@@ -24,7 +26,7 @@ import orjson
 from django.conf import settings
 from pydantic import BaseModel
 
-from inference.jobs import DoneEvent, Event
+from inference.jobs import DoneEvent, Event, ToolDelta
 from sluice.errors import ApiError
 from streaming import bodies
 from streaming.gateway import error_from_event
@@ -132,8 +134,11 @@ async def stream(sub: Submitted, model: str, send: Send,
                 "usage": {"input_tokens": _prompt_tokens(first), "output_tokens": 0}}}))
             event: Event | None = first
             while event is not None:
-                if event["t"] == "delta" and event["text"]:
-                    await blocks.text(event["text"])
+                if event["t"] == "delta":
+                    if event["text"]:
+                        await blocks.text(event["text"])
+                    if "tools" in event:
+                        await blocks.tools(event["tools"])
                 elif event["t"] == "error":
                     await out.send(_sse("error", error_body(error_from_event(event))))
                     break
@@ -151,10 +156,15 @@ class _Blocks:
     _TEXT_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta",'
                    b'"index":%d,"delta":{"type":"text_delta","text":%s}}\n\n')
 
+    _INPUT_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+                    b'"index":%d,"delta":{"type":"input_json_delta","partial_json":%s}}\n\n')
+
     def __init__(self, send: Any) -> None:
         self._send = send
         self._count = 0
         self._text_open = False
+        self._tool_open = False
+        self._streamed: dict[int, str] = {}  # a streamed call's input so far, by index
 
     async def _start(self, block: dict[str, Any]) -> None:
         await self._send(_sse("content_block_start", {
@@ -174,16 +184,39 @@ class _Blocks:
         # Most of a stream: the event's fixed bytes around the encoded text.
         await self._send(self._TEXT_DELTA % (self._count, orjson.dumps(text)))
 
-    async def finish(self, final: DoneEvent) -> None:
-        if self._text_open:
+    async def _close(self) -> None:
+        if self._text_open or self._tool_open:
             await self._stop()
-            self._text_open = False
-        for use in tool_uses(final):
+            self._text_open = self._tool_open = False
+
+    async def _input(self, partial_json: str) -> None:
+        await self._send(self._INPUT_DELTA % (self._count, orjson.dumps(partial_json)))
+
+    async def tools(self, pieces: list[ToolDelta]) -> None:
+        """Pieces of the calls being written: a call's first opens its block."""
+        for piece in pieces:
+            if "name" in piece:
+                await self._close()
+                await self._start({"type": "tool_use", "id": _tool_id(piece.get("id", "")),
+                                   "name": piece["name"], "input": {}})
+                self._tool_open = True
+                self._streamed[piece["index"]] = ""
+            if piece["arguments"] and piece["index"] in self._streamed:
+                self._streamed[piece["index"]] += piece["arguments"]
+                await self._input(piece["arguments"])
+
+    async def finish(self, final: DoneEvent) -> None:
+        calls = final.get("tool_calls") or []
+        last = len(self._streamed) - 1
+        if self._tool_open and 0 <= last < len(calls):
+            # The open call's input as the final event has it, if anything is missing.
+            whole, sent = calls[last]["arguments"], self._streamed[last]
+            if whole.startswith(sent) and len(whole) > len(sent):
+                await self._input(whole[len(sent):])
+        await self._close()
+        for use in tool_uses(final)[len(self._streamed):]:
             await self._start({**use, "input": {}})
-            await self._send(_sse("content_block_delta", {
-                "type": "content_block_delta", "index": self._count,
-                "delta": {"type": "input_json_delta",
-                          "partial_json": orjson.dumps(use["input"]).decode()}}))
+            await self._input(orjson.dumps(use["input"]).decode())
             await self._stop()
         if self._count == 0:
             await self._send(_sse("ping", {"type": "ping"}))

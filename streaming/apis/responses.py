@@ -355,8 +355,11 @@ class ResponsesApi(Api):
                 await stream.start()
                 event: Event | None = first
                 while event is not None:
-                    if event["t"] == "delta" and event["text"]:
-                        await stream.text(event["text"])
+                    if event["t"] == "delta":
+                        if event["text"]:
+                            await stream.text(event["text"])
+                        if "tools" in event:
+                            await stream.calls(event["tools"])
                     elif event["t"] == "error":
                         await self._finish(ctx, stream, req, items,
                                            error=error_from_event(event))

@@ -6,7 +6,9 @@ A stream is OpenAI's event sequence, every event numbered by `sequence_number` f
 message), `response.content_part.added`, `response.output_text.delta`..., then
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done`;
 for each function call, `response.output_item.added`,
-`response.function_call_arguments.delta` / `.done`, `response.output_item.done`; last
+`response.function_call_arguments.delta` (one per piece as the model writes the
+arguments, when the worker streams its calls; else one with them whole) / `.done`,
+`response.output_item.done`; last
 `response.completed`, `response.incomplete` (max_output_tokens reached) or
 `response.failed` (the generation failed after it began). Each is sent as
 `event: <type>` and `data: <json>`; no `[DONE]` follows (OpenAI sends none here).
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 from pydantic import BaseModel
 
-from inference.jobs import DoneEvent, ToolCall
+from inference.jobs import DoneEvent, ToolCall, ToolDelta
 from sluice.errors import ApiError
 from streaming import bodies
 
@@ -89,7 +91,8 @@ class EventStream:
     """Encodes one call as the Responses API's events over a started SSE response.
 
     `start` sends created / in_progress; `text` each delta (opening the message item
-    at the first); `end` closes the open items, sends the function calls, and returns
+    at the first); `calls` the pieces of calls being written (an item per call, opened
+    at its first); `end` closes the open items, sends the function calls, and returns
     the final response object, which `close` then sends as completed / incomplete /
     failed."""
 
@@ -100,6 +103,7 @@ class EventStream:
         self.message_open = False
         self.items: list[dict[str, Any]] = []
         self.item_id = f"msg_{rid}"
+        self.streamed: list[tuple[ToolDelta, str]] = []  # each open call: first piece, args
         # A text delta is most of a stream: its frame is fixed bytes around the
         # sequence number and the encoded text, not a dict encoded afresh per token.
         self._delta_head = (
@@ -143,25 +147,58 @@ class EventStream:
         self.items.append(item)
         self.message_open = False
 
+    def _where(self, k: int) -> dict[str, Any]:
+        return {"item_id": f"fc_{self.rid}_{k}", "output_index": len(self.items) + k}
+
+    async def calls(self, pieces: list[ToolDelta]) -> None:
+        """Pieces of the calls being written (a reply's calls follow its text, if any)."""
+        for piece in pieces:
+            k = piece["index"]
+            if "name" in piece and k == len(self.streamed):
+                if self.message_open:
+                    await self._close_message("completed")
+                self.streamed.append((piece, ""))
+                call: ToolCall = {"id": piece.get("id", ""), "name": piece["name"],
+                                  "arguments": ""}
+                await self.emit("response.output_item.added", {
+                    "output_index": self._where(k)["output_index"],
+                    "item": call_item(self._where(k)["item_id"], call, "in_progress")})
+            if piece["arguments"] and k < len(self.streamed):
+                first, sent = self.streamed[k]
+                self.streamed[k] = (first, sent + piece["arguments"])
+                await self.emit("response.function_call_arguments.delta",
+                                {**self._where(k), "delta": piece["arguments"]})
+
     async def end(self, final: DoneEvent) -> dict[str, Any]:
         """Close the call's output after its final event; the response object."""
         calls = final.get("tool_calls") or []
-        if self.message_open or not calls:
+        if self.message_open or not (calls or self.streamed):
             if not self.message_open:
                 await self._open_message()
             await self._close_message(_status(final))
+        streamed, self.streamed = self.streamed, []
         for k, call in enumerate(calls):
             index, item_id = len(self.items), f"fc_{self.rid}_{k}"
-            await self.emit("response.output_item.added", {
-                "output_index": index,
-                "item": call_item(item_id, call, "in_progress", arguments="")})
             where = {"item_id": item_id, "output_index": index}
-            await self.emit("response.function_call_arguments.delta",
-                            {**where, "delta": call["arguments"]})
+            sent = streamed[k][1] if k < len(streamed) else None
+            if sent is None:
+                await self.emit("response.output_item.added", {
+                    "output_index": index,
+                    "item": call_item(item_id, call, "in_progress", arguments="")})
+                sent = ""
+            if len(call["arguments"]) > len(sent) and call["arguments"].startswith(sent):
+                await self.emit("response.function_call_arguments.delta",
+                                {**where, "delta": call["arguments"][len(sent):]})
             await self.emit("response.function_call_arguments.done",
                             {**where, "name": call["name"], "arguments": call["arguments"]})
             item = call_item(item_id, call)
             await self.emit("response.output_item.done", {"output_index": index, "item": item})
+            self.items.append(item)
+        for first, sent in streamed[len(calls):]:  # cut short (the reply's length)
+            call = {"id": first.get("id", ""), "name": first["name"], "arguments": sent}
+            item = call_item(f"fc_{self.rid}_{first['index']}", call, "incomplete")
+            await self.emit("response.output_item.done", {"output_index": len(self.items),
+                                                          "item": item})
             self.items.append(item)
         return finished(self.head, self.items, final)
 

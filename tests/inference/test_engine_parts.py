@@ -94,12 +94,12 @@ def test_text_that_may_start_a_stop_string_is_held_back_then_released_or_cut() -
              for a, b in steps]
     assert ended == [[], [], [], [stopped, released]]
     assert h.events(stopped) == [
-        {"t": "delta", "seq": 0, "text": "a", "ids": [97]},
+        {"t": "delta", "seq": 0, "text": "a", "ids": [97], "prompt_tokens": 6},
         {"t": "delta", "seq": 1, "text": "b", "ids": [98]},
         {"t": "delta", "seq": 2, "text": "", "ids": [88, 89]},  # "XY" is cut, not sent
         done_event(3, "stop", prompt_tokens=6, completion_tokens=4, stop_sequence="XY")]
     assert h.events(released) == [
-        {"t": "delta", "seq": 0, "text": "a", "ids": [97]},
+        {"t": "delta", "seq": 0, "text": "a", "ids": [97], "prompt_tokens": 3},
         {"t": "delta", "seq": 1, "text": "Xb", "ids": [88, 98]},
         done_event(2, "stop", prompt_tokens=3, completion_tokens=3)]
     assert h.served == [stopped, released] and not h.output.rows
@@ -115,7 +115,7 @@ def test_a_reply_nobody_streams_goes_out_whole_and_a_model_fault_is_a_final_500(
         h.output.handle({whole: token, faulty: token} if token != ord("l")
                         else {whole: token, faulty: -1})
     assert h.events(whole) == [
-        {"t": "delta", "seq": 0, "text": "hel", "ids": [104, 101, 108]},
+        {"t": "delta", "seq": 0, "text": "hel", "ids": [104, 101, 108], "prompt_tokens": 5},
         done_event(1, "length", prompt_tokens=5, completion_tokens=3)]
     *deltas, final = h.events(faulty)
     assert "".join(e["text"] for e in deltas if e["t"] == "delta") == "he"

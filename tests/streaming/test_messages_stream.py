@@ -5,9 +5,11 @@ usage has), and a tool call's input arrives as it is generated, in several
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
+import jsonschema
 import pytest
 
 from tenants.roles import Role
@@ -66,3 +68,24 @@ def test_a_tool_only_reply_reports_its_prompt_count_at_start(live: Live, org: Or
     [start] = [e for e in events if e.type == "message_start"]
     assert final.stop_reason == "tool_use"
     assert start.message.usage.input_tokens == final.usage.input_tokens > 0
+
+
+def test_a_tool_calls_input_streams_in_pieces_that_join_into_it(live: Live, org: Org,
+                                                                roomy: str) -> None:
+    # given a forced tool call on the tiny model
+    client = sdk(live, org)
+    # when the SDK streams it
+    events, final = streamed(client, model=roomy, max_tokens=120, tools=[WEATHER],
+                             tool_choice={"type": "tool", "name": "get_weather"},
+                             messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    # then its input came as several input_json_deltas, in one tool_use block
+    [use] = [b for b in final.content if b.type == "tool_use"]
+    [start] = [e for e in events if e.type == "content_block_start"]
+    assert start.content_block.type == "tool_use" and start.content_block.id == use.id
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert len(pieces) > 1
+    # and they join into the final input, which is valid against the schema
+    assert json.loads("".join(pieces)) == use.input
+    jsonschema.validate(use.input, WEATHER["input_schema"])
+    assert [e.type for e in events][-3:] == ["content_block_stop", "message_delta",
+                                              "message_stop"]
