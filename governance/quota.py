@@ -180,13 +180,16 @@ for s = 5 + 2 * quotas, #ARGV, 5 do
   if req > 0 then
     mark = mark + 1
     if redis.call('SET', KEYS[mark], 1, 'NX', 'EX', mark_ttl) then
-      local prompt, completion, prefix = tonumber(ARGV[s + 2]), tonumber(ARGV[s + 3]), ARGV[s + 4]
+      local prompt, completion = tonumber(ARGV[s + 2]), tonumber(ARGV[s + 3])
       for q = 0, quotas - 1 do
         reqs[q], toks[q] = reqs[q] + req, toks[q] + prompt + completion
       end
-      fields[prefix .. 'r'] = (fields[prefix .. 'r'] or 0) + req
-      fields[prefix .. 'p'] = (fields[prefix .. 'p'] or 0) + prompt
-      fields[prefix .. 'c'] = (fields[prefix .. 'c'] or 0) + completion
+      local row = fields[ARGV[s + 4]]
+      if not row then
+        row = {0, 0, 0}
+        fields[ARGV[s + 4]] = row
+      end
+      row[1], row[2], row[3] = row[1] + req, row[2] + prompt, row[3] + completion
     end
   end
 end
@@ -201,7 +204,11 @@ for q = 0, quotas - 1 do
   end
 end
 if next(fields) then
-  for f, n in pairs(fields) do redis.call('HINCRBY', counters, f, n) end
+  for prefix, row in pairs(fields) do
+    redis.call('HINCRBY', counters, prefix .. 'r', row[1])
+    redis.call('HINCRBY', counters, prefix .. 'p', row[2])
+    redis.call('HINCRBY', counters, prefix .. 'c', row[3])
+  end
   redis.call('EXPIRE', counters, usage_ttl)
 end
 return 1

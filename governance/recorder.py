@@ -1,17 +1,19 @@
 """Everything a finished call reports, written to Redis off the response path.
 
-Per-call work (a quota settlement, a token-bucket correction, a probe's verdict) is
-queued and written by one flusher task per gateway process, in one pipeline with
-whatever else is pending ("group commit": under load, hundreds of calls share a round
-trip). A probe's verdict is written within a round trip of its call's end, the rest
-within FLUSH_S. The quota settlements of calls with the same quotas go in one script
-call (each request is still charged once, by its id); token-bucket corrections are
-summed per bucket and written in one script call per tenant: the buckets' levels are the
-same as with one call per request (a forced debit has no check; only a refund to a
-bucket that is already full differs, by the part the cap would have cut). Counters that
-only need totals are summed in-process and written at most every FLUSH_S: usage for
-billing, the latency histograms of the adaptive limits, and the outcomes that feed the
-breakers (one script call per deployment per flush, so a breaker reacts within FLUSH_S).
+Per-call work (a settlement: the quota charge and the usage counts for billing; a
+token-bucket correction; a probe's verdict) is queued and written by one flusher task
+per gateway process, in one pipeline with whatever else is pending ("group commit":
+under load, hundreds of calls share a round trip). A probe's verdict is written within
+a round trip of its call's end, the rest within FLUSH_S. The settlements of a tenant's
+calls with the same quotas (or none) go in one script call (each request is still
+charged once, by its id); token-bucket corrections are summed per bucket and written in
+one script call per tenant: the buckets' levels are the same as with one call per
+request (a forced debit has no check; only a refund to a bucket that is already full
+differs, by the part the cap would have cut). Counters that only need totals are summed
+in-process and written at most every FLUSH_S: usage counted apart from a settlement
+(`count_usage`), the latency histograms of the adaptive limits, and the outcomes that
+feed the breakers (one script call per deployment per flush, so a breaker reacts within
+FLUSH_S).
 Audit events ride along: appended to the audit stream with each flush.
 
 A gateway that crashes loses at most FLUSH_S of these counters and audit events; its

@@ -380,7 +380,7 @@ def _figures(result: Run) -> dict[str, Any]:
         "lost (never answered, even when resent)": len(result.resent) - resent_answered,
         "answered twice (two executions of one key)": twice,
         "bad (wrong reply or non-retriable error)": outcomes["bad"],
-        "fault tenant: requests charged / request ids audited as answered":
+        "fault tenant: requests charged / request ids audited as run":
             f"{fault_quota['requests']} / {len(ran)}",
         "rate limit: attempts admitted, refused by the limit, in": (
             f"{rates.admitted}, {rates.refused_by_limit}, {rates.span_s:.1f} s"),
