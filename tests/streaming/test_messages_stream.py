@@ -15,14 +15,9 @@ import pytest
 from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live
+from tests.streaming.test_anthropic import WEATHER
 
 pytestmark = pytest.mark.slow
-
-WEATHER: Any = {"name": "get_weather", "description": "Current weather for a city",
-           "input_schema": {"type": "object", "properties": {
-               "city": {"type": "string", "maxLength": 12},
-               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-               "required": ["city", "unit"]}}
 
 
 @pytest.fixture
