@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.jobs import ChatJob, ResponseFormat, ToolSpec
+from inference.jobs import ChatJob, ResponseFormat, ToolSpec, decode_job, encode_job
 from inference.spec import Dialect, UpstreamSpec
 from inference.upstream.body import ChunkReader, Continuation, can_continue, path_of, request_body
 from inference.upstream.client import exception_failure, status_failure
@@ -38,6 +38,29 @@ def test_a_chat_job_s_parameters_pass_through_and_nothing_else() -> None:
         "messages": [{"role": "user", "content": "earlier"},
                      {"role": "user", "content": "hi", "tool_call_id": "x"}],
         "logprobs": True, "top_logprobs": 3}
+
+
+def test_tool_traffic_and_tool_descriptions_cross_the_queue_and_go_natively() -> None:
+    # given a job with an earlier call, its result, and a described tool
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    job = ChatJob(messages=[{"role": "user", "content": "weather?", "name": "ann"},
+                            {"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "content": "18C", "tool_call_id": "call_1"},
+                            {"role": "assistant", "content": "Checking.", "tool_calls": [call]}],
+                  tools=[ToolSpec("get_weather", description="The weather in a city")])
+    # when it crosses the queue and becomes the upstream's body
+    body = request_body(decode_job(encode_job(job)), _up(Dialect.OPENAI), tenant="t",
+                        max_tokens=10)
+    # then the messages are the chat API's own (null content for a turn that only calls)
+    assert body["messages"] == [
+        {"role": "user", "content": "weather?", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "18C", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call]}]
+    assert body["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object"},
+        "description": "The weather in a city"}}]
 
 
 def test_vllm_gets_the_tenant_s_cache_salt_and_its_extensions() -> None:
