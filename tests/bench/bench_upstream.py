@@ -98,7 +98,8 @@ def main() -> None:
         if args.worker_from:
             other = Path(args.worker_from).resolve()
             group.start("upstream worker b", [
-                "env", f"PYTHONPATH={other}{os.pathsep}{other / 'platform'}",
+                # Its own directory as the working one too: it is put on sys.path.
+                "env", "-C", str(other), f"PYTHONPATH={other}{os.pathsep}{other / 'platform'}",
                 sys.executable, str(other / "manage.py"), "runworker", "--deployment", "up-b"])
         for port in (up_port, front_port):
             bench.wait_http(f"http://127.0.0.1:{port}/healthz")
