@@ -30,8 +30,8 @@ Requests
 Replies
 `ChunkReader` turns the SSE chunks of either endpoint (or a whole reply, read as one
 chunk) into text, log-probability entries in the chat API's shape (the worker's `lp`),
-tool-call fragments joined per index, the finish reason, the stop string (vLLM's
-`stop_reason`) and the usage.
+tool-call fragments joined per index (and, per chunk, as the job's tool-call pieces),
+the finish reason, the stop string (vLLM's `stop_reason`) and the usage.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from secrets import token_hex
 from typing import Any
 
-from inference.jobs import ChatJob, Message, ToolCall, Usage, usage
+from inference.jobs import ChatJob, Message, ToolCall, ToolDelta, Usage, usage
 from inference.spec import Dialect, UpstreamSpec
 from inference.upstream.secrets import cache_salt
 
@@ -176,23 +176,30 @@ def _legacy_logprobs(raw: Any) -> list[dict[str, Any]]:
 
 @dataclass
 class _Call:
+    order: int  # its place among the reply's calls (the index of its pieces)
     id: str = ""
     name: str = ""
     arguments: str = ""
+    announced: bool = False  # its first piece (id and name) is out
 
 
 @dataclass
 class ChunkReader:
-    """Reads one streamed reply, chunk by chunk (`read`), then says how it ended."""
+    """Reads one streamed reply, chunk by chunk (`read`), then says how it ended.
+    After each `read`, `pieces` are the tool-call pieces of that chunk (the job's
+    DeltaEvent.tools): a call's first, once its name is in, has its id (the one
+    `tool_calls` then reports) and name; later ones the next text of its arguments."""
 
     finish: str | None = None
     stop_sequence: str | None = None
     usage: Usage | None = None
     error: dict[str, Any] | None = None  # an error the upstream sent inside the stream
+    pieces: list[ToolDelta] = field(default_factory=list)
     _calls: dict[int, _Call] = field(default_factory=dict)
 
     def read(self, chunk: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         """The new text and log-probability entries of one chunk."""
+        self.pieces = []
         if isinstance(chunk.get("error"), dict):
             self.error = chunk["error"]
             return "", []
@@ -211,14 +218,39 @@ class ChunkReader:
         if "text" in choice:  # /completions
             return str(choice.get("text") or ""), _legacy_logprobs(choice.get("logprobs"))
         delta = choice.get("delta") or choice.get("message") or {}  # a chunk, or all
-        for i, fragment in enumerate(delta.get("tool_calls") or []):
+        fragments = delta.get("tool_calls")
+        if fragments:
+            self._read_calls(fragments)
+        return str(delta.get("content") or ""), _chat_logprobs(choice.get("logprobs"))
+
+    def _read_calls(self, fragments: list[dict[str, Any]]) -> None:
+        new: dict[int, str] = {}  # each call's new arguments text in this chunk, by order
+        for i, fragment in enumerate(fragments):
             # A chunk's fragments carry their index; a whole reply's calls are in order.
-            call = self._calls.setdefault(int(fragment.get("index", i)), _Call())
+            key = int(fragment.get("index", i))
+            call = self._calls.get(key)
+            if call is None:
+                call = self._calls[key] = _Call(len(self._calls))
             call.id = call.id or str(fragment.get("id") or "")
             function = fragment.get("function") or {}
             call.name += str(function.get("name") or "")
-            call.arguments += str(function.get("arguments") or "")
-        return str(delta.get("content") or ""), _chat_logprobs(choice.get("logprobs"))
+            text = str(function.get("arguments") or "")
+            call.arguments += text
+            new[call.order] = new.get(call.order, "") + text
+        # A call is announced, in order, once its name is surely whole: its arguments
+        # have begun, or a later call has (a name may come in fragments).
+        calls = sorted(self._calls.values(), key=lambda c: c.order)
+        for k, call in enumerate(calls):
+            if call.announced:
+                if new.get(call.order):
+                    self.pieces.append({"index": call.order, "arguments": new[call.order]})
+                continue
+            if not call.name or not (call.arguments or k + 1 < len(calls)):
+                break  # later calls wait for this one: pieces come in the calls' order
+            call.announced = True
+            call.id = call.id or f"call_{token_hex(12)}"
+            self.pieces.append({"index": call.order, "id": call.id, "name": call.name,
+                                "arguments": call.arguments})
 
     def tool_calls(self) -> list[ToolCall]:
         return [{"id": c.id or f"call_{token_hex(12)}", "name": c.name,

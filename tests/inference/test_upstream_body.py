@@ -125,11 +125,18 @@ def test_chunks_give_text_logprobs_tool_calls_finish_and_usage() -> None:
     assert reader.read({"choices": [{"delta": {"content": "Hi"}, "logprobs": lp}]}) == (
         "Hi", [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
                 "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]}])
+    pieces = []
     for fragment in ({"index": 0, "id": "call_1", "function": {"name": "get_", "arguments": ""}},
                      {"index": 0, "function": {"name": "weather", "arguments": '{"ci'}},
                      {"index": 1, "id": "call_2", "function": {"name": "noop"}},
                      {"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}):
         assert reader.read({"choices": [{"delta": {"tool_calls": [fragment]}}]}) == ("", [])
+        pieces.append(reader.pieces)
+    # each chunk's pieces of the calls (the job's tool deltas): a call once its name is
+    # whole (its arguments began), then its arguments; the last call has none yet
+    assert pieces == [
+        [], [{"index": 0, "id": "call_1", "name": "get_weather", "arguments": '{"ci'}],
+        [], [{"index": 0, "arguments": 'ty": "Oslo"}'}]]
     reader.read({"choices": [{"delta": {}, "finish_reason": "tool_calls",
                               "stop_reason": None}]})
     reader.read({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 7}})
