@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -283,6 +284,8 @@ def _cluster_pass(pytest_args: list[str], env: dict[str, str]) -> int:
 
 def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
     started: list[Started] = []
+    # A SIGTERM (a CI job's timeout) unwinds like Ctrl-C: the servers started here stop.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         cluster = _cluster_mode(args)
         db_url, pg = ensure_postgres(os.environ.get("DATABASE_URL", TEST_DATABASE))
