@@ -36,6 +36,13 @@ from tests.streaming.conftest import Live
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.fixture(autouse=True)
+def _empty_stream() -> None:
+    """The stream starts empty: what earlier tests left there names their (deleted)
+    tenants, and the counts below are this test's rows."""
+    sync_redis().delete(STREAM)
+
+
 @pytest.fixture
 def org() -> Org:
     return make_org("alice", [Role.TENANT_ADMIN, Role.DEVELOPER, Role.AUDITOR])
