@@ -35,7 +35,8 @@ def _engine() -> tuple[list[str], dict[str, str]]:
     """A client command that builds with BuildKit against a running engine, and its
     environment; skips when there is none."""
     reasons = []
-    for client in dict.fromkeys(filter(None, [shutil.which("docker"), "/usr/bin/docker"])):
+    found = [shutil.which("docker"), "/usr/bin/docker"]
+    for client in dict.fromkeys(c for c in found if c and os.access(c, os.X_OK)):
         server = subprocess.run([client, "version", "--format", "{{.Server.Version}}"],
                                 capture_output=True, text=True, timeout=30)
         if server.returncode != 0:
