@@ -24,6 +24,7 @@ from governance.models import Quota, RateLimitPolicy, RateLimitScope
 from governance.recorder import deployment_mark
 from inference import autoscaler
 from inference import queue as q
+from streaming import responses_copy
 from tenants import throttle
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,6 +110,15 @@ SITES: dict[tuple[str, str], Callable[[], Iterator[list[str]]]] = {
             for i, rid in enumerate(_rids(5))])[0]),
     ("streaming/replay.py", "FREE_LUA"): lambda: _per_tenant(
         lambda t: [q.idem_key(t, "k" * 64), q.done_key(t, _rids(1)[0])]),
+    # On a single Redis the put also takes the stream's key (one round trip); on a
+    # cluster, the keys below, and the stream through _ENQUEUE_LUA.
+    ("streaming/responses_copy.py", "_PUT_LUA"): lambda: (
+        [responses_copy.copy_key(t, r), responses_copy.forget_key(t, r)]
+        for t, r in itertools.product((1, 42, 10**9), ("resp_a", "resp_" + "f" * 48))),
+    ("streaming/responses_copy.py", "_ENQUEUE_LUA"): lambda: iter([[responses_copy.STREAM]]),
+    ("streaming/responses_copy.py", "_DELETE_LUA"): lambda: (
+        [responses_copy.forget_key(t, r), responses_copy.copy_key(t, r)]
+        for t, r in itertools.product((1, 42, 10**9), ("resp_a", "resp_" + "f" * 48))),
     ("governance/recorder.py", "CORRECT_LUA"): lambda: _per_tenant(
         lambda t: _once([b.key for b in _buckets(t)], usage.applied_key(t, WRITER, "rl"))),
     ("governance/recorder.py", "LATENCIES_LUA"): lambda: (
