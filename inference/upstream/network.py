@@ -17,8 +17,9 @@ about a third of an upstream worker's CPU per call).
   name. No proxy from the environment is used; redirects are not followed.
 - Reuse: a connection goes back to the pool only after a whole reply that lets it be
   kept alive, and is dropped when the server closes it or after `keepalive_s` idle. A
-  request that fails on a reused connection before any byte of its reply came (the
-  server closed it as it was being sent) is sent once more on a new connection.
+  request is never sent twice: one that meets a connection the server closes (an
+  upstream that died, or one closing an idle connection just as it was reused) fails
+  with `Disconnected`, which the caller may retry.
 - Leaving the context before the reply ended (cancellation, an error) closes the
   connection: the upstream sees its client go.
 - Timeouts (`Timeouts`): `connect` bounds resolving and connecting; `read` each wait for
@@ -275,17 +276,9 @@ class Pool:
         data = self._head(method, target, headers, len(body)) + body
         connection = self._reused()
         try:
-            if connection is not None:
-                try:
-                    await connection.send(data, timeouts)
-                except Disconnected:
-                    if connection.received:
-                        raise
-                    connection.close()  # closed by the server while idle: once more
-                    connection = None
             if connection is None:
                 connection = await self._connect(timeouts.connect)
-                await connection.send(data, timeouts)
+            await connection.send(data, timeouts)
             yield Reply(connection, timeouts)
         except OSError as exc:
             raise Disconnected(f"The connection to the upstream failed: {exc}") from exc

@@ -139,9 +139,13 @@ class UpstreamWorker:
 
     # -- life cycle ----------------------------------------------------------------
     def run(self, *, drain_s: float = 10.0) -> None:
-        """Serve until `stopping` is set, then drain (on an event loop of its own:
-        uvloop's, whose transports and callbacks cost a fraction of asyncio's own)."""
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        """Serve until `stopping` is set, then drain, on an event loop of its own:
+        uvloop's (its transports and callbacks cost a fraction of asyncio's) when the
+        worker owns the process's main thread (runworker, the supervisor's workers);
+        asyncio's own when it runs in another thread (tests, embedding), where a uvloop
+        loop left the interpreter crashing at exit."""
+        main = threading.current_thread() is threading.main_thread()
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop if main else None) as runner:
             runner.run(self._run(drain_s))
 
     async def _run(self, drain_s: float) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
 from inference.jobs import ChatJob, ResponseFormat, ToolSpec, decode_job, encode_job
 from inference.spec import Dialect, UpstreamSpec
 from inference.upstream.body import ChunkReader, Continuation, can_continue, path_of, request_body
 from inference.upstream.client import exception_failure, status_failure
+from inference.upstream.network import BadReply, ConnectFailed, Disconnected, ReadTimeout
 from inference.upstream.secrets import cache_salt
 from inference.upstream.urls import UpstreamURLError
 
@@ -186,11 +186,10 @@ def test_upstream_statuses_are_retriable_or_final(status: int, code: str, mapped
 
 
 @pytest.mark.parametrize(("exc", "code", "retry"), [
-    (httpx.ConnectError("refused"), "upstream_unavailable", True),
-    (httpx.ConnectTimeout("slow"), "upstream_unavailable", True),
-    (httpx.ReadTimeout("silent"), "upstream_timeout", True),
-    (httpx.RemoteProtocolError("peer closed"), "upstream_disconnected", True),
-    (httpx.ReadError("reset"), "upstream_disconnected", True),
+    (ConnectFailed("refused"), "upstream_unavailable", True),
+    (ReadTimeout("silent"), "upstream_timeout", True),
+    (BadReply("not HTTP"), "upstream_disconnected", True),
+    (Disconnected("reset"), "upstream_disconnected", True),
     (UpstreamURLError("metadata"), "upstream_address_refused", False),
 ])
 def test_transport_failures_are_retriable_or_final(exc: Any, code: str, retry: bool) -> None:

@@ -1,6 +1,6 @@
 """The upstream client's HTTP/1.1 connections (inference/upstream/network.py) against a
 small real HTTP server on loopback, on asyncio's loop and on uvloop's (the worker's):
-reuse, a connection the server dropped, body framings, leaving early, the timeout."""
+reuse, a request the server dropped, body framings, leaving early, the timeout."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import uvloop
 
 from inference.upstream.network import (
     ConnectFailed,
+    Disconnected,
     Pool,
     ReadTimeout,
     Timeouts,
@@ -95,7 +96,7 @@ def test_a_kept_alive_connection_carries_the_next_request(loop: str) -> None:
 
 
 @LOOPS
-def test_a_request_on_a_connection_the_server_dropped_goes_out_again(loop: str) -> None:
+def test_a_request_the_server_drops_is_disconnected_and_not_sent_again(loop: str) -> None:
     async def reply(n: int, writer: asyncio.StreamWriter) -> bool:
         if n == 1:
             return False  # read the second request, then close without a reply
@@ -104,8 +105,10 @@ def test_a_request_on_a_connection_the_server_dropped_goes_out_again(loop: str) 
 
     async def check(server: Server, pool: Pool) -> None:
         assert await body_of(pool) == (200, b"reply 0")
-        assert await body_of(pool, b"again") == (200, b"reply 0")
-        assert server.connections == 2 and server.requests == [b"{}", b"again", b"again"]
+        with pytest.raises(Disconnected):
+            await body_of(pool, b"dropped")
+        assert await body_of(pool, b"next") == (200, b"reply 0")  # a new connection
+        assert server.connections == 2 and server.requests == [b"{}", b"dropped", b"next"]
     served(loop, reply, check)
 
 
