@@ -217,12 +217,14 @@ Press Ctrl-C to stop.
 
 
 # The cluster pass (issue #32): what runs a second time on a private Redis Cluster. Every
-# directory whose tests drive the Redis under test; left out: the browser UI
-# (tests/frontend), benches, the netns multi-node test (tests/cluster, which builds its
-# own cluster), deploy/image tests, and the files that are pure CPU (model runtimes,
-# grammar, sampling) or start a Redis of their own. docs/REDIS_CLUSTER.md, "Testing".
+# directory whose tests drive the Redis under test; left out: the browser tests
+# (tests/frontend/*browser*), benches, the netns multi-node test (tests/cluster, which
+# builds its own cluster), deploy/image tests, and the files that are pure CPU (model
+# runtimes, grammar, sampling, redaction) or start a Redis of their own (the cluster
+# tests, the zero-setup fallbacks, the run command, the Redis-restart faults).
+# docs/REDIS_CLUSTER.md, "Testing on both backends".
 CLUSTER_PASS_TESTS = ("tests/governance", "tests/inference", "tests/streaming",
-                      "tests/tenants", "tests/resilience", "tests/sluice")
+                      "tests/tenants", "tests/resilience", "tests/sluice", "tests/frontend")
 CLUSTER_PASS_LEAVES_OUT = (
     "tests/inference/test_grammar.py", "tests/inference/test_sampling.py",
     "tests/inference/test_detokenize.py", "tests/inference/test_runtimes.py",
@@ -232,6 +234,8 @@ CLUSTER_PASS_LEAVES_OUT = (
     "tests/sluice/test_redis_cluster.py", "tests/sluice/test_redis_cluster_failover.py",
     "tests/sluice/test_redis_cluster_urls.py", "tests/sluice/test_localinfra.py",
     "tests/sluice/test_deploy_manifests.py", "tests/sluice/test_processes.py",
+    "tests/sluice/test_run_command.py", "tests/resilience/test_faults.py",
+    "tests/frontend/test_browser.py", "tests/frontend/test_csp_browser.py",
 )
 
 
