@@ -266,7 +266,7 @@ NOT_TENANT_OBJECTS = {
     "api/v1/model-aliases/<path:name>",
     "ui/static/<str:name>", "api/v1/deployments/<name>", "api/v1/deployments/<name>/scaling",
     "api/v1/governance/breakers/<name>", "api/v1/governance/breakers/<name>/reset",
-    "v1/models/<model>",
+    "v1/models/<path:model>",
 }
 
 CSRF = re.compile(r'name="csrfmiddlewaretoken" value="[^"]*"')
