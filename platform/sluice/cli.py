@@ -141,6 +141,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                              "--address", grpc_address])
         # The audit writer: events from the Redis stream into the database.
         group.start("auditwriter", [sys.executable, str(REPO / "manage.py"), "auditwriter"])
+        # The responses writer: stored responses (Responses API) from Redis into the database.
+        group.start("responseswriter", [sys.executable, str(REPO / "manage.py"),
+                                        "responseswriter"])
         # Celery: periodic jobs (usage rollup, audit retention), exports, batches.
         group.start("celery", [
             sys.executable, "-m", "celery", "-A", "sluice.celery", "worker", "--beat",
@@ -201,7 +204,7 @@ Sluice is running.
   Model workers               {", ".join(models) or "none"} (autoscaled; the first
                               start converts the chat model's weights once: ~30 s)
   Celery                      worker + beat (usage rollup, audit retention, exports,
-                              batches); audit writer
+                              batches); audit writer; responses writer
 
   Login     {user} / {password}   (tenant {tenant}, platform admin)
   API key   {key}   (developer)

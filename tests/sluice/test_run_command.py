@@ -330,6 +330,32 @@ def test_calls_are_audited_into_the_embedded_database_redacted_and_chained(
         assert "jane.doe@example.com" not in row["request_excerpt"]
 
 
+def test_a_stored_response_reaches_the_embedded_database(running: Running) -> None:
+    """The run command starts the responses writer: a stored response, first held in
+    Redis, lands in the database (SQLite here) with its PII redacted."""
+    status, body = http("POST", f"{running.base}/v1/responses", json.dumps(
+        {"model": "echo", "input": "stored mail jane.doe@example.com"}).encode(),
+        {"Authorization": f"Bearer {running.key}", "Content-Type": "application/json"})
+    assert status == 200, body
+    check = ("import django, json; django.setup(); "
+             "from streaming.models import StoredResponse as R; "
+             f"print(json.dumps(list(R.objects.filter(public_id='{body['id']}')"
+             ".values_list('input_items', flat=True))))")
+    deadline = time.monotonic() + 30
+    while True:
+        done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
+                              text=True, env={**running.env,
+                                              "DJANGO_SETTINGS_MODULE": "sluice.settings.base"})
+        assert done.returncode == 0, done.stderr
+        rows = json.loads(done.stdout.strip().splitlines()[-1])
+        if rows or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(rows) == 1, "the responses writer did not move the response into the database"
+    assert "stored mail" in json.dumps(rows[0])
+    assert "jane.doe@example.com" not in json.dumps(rows[0])
+
+
 def test_a_writer_that_meets_another_on_the_embedded_database_waits_for_it(
         running: Running) -> None:
     """SQLite: the audit writer's transaction (read, then write) starts while another
