@@ -135,7 +135,8 @@ def test_streaming_tools_and_structured_outputs_pass_through_an_upstream(
     params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
               "required": ["city"], "additionalProperties": False}
     called = _ask(caller, "org/tiny", "Weather in Oslo?", max_tokens=60,
-                  tool_choice="required", parallel_tool_calls=False, tools=[{"type": "function", "function": {
+                  tool_choice="required", parallel_tool_calls=False,
+                  tools=[{"type": "function", "function": {
                       "name": "get_weather", "description": "The weather in a city",
                       "parameters": params}}])
     choice = called.choices[0]
