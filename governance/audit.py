@@ -23,27 +23,22 @@ import json
 import logging
 import os
 import re
-import socket
-import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from secrets import token_hex
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.utils import timezone
-from redis import exceptions as redis_errors
 
 from governance.models import AuditChain, AuditEvent
 from governance.redaction import redact
 from sluice import wirejson
 from sluice.redis import sync_redis
+from sluice.streamwriter import Entry, StreamWriter
 
 logger = logging.getLogger("sluice.audit")
-BATCH = 500
-LINGER_S = 0.1  # the writer's wait after a partial batch: events land within ~100 ms
 EXCERPT_CHARS = 500
 PLATFORM_CHAIN = "platform"
 GENESIS = "0" * 64
@@ -95,9 +90,7 @@ def _fields_of(event: AuditEvent) -> dict[str, Any]:
 
 
 STREAM = "sluice:audit:events"
-GROUP = "writers"
 STREAM_MAXLEN = 1_000_000  # bounds Redis memory if no writer runs for a long time
-_CLAIM_IDLE_MS = 60_000
 
 
 def new_source() -> str:
@@ -200,36 +193,17 @@ def _insert(rows: list[dict[str, Any]]) -> None:
         cursor.executemany(sql, params)
 
 
-class Consumer:
+class Consumer(StreamWriter):
     """Moves events from the stream into the database in batches (`manage.py
-    auditwriter`, which the run command starts). Several may run: a consumer group hands
-    each entry to one, entries of a consumer that died are claimed after a minute, and
-    an entry is acknowledged only after its batch committed (at least once; the
-    `source` id makes the insert idempotent)."""
+    auditwriter`, which the run command starts), with sluice/streamwriter.py's loop:
+    several may run, each entry goes to one, a dead consumer's entries are claimed, an
+    entry is acknowledged only after its batch committed (at least once; the `source`
+    id makes the insert idempotent)."""
 
-    def __init__(self, name: str | None = None, batch: int = BATCH) -> None:
-        self.redis = sync_redis()
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self.batch = batch
-        try:
-            self.redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
-        except redis_errors.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    STREAM = STREAM
+    WHAT = "audit writer"
 
-    def run_once(self, block_ms: int | None = None) -> int:
-        """One batch: claimed stale entries first, then new ones. Returns entries done."""
-        _, stale, _ = self.redis.xautoclaim(STREAM, GROUP, self.name, _CLAIM_IDLE_MS,
-                                            count=self.batch)
-        entries = list(stale)
-        if len(entries) < self.batch:
-            reply = self.redis.xreadgroup(GROUP, self.name, {STREAM: ">"},
-                                          count=self.batch - len(entries), block=block_ms)
-            for _stream, items in reply or []:
-                entries += items
-        entries = [(i, f) for i, f in entries if f]  # a deleted entry comes back empty
-        if not entries:
-            return 0
+    def write(self, entries: list[Entry]) -> list[str]:
         events = []
         for entry_id, fields in entries:
             try:
@@ -241,45 +215,13 @@ class Consumer:
                 event["source"] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             events.append(event)
         write_events(events)
-        ids = [i for i, _ in entries]
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(STREAM, GROUP, *ids)
-        pipe.xdel(STREAM, *ids)
-        pipe.execute()
-        return len(entries)
-
-    def serve(self, stop: threading.Event, block_ms: int = 1000,
-              linger_s: float = LINGER_S) -> None:
-        while not stop.is_set():
-            try:
-                done = self.run_once(block_ms)
-            except Exception:
-                logger.exception("audit writer: batch failed; retrying")
-                close_old_connections()
-                stop.wait(1.0)
-                continue
-            if 0 < done < self.batch:
-                # Group commit: after a partial batch, let the next one gather for a
-                # moment, so a busy stream is written in a few large transactions
-                # rather than many small ones (each costs a commit, the duplicate check
-                # and the chain-head rows).
-                stop.wait(linger_s)
+        return []
 
 
 def drain(settle_s: float = 0.3, timeout_s: float = 30.0) -> int:
     """Write everything in the stream now, until it stays empty for `settle_s` (tests,
     and operators before a verification)."""
-    consumer = Consumer(name=f"drain-{os.getpid()}")
-    done, quiet_since = 0, time.monotonic()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        n = consumer.run_once(block_ms=50)
-        done += n
-        if n:
-            quiet_since = time.monotonic()
-        elif time.monotonic() - quiet_since >= settle_s:
-            break
-    return done
+    return Consumer(name=f"drain-{os.getpid()}").drain(settle_s, timeout_s)
 
 
 def _chain_of(tenant_slug: str | None) -> str:

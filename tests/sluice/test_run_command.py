@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,6 +296,22 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _query_until(running: Running, code: str, done: Callable[[Any], bool],
+                 timeout_s: float) -> Any:
+    """The JSON that `code` (run in a process on the run command's database) prints last,
+    once `done` holds for it or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ran = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                             text=True, env={**running.env,
+                                             "DJANGO_SETTINGS_MODULE": "sluice.settings.base"})
+        assert ran.returncode == 0, ran.stderr
+        found = json.loads(ran.stdout.strip().splitlines()[-1])
+        if done(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def test_calls_are_audited_into_the_embedded_database_redacted_and_chained(
         running: Running) -> None:
     """The audit writer's insert on SQLite (the suite's other tests run on PostgreSQL):
@@ -313,16 +329,7 @@ def test_calls_are_audited_into_the_embedded_database_redacted_and_chained(
              f"rows = list(E.objects.filter(request_excerpt__contains='{marker}')"
              ".values('chain', 'action', 'status', 'request_excerpt', 'detail')); "
              "print(json.dumps({'rows': rows, 'problems': len(audit.verify('demo'))}))")
-    deadline = time.monotonic() + 20
-    while True:
-        done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
-                              text=True, env={**running.env,
-                                              "DJANGO_SETTINGS_MODULE": "sluice.settings.base"})
-        assert done.returncode == 0, done.stderr
-        found = json.loads(done.stdout.strip().splitlines()[-1])
-        if len(found["rows"]) == 3 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    found = _query_until(running, check, lambda found: len(found["rows"]) == 3, 20)
     assert len(found["rows"]) == 3 and found["problems"] == 0
     for row in found["rows"]:
         assert row["chain"] == "demo" and row["action"] == "chat.completions"
@@ -341,16 +348,7 @@ def test_a_stored_response_reaches_the_embedded_database(running: Running) -> No
              "from streaming.models import StoredResponse as R; "
              f"print(json.dumps(list(R.objects.filter(public_id='{body['id']}')"
              ".values_list('input_items', flat=True))))")
-    deadline = time.monotonic() + 30
-    while True:
-        done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
-                              text=True, env={**running.env,
-                                              "DJANGO_SETTINGS_MODULE": "sluice.settings.base"})
-        assert done.returncode == 0, done.stderr
-        rows = json.loads(done.stdout.strip().splitlines()[-1])
-        if rows or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    rows = _query_until(running, check, bool, 30)
     assert len(rows) == 1, "the responses writer did not move the response into the database"
     assert "stored mail" in json.dumps(rows[0])
     assert "jane.doe@example.com" not in json.dumps(rows[0])

@@ -22,6 +22,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
 
+from sluice import streamwriter
 from sluice.errors import NotFound, PermissionDenied
 from sluice.redis import Coalescer, async_redis, sync_redis
 from streaming import responses_writer
@@ -193,12 +194,12 @@ def test_a_writer_that_died_before_its_commit_loses_nothing(org: Org) -> None:
     rids = [f"resp_{token_hex(12)}" for _ in range(3)]
     save(dev_of(org), *(body(rid) for rid in rids))
     dead = responses_writer.Writer(name="dead")
-    assert dead.redis.xreadgroup(responses_writer.GROUP, "dead", {STREAM: ">"}, count=10)
+    assert dead.redis.xreadgroup(streamwriter.GROUP, "dead", {STREAM: ">"}, count=10)
     # When another writer runs (past the claim delay), Then it writes them, once
     other = responses_writer.Writer(name="alive", claim_idle_ms=0)
     assert other.run_once(block_ms=50) == 3
     assert all(stored_elsewhere(rid) for rid in rids)
-    assert sync_redis().xpending(STREAM, responses_writer.GROUP)["pending"] == 0
+    assert sync_redis().xpending(STREAM, streamwriter.GROUP)["pending"] == 0
     # and the dead writer's name, restarted, finds nothing left to write
     assert responses_writer.Writer(name="dead").run_once(block_ms=50) == 0
 
