@@ -36,7 +36,7 @@ from governance.models import AuditChain, AuditEvent
 from governance.redaction import redact
 from sluice import wirejson
 from sluice.redis import sync_redis
-from sluice.streamwriter import Entry, StreamWriter
+from sluice.streamwriter import STREAMS, Entry, StreamWriter
 
 logger = logging.getLogger("sluice.audit")
 EXCERPT_CHARS = 500
@@ -89,7 +89,7 @@ def _fields_of(event: AuditEvent) -> dict[str, Any]:
     return {name: getattr(event, name) for name in HASHED}
 
 
-STREAM = "sluice:audit:events"
+STREAM = STREAMS["audit"]
 STREAM_MAXLEN = 1_000_000  # bounds Redis memory if no writer runs for a long time
 
 

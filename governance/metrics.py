@@ -198,7 +198,7 @@ class ClusterCollector(Collector):
             opens.add_metric([name], float(dep.breaker.times_opened))
         yield from (depth, age, workers, rotation, memory, batches, state, opens)
         yield from _autoscaler_families(redis, [d.name for d in states])
-        yield from _audit_families(redis)
+        yield from _writer_families(redis)
 
         used = GaugeMetricFamily("sluice_quota_used", "Use of each quota in its current "
                                  "period (reservations included).",
@@ -226,26 +226,38 @@ class ClusterCollector(Collector):
 _registry: CollectorRegistry | None = None
 
 
-def _audit_families(redis: Any) -> Iterator[Any]:
-    """The audit events waiting in Redis for the audit writer: how many, and how old
-    the oldest is. A backlog that grows means the writer is down or slow; at
-    SLUICE_AUDIT_REFUSE_AT the gateways refuse new calls (503 `audit_unavailable`)
-    rather than serve them unaudited (past `audit.STREAM_MAXLEN` the stream would be
-    trimmed and the oldest events lost)."""
-    from governance import audit
+_BACKLOG_HELP = {
+    "audit": ("Audit events in Redis not yet written to the database.",
+              "Age of the oldest audit event not yet written to the database."),
+    "responses": ("Stored responses in Redis not yet written to the database.",
+                  "Age of the oldest stored response not yet written to the database."),
+}
+
+
+def _writer_families(redis: Any) -> Iterator[Any]:
+    """What waits in Redis for each writer process (sluice/streamwriter.py STREAMS): how
+    many entries, and how old the oldest is. A backlog that grows means its writer is
+    down or slow. At SLUICE_AUDIT_REFUSE_AT audit events the gateways refuse new calls
+    (503 `audit_unavailable`) rather than serve them unaudited; at
+    SLUICE_RESPONSES_REFUSE_AT stored responses, calls that ask to store (503
+    `store_unavailable`): past a stream's bound (1,000,000) the oldest would be trimmed
+    and lost."""
     from inference.queue import oldest_age_ms
+    from sluice.streamwriter import STREAMS
 
     pipe = redis.pipeline(transaction=False)
-    pipe.xlen(audit.STREAM)
-    pipe.xrange(audit.STREAM, count=1)
-    length, first = pipe.execute()
-    backlog = GaugeMetricFamily("sluice_audit_backlog", "Audit events in Redis not yet "
-                                "written to the database.")
-    backlog.add_metric([], float(length))
-    age = GaugeMetricFamily("sluice_audit_backlog_oldest_age_seconds", "Age of the oldest "
-                            "audit event not yet written to the database.")
-    age.add_metric([], oldest_age_ms([first]) / 1000)
-    yield from (backlog, age)
+    for stream in STREAMS.values():
+        pipe.xlen(stream)
+        pipe.xrange(stream, count=1)
+    replies = pipe.execute()
+    for i, name in enumerate(STREAMS):
+        length, first = replies[2 * i], replies[2 * i + 1]
+        count_help, age_help = _BACKLOG_HELP[name]
+        backlog = GaugeMetricFamily(f"sluice_{name}_backlog", count_help)
+        backlog.add_metric([], float(length))
+        age = GaugeMetricFamily(f"sluice_{name}_backlog_oldest_age_seconds", age_help)
+        age.add_metric([], oldest_age_ms([first]) / 1000)
+        yield from (backlog, age)
 
 
 def _autoscaler_families(redis: Any, names: list[str]) -> Iterator[Any]:

@@ -23,7 +23,10 @@ nothing was (an id given out by a stream, whose save may still come).
 
 Durability: until the writer commits a row, Redis holds its only copy (the stream
 entry and the hash), as it holds the audit stream and the queue: a Redis that loses
-its data before then loses those responses.
+its data before then loses those responses. While SLUICE_RESPONSES_REFUSE_AT rows wait
+(the writer down or slow), calls that ask to store are refused with a retriable 503
+`store_unavailable` (`keeps_up`), so the stream is not trimmed (STREAM_MAXLEN) under
+rows nobody wrote.
 """
 
 from __future__ import annotations
@@ -34,16 +37,22 @@ from typing import Any, NamedTuple
 
 import orjson
 from django.conf import settings
+from redis.exceptions import RedisError
 
+from sluice.errors import store_unavailable
 from sluice.redis import Coalescer, ScriptBatch, is_cluster, sync_redis
+from sluice.streamwriter import STREAMS
+from sluice.ttlcache import AsyncTTLCache
 
-STREAM = "sluice:responses:stored"
+STREAM = STREAMS["responses"]
 STREAM_MAXLEN = 1_000_000  # bounds Redis memory if no writer runs for a long time
 # A copy outlives its write by far; it lapses only if no writer runs for this long.
 COPY_TTL_S = 7 * 86_400
 # How long a deletion outlives the response it names: an idempotent retry of its call
 # (inference/queue.py IDEM_TTL_S) stores it again within this.
 FORGET_STORED_S = 86_400
+_BACKLOG_TTL_S = 1.0  # how stale the backlog used for refusing a save may be
+_backlog: AsyncTTLCache[str, int] = AsyncTTLCache(max_entries=1)
 
 
 class Row(NamedTuple):
@@ -121,6 +130,21 @@ redis.call('EXPIRE', KEYS[1], ttl, 'GT')
 redis.call('EXPIRE', KEYS[1], ttl, 'NX')
 return dropped
 """
+
+
+async def keeps_up(scripts: Coalescer) -> None:
+    """Refuse (503 `store_unavailable`) while SLUICE_RESPONSES_REFUSE_AT rows wait for
+    the writer: a save then could be trimmed from the stream (STREAM_MAXLEN) and lost.
+    One XLEN a second per process; Redis away is the call's own to report."""
+    limit = settings.SLUICE_RESPONSES_REFUSE_AT
+    if not limit:
+        return
+    try:
+        waiting = await _backlog.get("", lambda: scripts.client.xlen(STREAM), _BACKLOG_TTL_S)
+    except RedisError:
+        return
+    if waiting >= limit:
+        raise store_unavailable()
 
 
 async def put(scripts: Coalescer, row: Row) -> None:

@@ -157,6 +157,14 @@ def audit_unavailable() -> Unavailable:
                        code="audit_unavailable", headers={"Retry-After": "5"})
 
 
+def store_unavailable() -> Unavailable:
+    """What a caller asking to store its response gets while the responses writer has
+    fallen too far behind: retriable; the response is not kept where it may be lost."""
+    return Unavailable("Stored responses are not keeping up; try again shortly, or "
+                       "call with store=false.", code="store_unavailable",
+                       headers={"Retry-After": "5"})
+
+
 class DeadlineExceeded(ApiError):
     status = 504
     type = "timeout_error"

@@ -36,6 +36,10 @@ BATCH = 500  # entries a batch takes at most
 LINGER_S = 0.1  # the wait after a partial batch: entries land within ~100 ms
 CLAIM_IDLE_MS = 60_000
 
+# The streams a writer process moves into the database, by the name their metrics
+# carry (sluice_<name>_backlog): the audit log's and the stored responses'.
+STREAMS = {"audit": "sluice:audit:events", "responses": "sluice:responses:stored"}
+
 Entry = tuple[Any, dict[bytes, bytes]]
 
 

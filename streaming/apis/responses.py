@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from inference.jobs import DoneEvent, Event
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
-from streaming import bodies
+from streaming import bodies, responses_copy
 from streaming.apis import Api, Context, register
 from streaming.apis.responses_stream import EventStream, finished, output
 from streaming.gateway import error_from_event
@@ -315,6 +315,8 @@ class ResponsesApi(Api):
                   if req.previous_response_id else [])
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         chat = chat_request(req, system + chat_messages([*before, *items]))
+        if req.store:  # before the call runs: its reply could not be kept
+            await responses_copy.keeps_up(call.gateway.client.scripts)
         try:
             sub = await call.chat(chat, stream=req.stream,
                                   idempotency_key=ctx.headers.get("idempotency-key"))

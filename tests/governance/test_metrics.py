@@ -138,23 +138,27 @@ def test_metrics_are_for_loopback_or_the_scrape_token(live: Live,
     assert scrape(live, authorization="Bearer scrape-secret")
 
 
-def test_the_audit_backlog_shows_until_the_writer_stores_it(live: Live) -> None:
-    """The live fixture runs no audit writer: a call's audit event waits in Redis, and
-    the backlog's size and age say so until it is written."""
-    audit.drain()
+@pytest.mark.parametrize("writer", ["audit", "responses"])
+def test_a_writers_backlog_shows_until_the_writer_stores_it(live: Live, writer: str) -> None:
+    """The live fixture runs no writer process: a call's audit event (and its stored
+    response) waits in Redis, and the backlog's size and age say so until written."""
+    from streaming import responses_writer
+
+    drain = {"audit": audit.drain, "responses": responses_writer.drain}[writer]
+    drain()
     org = make_org("backlogged", [Role.DEVELOPER])
     client = OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER], max_retries=0)
     for _ in range(3):
-        client.chat.completions.create(model="echo", messages=[{"role": "user",
-                                                                "content": "audited"}])
+        client.responses.create(model="echo", input="audited and stored")
+    metric = f"sluice_{writer}_backlog"
 
     def backlogged() -> Samples | None:
         samples = scrape(live)
-        return samples if value(samples, "sluice_audit_backlog") >= 3 else None
+        return samples if value(samples, metric) >= 3 else None
 
-    samples = eventually(backlogged, 5, what="the backlog to show three events")
-    assert 0 < value(samples, "sluice_audit_backlog_oldest_age_seconds") < 60
-    audit.drain()
-    eventually(lambda: value(scrape(live), "sluice_audit_backlog") == 0, 5,
+    samples = eventually(backlogged, 5, what="the backlog to show three entries")
+    assert 0 < value(samples, f"{metric}_oldest_age_seconds") < 60
+    drain()
+    eventually(lambda: value(scrape(live), metric) == 0, 5,
                what="the backlog to empty once written")
-    assert value(scrape(live), "sluice_audit_backlog_oldest_age_seconds") == 0
+    assert value(scrape(live), f"{metric}_oldest_age_seconds") == 0

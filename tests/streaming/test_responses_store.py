@@ -366,3 +366,33 @@ def test_every_field_of_the_callers_is_redacted_before_the_write(org: Org) -> No
     assert [(i["id"], i["type"]) for i in stored] == [(i["id"], i["type"]) for i in items]
     assert stored[1]["name"] == stored[1]["call_id"] == "[SSN]"
     assert stored[0]["content"][0]["text"] == "I am [SSN]"
+
+
+def test_saves_are_refused_not_trimmed_while_the_writer_cannot_keep_up(
+        live: Live, org: Org, settings: Any) -> None:
+    """No writer runs here: once SLUICE_RESPONSES_REFUSE_AT rows wait in the stream, a
+    call that asks to store gets a retriable 503 `store_unavailable` before it runs (the
+    stream's bound would otherwise trim rows nobody wrote), store=false is still served,
+    and once the rows are written storing works again."""
+    settings.SLUICE_RESPONSES_REFUSE_AT = 3
+    client = openai.OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER],
+                           max_retries=0, timeout=60)
+    kept = [client.responses.create(model="echo", input=f"kept {i}").id for i in range(3)]
+    # Given three rows waiting (the refusal reads the backlog at most once a second)
+    def refused() -> openai.APIStatusError | None:
+        try:
+            client.responses.create(model="echo", input="one more")
+        except openai.APIStatusError as exc:
+            return exc
+        return None
+
+    refusal = eventually(refused, timeout=10)
+    assert refusal.status_code == 503 and refusal.code == "store_unavailable", refusal
+    assert refusal.response.headers["retry-after"] == "5"
+    waiting = sync_redis().xlen(STREAM)
+    assert client.responses.create(model="echo", input="unstored", store=False).output_text
+    assert sync_redis().xlen(STREAM) == waiting, "a refused or unstored call was queued"
+    # When the writer catches up, storing is served again; nothing kept was lost
+    responses_writer.drain()
+    assert eventually(lambda: refused() is None, timeout=10)
+    assert all(stored_elsewhere(rid) for rid in kept)
