@@ -18,7 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 from redis.exceptions import RedisError
 
 from governance.observe import served
-from inference.jobs import Event, FinalEvent
+from inference.jobs import FINAL_EVENTS, Event, FinalEvent
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest, NotFound, ServerError
 from sluice.telemetry import RequestScope
@@ -164,19 +164,23 @@ class LeanApp:
                            code="stream_not_found")
         self.gateway.governor.recorder.audit(replay.resume_event(
             principal, rid, model=req.model, after=after, protocol="sse", began=began))
-        events = client.replay(tenant, rid, after_seq=after,
-                               timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
-        await self._stream([rid], events, req, send, replay=True)
+        # From the first event: the ones the client has (seq <= after) are not sent
+        # again, but its tool calls' pieces among them say what it already holds.
+        events = client.replay(tenant, rid, timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
+        await self._stream([rid], events, req, send, replay=after)
 
     async def _stream(self, rids: list[str], events: AsyncIterator[Event],
-                      req: ChatCompletionRequest, send: Send, *, replay: bool = False,
+                      req: ChatCompletionRequest, send: Send, *, replay: int | None = None,
                       before_done: Callable[[str], Awaitable[None]] | None = None,
                       headers: dict[str, str] | None = None) -> None:
         """Send the events as SSE chunks, choice i's (`rids[i]`) with `index` i; every
-        event's id is its own request's `<rid>:<seq>`. `before_done` gets the first
-        choice's text before the final `[DONE]` (so a conversation's next turn can
-        already see it). With include_usage, one usage chunk ends the stream: every
-        choice's usage, summed."""
+        event's id is its own request's `<rid>:<seq>` (an event sent as several chunks,
+        a delta's tool-call pieces, has it on its last). Tool calls stream as OpenAI's
+        deltas (`bodies.ToolDeltas`). A `replay` (a resume after that seq) sends no
+        start chunk and only the events after it. `before_done` gets the first choice's
+        text before the final `[DONE]` (so a conversation's next turn can already see
+        it). With include_usage, one usage chunk ends the stream: every choice's usage,
+        summed."""
         base = {"id": f"chatcmpl-{rids[0]}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": req.model, "system_fingerprint": None}
         first = await anext(events)  # errors before any output are still plain HTTP errors
@@ -199,6 +203,13 @@ class LeanApp:
             await out.send(b"%s%s\ndata: %s\n\n" % (event_ids[i], str(seq).encode(),
                                                      orjson.dumps(payload)))
 
+        async def emit_tools(i: int, seq: int, deltas: list[list[dict[str, Any]]]) -> None:
+            if deltas:  # one write: the event's id only after all its chunks
+                frames = [b"data: %s\n\n" % orjson.dumps(chunk(i, {"tool_calls": calls}))
+                          for calls in deltas]
+                await out.send(b"".join(frames[:-1]) + b"%s%d\n%s" % (event_ids[i], seq,
+                                                                      frames[-1]))
+
         def chunk(i: int, delta: dict[str, Any], finish: str | None = None,
                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
             return {**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
@@ -206,16 +217,24 @@ class LeanApp:
 
         parts: list[str] = []  # the first choice's text
         finals: list[FinalEvent] = []
+        tools = [bodies.ToolDeltas() for _ in rids]
         several = len(rids) > 1  # events carry their choice's index only then
         try:
-            if not replay:
+            if replay is None:
                 for i in range(len(rids)):
                     await emit(i, "start", chunk(i, {"role": "assistant", "content": ""}))
             event: Event | None = first
             last: Event = first
             while event is not None:
                 i = event["i"] if several else 0
-                if event["t"] == "delta" and req.logprobs:  # the slow path: a dict a chunk
+                if event["t"] == "delta" and "tools" in event:
+                    deltas = tools[i].pieces(event["tools"])
+                    if replay is None or event["seq"] > replay:
+                        await emit_tools(i, event["seq"], deltas)
+                if replay is not None and event["seq"] <= replay \
+                        and event["t"] not in FINAL_EVENTS:
+                    pass  # the resuming client has it
+                elif event["t"] == "delta" and req.logprobs:  # the slow path: a dict a chunk
                     if i == 0:
                         parts.append(event["text"])
                     if event["text"] or event.get("lp"):
@@ -233,10 +252,8 @@ class LeanApp:
                     await emit(i, event["seq"], error_from_event(event).body())
                 elif event["t"] == "done":
                     finals.append(event)
-                    if event.get("tool_calls"):
-                        calls = [{"index": k, **call}
-                                 for k, call in enumerate(bodies.tool_calls(event["tool_calls"]))]
-                        await emit(i, event["seq"], chunk(i, {"tool_calls": calls}))
+                    if rest := tools[i].rest(event):
+                        await emit(i, event["seq"], chunk(i, {"tool_calls": rest}))
                     await emit(i, event["seq"], chunk(i, {}, bodies.finish_reason(event)))
                 last = event
                 event = await anext(events, None)

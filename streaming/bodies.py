@@ -9,7 +9,7 @@ import struct
 import time
 from typing import Any
 
-from inference.jobs import DoneEvent, FinalEvent, ToolCall
+from inference.jobs import DoneEvent, FinalEvent, ToolCall, ToolDelta
 from sluice.errors import ServerError
 from streaming.gateway import error_from_event
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
@@ -28,6 +28,45 @@ def finish_reason(final: DoneEvent) -> str | None:
 def tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c["id"], "type": "function",
              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+
+
+class ToolDeltas:
+    """One choice's tool calls as Chat Completions stream deltas (OpenAI's shape): a
+    call's first chunk has its `index`, `id`, `type` and `function.name` with empty
+    `arguments`, then one chunk per piece of its arguments (`index` and
+    `function.arguments` only), as the worker streams them (`DeltaEvent.tools`).
+    `pieces` gives the `delta.tool_calls` of each chunk for a delta event's pieces;
+    `rest` what the final event adds, so that each call's joined arguments equal the
+    final's exactly: a streamed call's missing tail, and every call the worker did not
+    stream (an upstream deployment's come only with the final event) whole."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []  # each streamed call's arguments so far, by index
+
+    def pieces(self, pieces: list[ToolDelta]) -> list[list[dict[str, Any]]]:
+        chunks: list[list[dict[str, Any]]] = []
+        for piece in pieces:
+            k = piece["index"]
+            if "name" in piece and k == len(self.sent):
+                self.sent.append("")
+                chunks.append([{"index": k, "id": piece.get("id", ""), "type": "function",
+                                "function": {"name": piece["name"], "arguments": ""}}])
+            if piece["arguments"] and k < len(self.sent):
+                self.sent[k] += piece["arguments"]
+                chunks.append([{"index": k, "function": {"arguments": piece["arguments"]}}])
+        return chunks
+
+    def rest(self, final: DoneEvent) -> list[dict[str, Any]]:
+        """The final chunk's `delta.tool_calls` (empty when nothing is missing)."""
+        out: list[dict[str, Any]] = []
+        for k, call in enumerate(tool_calls(final.get("tool_calls") or [])):
+            if k >= len(self.sent):
+                out.append({"index": k, **call})
+                continue
+            whole, sent = call["function"]["arguments"], self.sent[k]
+            if len(whole) > len(sent) and whole.startswith(sent):
+                out.append({"index": k, "function": {"arguments": whole[len(sent):]}})
+        return out
 
 
 def choice_logprobs(req: ChatCompletionRequest,

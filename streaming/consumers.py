@@ -19,11 +19,15 @@ Frames are JSON objects. Client -> server:
     {"type": "embeddings.request", "id": "e1", "request": {<embeddings body>}}
     {"type": "cancel", "id": "r1"}
 Server -> client:
-    {"type": "chat.delta", "id": "r1", "index": 0, "delta": "..."}
+    {"type": "chat.delta", "id": "r1", "index": 0, "delta": "...",
+     "tool_calls": [...]}          (tool_calls only on pieces of calls being written)
     {"type": "chat.done", "id": "r1", "index": 0, "finish_reason": "...", "usage": {...},
      "tool_calls": [...]}                       (tool_calls only when there are some)
 `index` is the choice's; a request with `n` > 1 gets one chat.done per choice, and only
-its last carries `usage` (every choice's, summed).
+its last carries `usage` (every choice's, summed). A chat.delta's `tool_calls` are
+OpenAI's stream deltas (streaming/bodies.py's ToolDeltas: a call's `index`, `id`, `type`
+and `function.name` first, then `function.arguments` pieces by `index`, which join into
+its arguments); chat.done has every call whole, streamed or not.
     {"type": "embeddings.result", "id": "e1", "body": {<OpenAI embeddings body>}}
     {"type": "error", "id": "r1" | null, "error": {<OpenAI error>}}
 Every bad frame gets an error frame and the socket stays open: one that is not a JSON
@@ -237,13 +241,19 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         sub = await call.chat(req, stream=True)
         parts: list[str] = []  # the first choice's text, for its conversation
         finals: list[DoneEvent] = []
+        tools = [bodies.ToolDeltas() for _ in range(sub.n)]
         events = sub.events()
         async for event in events:
             i = event.get("i", 0)
-            if event["t"] == "delta" and (event["text"] or event.get("lp")):
+            if event["t"] == "delta" and (event["text"] or event.get("lp") or "tools" in event):
                 if i == 0:
                     parts.append(event["text"])
-                extra = {"logprobs": event["lp"]} if "lp" in event else {}
+                extra: dict[str, Any] = {"logprobs": event["lp"]} if "lp" in event else {}
+                if "tools" in event:
+                    pieces = [c for cs in tools[i].pieces(event["tools"]) for c in cs]
+                    if not (pieces or event["text"] or event.get("lp")):
+                        continue
+                    extra["tool_calls"] = pieces
                 await self._send(rid, "chat.delta", index=i, delta=event["text"], **extra)
             elif event["t"] == "error":
                 await events.aclose()  # with n > 1, the other choices are cancelled now

@@ -138,6 +138,15 @@ def _tool_calls(calls: list[dict[str, Any]]) -> list[pb.ToolCall]:
         for i, c in enumerate(calls)]
 
 
+def _tool_deltas(deltas: list[dict[str, Any]]) -> list[pb.ToolCall]:
+    """A stream chunk's pieces of tool calls (`bodies.ToolDeltas`): a call's first has
+    its id, type and name; the others only its index and a piece of its arguments."""
+    return [pb.ToolCall(id=d.get("id", ""), type=d.get("type", ""), index=d["index"],
+                        function=pb.FunctionCall(name=d["function"].get("name", ""),
+                                                 arguments=d["function"]["arguments"]))
+            for d in deltas]
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self) -> None:
         self.gateway = Gateway()
@@ -192,8 +201,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             req = _chat_request(request)
             sub = await call.chat(req, timeout_s=self._timeout(context), stream=True)
             rid, parts, finals = f"chatcmpl-{sub.handle.rid}", [], []
+            tools = [bodies.ToolDeltas() for _ in range(sub.n)]
             async with contextlib.aclosing(sub.events()) as events:
                 async for event in events:
+                    if event["t"] == "delta" and "tools" in event:
+                        i = event.get("i", 0)
+                        for calls in tools[i].pieces(event["tools"]):
+                            yield pb.ChatChunk(id=rid, index=i,
+                                               tool_calls=_tool_deltas(calls))
                     if event["t"] == "delta" and (event["text"] or event.get("lp")):
                         i = event.get("i", 0)
                         if i == 0:
