@@ -74,6 +74,19 @@ class ResponseFormat(msgspec.Struct, frozen=True):
     strict: bool = False
 
 
+class Continuation(msgspec.Struct, frozen=True):
+    """The start of a reply already streamed to the caller, which a later attempt
+    continues: its text, the sequence number the next event takes, and the completion
+    tokens billed for the text. An upstream worker builds one for a takeover; a model
+    alias's call (streaming/routed.py) sends one in `ChatJob.resume` to the next
+    deployment, an upstream one that can continue the job only
+    (inference/upstream/body.py `can_continue`)."""
+
+    text: str
+    seq: int
+    completion_tokens: int
+
+
 class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind",
               tag="chat"):
     """One sequence to generate. The prompt is `prompt` as it is when given (a legacy
@@ -109,6 +122,9 @@ class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind"
     tool_choice: str = "auto"  # "auto", "required", or a function's name
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # Continue the reply after what another deployment already streamed (upstream
+    # deployments only; the events' sequence numbers go on from its `seq`).
+    resume: Continuation | None = None
 
     @property
     def constrained(self) -> bool:

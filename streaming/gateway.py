@@ -193,13 +193,15 @@ class Gateway:
         return spec
 
     def _routed(self, route: Route, kind: Kind, attempt: Attempt, *, texts: list[str],
-                max_tokens: int | None, timeout_s: float | None) -> Awaitable[Submitted]:
+                max_tokens: int | None, timeout_s: float | None,
+                prompt_only: bool = False) -> Awaitable[Submitted]:
         """An alias call: planned, then its first admitted attempt (streaming/routed.py)."""
         limit = float(settings.SLUICE_REQUEST_TIMEOUT_S)
         if timeout_s is not None:
             limit = min(limit, timeout_s)
         return Routed.start(route, kind, attempt, redis=self.client.redis,
-                            bound=call_bound(texts, max_tokens), timeout_s=limit)
+                            bound=call_bound(texts, max_tokens), timeout_s=limit,
+                            prompt_only=prompt_only)
 
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
                    idempotency_key: str | None = None,
@@ -253,13 +255,17 @@ class Gateway:
                 # Older turns; the worker drops the oldest until the prompt fits (exact
                 # token counts with the model's own tokenizer).
                 attempt = msgspec.structs.replace(attempt, history=history)
-            attempt = msgspec.structs.replace(attempt, max_tokens=max_tokens, stream=stream)
+            # After another deployment's reply was cut: its continuation (routed.py).
+            attempt = msgspec.structs.replace(attempt, max_tokens=max_tokens, stream=stream,
+                                              resume=routed.resume if routed else None)
             if routed is not None:
                 await routed.supersede(key)
             handle, *more = await self._submit(
                 principal, spec, choices.jobs(attempt, n), admission,
                 timeout_s=routed.left_s() if routed is not None else timeout_s,
-                idempotency_key=key, fingerprint=fingerprint,
+                # A continuation's stream holds only the reply's end: no replay of it.
+                idempotency_key=key if routed is None or routed.resume is None else None,
+                fingerprint=fingerprint,
                 owner=replay.ownership(principal, req.model, conversation_id)
                 if stream and n == 1 else None)
             return Submitted(principal, spec, handle, admission, conversation_id, turn, more,
@@ -270,7 +276,7 @@ class Gateway:
         return await self._routed(
             target, Kind.CHAT, on, texts=[m["content"] for m in job.messages]
             + [m["content"] for m in history],
-            max_tokens=asked, timeout_s=timeout_s)
+            max_tokens=asked, timeout_s=timeout_s, prompt_only=raw_prompt)
 
     async def count(self, principal: Principal, req: ChatCompletionRequest, *,
                     action: str, protocol: str = "rest") -> Submitted:

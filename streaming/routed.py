@@ -23,6 +23,13 @@ on to the next.
   answered, its detail names the alias and every failed attempt.
 - A call with n > 1 choices moves on at admission only (its n streams are not
   restarted).
+- After text was sent, a retriable failure moves a single-choice call on as a
+  continuation (`resume`: the text streamed so far, the next sequence number, the
+  completion tokens billed for it), to the next deployments that can continue it only:
+  upstream ones whose dialect continues the job (a legacy completion everywhere, a
+  chat reply on vLLM and SGLang: inference/upstream/body.py `continues`); the others
+  are left out (`cannot_continue`). The audit event's `fallback_from` names the
+  deployments whose reply was continued.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ from governance.admission import Admission
 from inference import queue as q
 from inference.cache import enabled_spec
 from inference.client import RequestHandle
-from inference.jobs import ErrorEvent
+from inference.jobs import Continuation, ErrorEvent
 from inference.routing import Plan, Route, Skip, backoff_s, plan
 from inference.spec import DeploymentSpec, Kind, RuntimeName
+from inference.upstream.body import continues
 from sluice import telemetry
 from sluice.errors import ApiError, BadRequest, Unavailable
 from streaming.prompting import prompt_bound
@@ -126,15 +134,20 @@ class Routed:
     order: list[str]
     deadline: float
     attempt: Attempt
-    skipped: dict[str, Skip] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # a Skip, or cannot_continue
     failed: list[dict[str, Any]] = field(default_factory=list)
+    prompt_only: bool = False  # a legacy completion (what a continuation may go to)
+    # What the caller already has of the reply, when a failed attempt had sent text:
+    # the next attempts continue it (`resumable` deployments only).
+    resume: Continuation | None = None
+    continued: list[str] = field(default_factory=list)  # the deployments cut mid-reply
     # The request of an attempt that failed after it was queued: the next attempt takes
     # over its idempotency key, and it can no longer be resumed.
     superseded: RequestHandle | None = None
 
     @classmethod
     async def start(cls, route: Route, kind: Kind, attempt: Attempt, *, redis: Any,
-                    bound: int, timeout_s: float) -> Submitted:
+                    bound: int, timeout_s: float, prompt_only: bool = False) -> Submitted:
         """Plan the call and make its first attempt that is admitted; the last refusal
         when none is (BadRequest when the call is too long for every deployment)."""
         names = [t.deployment for t in (*route.targets, *route.fallbacks)]
@@ -145,7 +158,7 @@ class Routed:
                              f"'{route.alias}'.", code="context_length_exceeded",
                              param="messages")
         routed = cls(route.alias, kind, list(planned.order), time.monotonic() + timeout_s,
-                     attempt, dict(planned.skipped))
+                     attempt, dict(planned.skipped), prompt_only=prompt_only)
         sub = await routed.next(first=True)
         assert sub is not None  # noqa: S101  (first=True raises instead)
         return sub
@@ -157,6 +170,8 @@ class Routed:
         """What the audit event says of the route beyond the alias (scalars: the audit
         keeps detail values small): the attempts that failed, the deployments left out."""
         out = {}
+        if self.continued:
+            out["fallback_from"] = ", ".join(self.continued)
         if self.failed:
             out["failed_attempts"] = ", ".join(
                 f"{f['deployment']} ({f['status']} {f['code']})" for f in self.failed)
@@ -167,17 +182,19 @@ class Routed:
     def note(self, deployment: str, status: int, code: str) -> None:
         self.failed.append({"deployment": deployment, "status": status, "code": code})
 
+    def resumable(self, spec: DeploymentSpec) -> bool:
+        """Whether `spec` may take this call's next attempt: any deployment, or, when
+        the attempt continues a reply (`resume`), an upstream one that can."""
+        return self.resume is None or (
+            spec.upstream is not None
+            and continues(spec.upstream.dialect, prompt_only=self.prompt_only))
+
     async def next(self, *, first: bool = False) -> Submitted | None:
         """The next attempt that is admitted, after a backoff when one failed before;
         None when none is left, or the deadline leaves no time for it (`first`: raise
         the last refusal instead, or a 503 when the plan was empty)."""
         refusal: ApiError | None = None
         while self.order:
-            if self.failed:
-                pause = backoff_s(len(self.failed), rng=_rng)
-                if pause >= self.left_s():
-                    break
-                await asyncio.sleep(pause)
             name = self.order.pop(0)
             spec = await enabled_spec(name)
             if spec is None:  # disabled or removed since the alias was read
@@ -186,6 +203,14 @@ class Routed:
             if spec.kind != self.kind:
                 raise BadRequest(f"The model '{self.alias}' is a {spec.kind.value} model.",
                                  code="wrong_model_kind", param="model")
+            if not self.resumable(spec):
+                self.skipped[name] = "cannot_continue"
+                continue
+            if self.failed:
+                pause = backoff_s(len(self.failed), rng=_rng)
+                if pause >= self.left_s():
+                    break
+                await asyncio.sleep(pause)
             scope = telemetry.current_scope()
             if scope is not None:
                 scope.model = spec.name

@@ -1,8 +1,9 @@
 """An admitted call: its queued requests, its admission, and what settles it as its
 events end (quota, breaker, audit event, metrics, the wait span). A call to a model
 alias (streaming/routed.py) moves to its next deployment here when its request fails
-retriably before any text: the failed attempt is settled on its own, the call goes on
-with the next attempt's request and admission."""
+retriably: before any text afresh, after text as a continuation of what was sent (the
+caller's events go on in sequence, nothing repeated); the failed attempt is settled on
+its own, the call goes on with the next attempt's request and admission."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from redis.exceptions import RedisError
 from governance import metrics
 from governance.admission import Admission
 from inference.client import RequestHandle
-from inference.jobs import ErrorEvent, Event, FinalEvent
+from inference.jobs import Continuation, DeltaEvent, ErrorEvent, Event, FinalEvent
 from inference.spec import DeploymentSpec
 from sluice import telemetry
 from streaming import choices, replay
@@ -92,6 +93,9 @@ class Submitted:
                                     {"sluice.request_id": self.handle.rid})
         first: float | None = None
         merged = choices.merged(self.handles) if self.more else None
+        # A routed call's reply so far: what a continuation on its next deployment
+        # resumes after (routed.py).
+        sent = _Sent() if self.routed is not None and merged is None else None
         try:
             while True:
                 retried = False
@@ -103,9 +107,8 @@ class Submitted:
                 async with contextlib.aclosing(events):
                     async for event in events:
                         if event["t"] == "done" or event["t"] == "error":
-                            if event["t"] == "error" and first is None and merged is None \
-                                    and self.routed is not None \
-                                    and await self._fall_back(event):
+                            if event["t"] == "error" and sent is not None \
+                                    and await self._fall_back(event, sent):
                                 retried = True
                                 break
                             finals.append(event)
@@ -120,6 +123,8 @@ class Submitted:
                             held.append(event)
                             continue
                         for out in [*(held or ()), event]:
+                            if sent is not None and out["t"] == "delta":
+                                sent.add(out)
                             if out["t"] == "delta":
                                 if first is None:
                                     first = time.perf_counter()
@@ -181,21 +186,38 @@ class Submitted:
         self.admission.request_id = self.handle.rid
         return True
 
-    async def _fall_back(self, failed: ErrorEvent) -> bool:
-        """After this attempt's request failed with `failed`, before any text: when the
-        failure is retriable and the route has a next deployment that admits the call
-        within its deadline, settle this attempt (not audited: the call's audit event
-        lists it) and go on with the next one's request. False: `failed` is the answer."""
+    async def _fall_back(self, failed: ErrorEvent, sent: _Sent) -> bool:
+        """After this attempt's request failed with `failed`: when the failure is
+        retriable and the route has a next deployment that admits the call within its
+        deadline, settle this attempt (not audited: the call's audit event lists it) and
+        go on with the next one's request; after text was `sent`, as its continuation
+        (routed.py: deployments that can continue it only; never after a tool call's
+        pieces). False: `failed` is the answer."""
         routed = self.routed
-        if routed is None or self.handle.replayed or not retriable_failure(failed):
+        if routed is None or self.handle.replayed or not retriable_failure(failed) \
+                or sent.tools:
             return False
+        before = routed.resume
+        if sent.deltas:
+            # Billed once: the failed attempt is not (a platform failure); the
+            # continuation's final event bills these tokens as its completion's start
+            # and leaves them out of its prompt (inference/upstream/client.py).
+            routed.resume = Continuation(
+                text="".join(sent.text), seq=sent.next_seq,
+                completion_tokens=failed["usage"]["completion_tokens"] or sent.deltas)
         routed.note(self.spec.name, failed["status"], failed["code"])
         this = routed.failed[-1]
         routed.superseded = self.handle
         attempt = await routed.next()
         if attempt is None:
             routed.failed.remove(this)  # the call's answer: its audit event's own status
+            routed.resume = before
             return False
+        if sent.deltas:
+            routed.continued.append(self.spec.name)
+            attempt.handle.next_seq = sent.next_seq  # its events go on from there
+            for text in self.admission.reply:  # the audit's excerpt: the whole reply
+                attempt.admission.note_reply(text)
         self.admission.finish_now(failed, charge=self.charge, audited=False)
         self.spec, self.handle, self.admission = attempt.spec, attempt.handle, attempt.admission
         self.admission.request_id = self.handle.rid
@@ -239,6 +261,24 @@ class Submitted:
                 self.spec.name, ttft_s=first - self.began if first is not None else None,
                 decode_s=now - first if first is not None else 0.0,
                 prompt_tokens=prompt, completion_tokens=completion)
+
+
+@dataclass
+class _Sent:
+    """What a routed call's caller already got of the reply: its delta events' text,
+    how many, the sequence number the next one takes, whether any carried tool-call
+    pieces (a call cut mid-arguments is not continued)."""
+
+    text: list[str] = field(default_factory=list)
+    deltas: int = 0
+    next_seq: int = 0
+    tools: bool = False
+
+    def add(self, delta: DeltaEvent) -> None:
+        self.text.append(delta["text"])
+        self.deltas += 1
+        self.next_seq = delta["seq"] + 1
+        self.tools = self.tools or bool(delta.get("tools"))
 
 
 def _cancelled(event: FinalEvent) -> bool:

@@ -17,7 +17,8 @@ Requests
   so prefix caches are never shared across tenants), `ignore_eos` (vLLM, SGLang).
   Nothing else of the caller's reaches the upstream: the model is the deployment's,
   the URL the registry's.
-- A continuation (a takeover after a worker died mid-reply) sends the same request
+- A continuation (a takeover after a worker died mid-reply, or a model alias's call
+  moved on after another deployment's upstream died mid-reply) sends the same request
   with the text already streamed as the reply's start, and asks only for the tokens
   still allowed:
   * legacy completions: `prompt` + the text, to /completions (every dialect);
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from secrets import token_hex
 from typing import Any
 
-from inference.jobs import ChatJob, Message, ToolCall, ToolDelta, Usage, usage
+from inference.jobs import ChatJob, Continuation, Message, ToolCall, ToolDelta, Usage, usage
 from inference.spec import Dialect, UpstreamSpec
 from inference.upstream.secrets import cache_salt
 
@@ -49,19 +50,14 @@ _EXTENDED = (Dialect.VLLM, Dialect.SGLANG)  # continue_final_message, ignore_eos
 _MESSAGE_KEYS = frozenset(("role", "content", "name", "tool_call_id", "tool_calls"))
 
 
-@dataclass(frozen=True)
-class Continuation:
-    """What an earlier attempt already streamed for this request: its text, the
-    sequence number the next event takes, and the completion tokens billed for the
-    text (the upstream's count when known, else the number of its delta events)."""
-
-    text: str
-    seq: int
-    completion_tokens: int
-
-
 def can_continue(job: ChatJob, dialect: Dialect) -> bool:
-    return job.prompt is not None or dialect in _EXTENDED
+    return continues(dialect, prompt_only=job.prompt is not None)
+
+
+def continues(dialect: Dialect, *, prompt_only: bool) -> bool:
+    """Whether an upstream of `dialect` can continue a cut-off reply: a legacy
+    completion's (`prompt_only`) everywhere, a chat reply on vLLM and SGLang only."""
+    return prompt_only or dialect in _EXTENDED
 
 
 def path_of(job: ChatJob) -> str:

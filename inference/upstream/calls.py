@@ -19,8 +19,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from inference.jobs import ChatJob, ErrorEvent, Event, usage
-from inference.upstream.body import Continuation
+from inference.jobs import ChatJob, Continuation, ErrorEvent, Event, usage
 from inference.upstream.client import UpstreamClient
 
 logger = logging.getLogger("sluice.upstream")

@@ -45,9 +45,17 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from inference.jobs import ChatJob, DeltaEvent, DoneEvent, ErrorEvent, default_max_tokens, usage
+from inference.jobs import (
+    ChatJob,
+    Continuation,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    default_max_tokens,
+    usage,
+)
 from inference.spec import DeploymentSpec
-from inference.upstream.body import ChunkReader, Continuation, can_continue, path_of, request_body
+from inference.upstream.body import ChunkReader, can_continue, path_of, request_body
 from inference.upstream.network import (
     ConnectFailed,
     NetworkError,

@@ -31,6 +31,9 @@ threads.
   `streamed`): the text of its delta events as a `Continuation` (the client sends
   prompt + text and asks only for what is left), billed one token per delta event; a
   request an earlier delivery finished is only acknowledged (its final re-sent).
+- A job's `resume` (a model alias's call continued after another deployment's
+  upstream died mid-reply: streaming/routed.py) is continued the same way, its events
+  numbered on from its `seq`; a takeover of such a request continues after both.
 - Usage is the upstream's (the client's final event); deadlines reach the client.
 - On Redis errors the worker forgets its local work (the entries stay pending and are
   resumed); on a failure it hands its requests back; on SIGTERM (`stopping`) it lets
@@ -66,10 +69,9 @@ from inference.engine.health import Health
 from inference.engine.intake import Intake
 from inference.engine.output import done_event, error_event
 from inference.engine.writer import Outbox, Writer
-from inference.jobs import ChatJob, Event, JobError
+from inference.jobs import ChatJob, Continuation, Event, JobError
 from inference.runtimes.base import process_memory
 from inference.spec import DeploymentSpec
-from inference.upstream.body import Continuation
 from inference.upstream.calls import Calls
 from inference.upstream.client import UpstreamClient
 
@@ -283,7 +285,7 @@ class UpstreamWorker:
                 raise JobError("a chat job needs messages or a prompt")
         except JobError as exc:
             raise malformed(exc) from None
-        continuation = None
+        continuation = job.resume  # what another deployment streamed (a model alias's)
         if pending.deliveries > 1:
             earlier = self.intake.streamed(pending.req)
             if earlier.final is not None:  # an earlier delivery finished it
@@ -291,9 +293,11 @@ class UpstreamWorker:
                 self.outbox.ack(pending)
                 return
             if earlier.deltas:
+                before = job.resume or Continuation(text="", seq=0, completion_tokens=0)
                 continuation = Continuation(
-                    text="".join(d["text"] for d in earlier.deltas),
-                    seq=earlier.deltas[-1]["seq"] + 1, completion_tokens=len(earlier.deltas))
+                    text=before.text + "".join(d["text"] for d in earlier.deltas),
+                    seq=earlier.deltas[-1]["seq"] + 1,
+                    completion_tokens=before.completion_tokens + len(earlier.deltas))
         rid = pending.req.rid
         self.active[rid] = Running(pending, next_seq=continuation.seq if continuation else 0,
                                    deltas=continuation.completion_tokens if continuation
