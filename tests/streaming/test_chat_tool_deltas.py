@@ -25,12 +25,14 @@ from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
+from tests.streaming.test_aliases_upstream import Front, front  # noqa: F401  (a fixture)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+    "parameters": {"type": "object", "required": ["city", "unit"],
+                   "additionalProperties": False, "properties": {
+                       "city": {"type": "string", "maxLength": 20},
+                       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -43,7 +45,8 @@ def client(live: Live, roomy: str) -> openai.OpenAI:
 
 def joined(chunks: list[Any]) -> dict[int, dict[int, dict[str, Any]]]:
     """Each choice's calls, by index, joined from the chunks' tool-call deltas as an
-    OpenAI client joins them; `pieces` counts each call's argument deltas."""
+    OpenAI client joins them; `first` is the arguments of a call's first delta (its
+    whole arguments for a call that was not streamed), `pieces` counts the others."""
     out: dict[int, dict[int, dict[str, Any]]] = {}
     for chunk in chunks:
         for choice in chunk.choices:
@@ -51,9 +54,9 @@ def joined(chunks: list[Any]) -> dict[int, dict[int, dict[str, Any]]]:
                 calls = out.setdefault(choice.index, {})
                 if delta.index not in calls:
                     assert delta.id and delta.type == "function" and delta.function.name
-                    assert delta.function.arguments == ""
                     calls[delta.index] = {"id": delta.id, "name": delta.function.name,
-                                          "arguments": "", "pieces": 0}
+                                          "first": delta.function.arguments, "pieces": 0,
+                                          "arguments": delta.function.arguments}
                 else:
                     assert delta.id is None and delta.function.name is None
                     calls[delta.index]["arguments"] += delta.function.arguments
@@ -69,7 +72,7 @@ def test_a_calls_arguments_stream_in_pieces_that_join_into_the_unstreamed_reply(
     whole = client.chat.completions.create(**ask)
     chunks = list(client.chat.completions.create(**ask, stream=True))
     [[call]] = [list(calls.values()) for calls in joined(chunks).values()]
-    assert call["pieces"] > 2, "the arguments arrive as the model writes them"
+    assert call["first"] == "" and call["pieces"] > 2, "written, then sent, piece by piece"
     [expected] = whole.choices[0].message.tool_calls or []
     assert (call["name"], call["arguments"]) == (expected.function.name,
                                                  expected.function.arguments)
@@ -121,7 +124,7 @@ def test_n_choices_each_stream_their_own_call(client: openai.OpenAI, roomy: str)
     for choice in whole.choices:
         [streamed] = calls[choice.index].values()
         [expected] = choice.message.tool_calls or []
-        assert streamed["pieces"] > 2
+        assert streamed["first"] == "" and streamed["pieces"] > 2
         assert streamed["arguments"] == expected.function.arguments
     assert calls[0][0]["id"] != calls[1][0]["id"]
 
@@ -211,6 +214,24 @@ def test_grpc_chunks_stream_a_calls_pieces_and_the_last_has_it_whole(
     [call] = chunks[-1].tool_calls
     assert call.id == pieces[0].id
     assert "".join(p.function.arguments for p in pieces) == call.function.arguments
+
+
+@pytest.mark.slow
+def test_pieces_pass_through_an_upstream_sluice(
+        front: Front, roomy: str) -> None:  # noqa: F811
+    """An upstream deployment's worker reads a second Sluice's stream of pieces; the
+    front's stream joins into the call its unstreamed reply has (whether that worker
+    passes the pieces on or sends the call whole with its final event)."""
+    _proc, base = front.upstream_server()
+    front.deployment("up-tiny", base, roomy, max_context=1024)
+    ask: dict[str, Any] = {"model": "up-tiny", "messages": ASK, "tools": [WEATHER],
+                           "tool_choice": FORCED, "temperature": 0.0, "max_tokens": 120}
+    whole = front.caller().chat.completions.create(**ask)
+    [[call]] = [list(c.values()) for c in joined(list(
+        front.caller().chat.completions.create(**ask, stream=True))).values()]
+    [expected] = whole.choices[0].message.tool_calls or []
+    assert (call["name"], call["arguments"]) == ("get_weather", expected.function.arguments)
+    json.loads(call["arguments"])
 
 
 def sse(body: str) -> list[tuple[str, Any]]:
