@@ -250,10 +250,10 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                     parts.append(event["text"])
                 extra: dict[str, Any] = {"logprobs": event["lp"]} if "lp" in event else {}
                 if "tools" in event:
-                    pieces = [c for cs in tools[i].pieces(event["tools"]) for c in cs]
-                    if not (pieces or event["text"] or event.get("lp")):
+                    if pieces := [c for cs in tools[i].pieces(event["tools"]) for c in cs]:
+                        extra["tool_calls"] = pieces
+                    elif not (event["text"] or event.get("lp")):
                         continue
-                    extra["tool_calls"] = pieces
                 await self._send(rid, "chat.delta", index=i, delta=event["text"], **extra)
             elif event["t"] == "error":
                 await events.aclose()  # with n > 1, the other choices are cancelled now
