@@ -69,7 +69,9 @@ def _last_event(front: Front) -> AuditEvent:  # noqa: F811
         audit.drain(settle_s=0.1)
         return AuditEvent.objects.filter(tenant=front.org.tenant, action__in=(
             "chat.completions", "completions")).order_by("-seq").first()
-    return eventually(stored, 20, what="the call's audit event")
+    event = eventually(stored, 20, what="the call's audit event")
+    assert event is not None
+    return event
 
 
 def test_a_streamed_reply_cut_by_its_upstreams_death_goes_on_from_the_next_deployment(
