@@ -6,18 +6,14 @@ upstream is the live Sluice's slow echo, which answers with its prompt."""
 
 from __future__ import annotations
 
-import signal
-from typing import Any
-
 import pytest
 import redis
 from django.conf import settings
 
-from inference.client import InferenceClient
 from inference.jobs import ChatJob, Continuation
 from tests.conftest import Org
-from tests.inference.conftest import ProcessWorkers, Result, run
-from tests.inference.test_upstream_worker import org, upstream_spec  # noqa: F401  (fixture)
+from tests.inference.conftest import ProcessWorkers, run
+from tests.inference.test_upstream_worker import killed_mid_reply, org, upstream_spec  # noqa: F401  (org: a fixture)
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
@@ -34,21 +30,9 @@ def test_a_resumed_job_taken_over_continues_after_both(
     first = process_workers.start(spec)
     process_workers.wait_live(rds, "up", 1)
 
-    async def go(client: InferenceClient) -> Result:
-        handle = await client.submit(spec, tenant="alice", job=ChatJob(
-            prompt=PROMPT, max_tokens=500, resume=CARRIED))
-        handle.next_seq = CARRIED.seq  # as the gateway's continuation does
-        events: list[dict[str, Any]] = []
-        async for event in handle.events():
-            events.append(dict(event))
-            if len(events) == 8:
-                first.send_signal(signal.SIGKILL)  # mid-reply, its entry unacknowledged
-                first.wait()
-                process_workers.start(spec)  # takes the entry over after reclaim
-        return Result("".join(e.get("text", "") for e in events if e["t"] == "delta"),
-                      events)
-
-    result = run(go, settings.REDIS_URL)
+    result = run(killed_mid_reply(process_workers, first, spec, ChatJob(
+        prompt=PROMPT, max_tokens=500, resume=CARRIED), next_seq=CARRIED.seq),
+        settings.REDIS_URL)
     assert result.final["t"] == "done", result.final
     assert [e["seq"] for e in result.events] == \
         list(range(CARRIED.seq, CARRIED.seq + len(result.events)))

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -171,6 +171,27 @@ def test_deadlines_and_malformed_jobs_are_answered(
     assert wrong.final["t"] == "error" and wrong.final["status"] == 400
 
 
+def killed_mid_reply(process_workers: ProcessWorkers, first: subprocess.Popen[Any],
+                     spec: DeploymentSpec, job: ChatJob, *, next_seq: int = 0,
+                     ) -> Callable[[InferenceClient], Awaitable[Result]]:
+    """A call (for `run`) that submits `job`, SIGKILLs the `first` worker serving it
+    after 8 events (its entry unacknowledged) and starts another, which takes it over;
+    its result is every event received."""
+    async def go(client: InferenceClient) -> Result:
+        handle = await client.submit(spec, tenant="alice", job=job)
+        handle.next_seq = next_seq  # as the gateway's continuation does
+        events: list[dict[str, Any]] = []
+        async for event in handle.events():
+            events.append(dict(event))
+            if len(events) == 8:
+                first.send_signal(signal.SIGKILL)
+                first.wait()
+                process_workers.start(spec)  # takes the entry over after reclaim
+        return Result("".join(e.get("text", "") for e in events if e["t"] == "delta"),
+                      events)
+    return go
+
+
 def test_a_takeover_resumes_the_upstream_call_after_what_was_streamed(
         live: Live, org: Org, process_workers: ProcessWorkers,
         monkeypatch: pytest.MonkeyPatch, rds: redis.Redis) -> None:
@@ -180,20 +201,8 @@ def test_a_takeover_resumes_the_upstream_call_after_what_was_streamed(
     first = process_workers.start(spec)  # python -m inference.worker: the dispatch
     process_workers.wait_live(rds, "up", 1)
 
-    async def go(client: InferenceClient) -> Result:
-        handle = await client.submit(spec, tenant="alice", job=ChatJob(prompt=prompt,
-                                                                       max_tokens=500))
-        events: list[dict[str, Any]] = []
-        async for event in handle.events():
-            events.append(dict(event))
-            if len(events) == 8:
-                first.send_signal(signal.SIGKILL)  # mid-reply, its entry unacknowledged
-                first.wait()
-                process_workers.start(spec)  # takes the entry over after reclaim
-        return Result("".join(e.get("text", "") for e in events if e["t"] == "delta"),
-                      events)
-
-    result = run(go, settings.REDIS_URL)
+    result = run(killed_mid_reply(process_workers, first, spec,
+                                  ChatJob(prompt=prompt, max_tokens=500)), settings.REDIS_URL)
     assert result.final["t"] == "done", result.final
     assert [e["seq"] for e in result.events] == list(range(len(result.events)))
     # What the first delivery streamed (S, the prompt's start) is kept; the takeover
