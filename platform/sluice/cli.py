@@ -239,6 +239,7 @@ CLUSTER_PASS_LEAVES_OUT = (
     "tests/sluice/test_deploy_manifests.py", "tests/sluice/test_processes.py",
     "tests/sluice/test_run_command.py", "tests/resilience/test_faults.py",
     "tests/frontend/test_browser.py", "tests/frontend/test_csp_browser.py",
+    "tests/resilience/test_api_fuzz.py", "tests/resilience/test_websocket_fuzz.py",
 )
 
 
