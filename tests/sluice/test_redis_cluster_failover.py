@@ -11,6 +11,7 @@ planned failovers), and the audit chain verifies."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -74,16 +75,32 @@ def masters_with_replicas(cluster: StartedCluster) -> list[tuple[int, int]]:
     return pairs
 
 
+MF_RETRY_S = 8.0  # past Redis's manual failover timeout (5 s), with a margin
+
+
 def fail_over(cluster: StartedCluster, replica: int, timeout_s: float = 90.0) -> float:
     """CLUSTER FAILOVER on `replica`; seconds until it is the master and the cluster is
-    healthy again (every slot served, the old master replicating from it). The bound is
-    generous: on a starved 2-core machine a planned failover took over 30 s once."""
+    healthy again (every slot served, the old master replicating from it). Redis drops
+    a manual failover that does not complete in 5 s (on a starved 2-core machine one
+    never completed): it is asked again every MF_RETRY_S within the bound."""
     began = time.monotonic()
     with redis.Redis(port=replica) as client:
-        client.execute_command("CLUSTER FAILOVER")
+        asked = [0.0]
+
+        def promoted() -> bool:
+            if client.info("replication")["role"] == "master":
+                return cluster_healthy(ports)
+            # A manual failover that does not complete within Redis's own bound
+            # (CLUSTER_MF_TIMEOUT, 5 s: the master did not pause in time or the replica
+            # did not catch up, as on a starved machine) is dropped: ask again.
+            if time.monotonic() - asked[0] > MF_RETRY_S:
+                with contextlib.suppress(redis.ResponseError):  # it became the master
+                    client.execute_command("CLUSTER FAILOVER")
+                asked[0] = time.monotonic()
+            return False
+
         ports = [node.port for node in cluster.nodes]
-        eventually(lambda: client.info("replication")["role"] == "master"
-                   and cluster_healthy(ports), timeout_s, what=f"the failover to {replica}")
+        eventually(promoted, timeout_s, what=f"the failover to {replica}")
     return time.monotonic() - began
 
 
