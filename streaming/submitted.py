@@ -181,9 +181,8 @@ class Submitted:
         await self._free_key()
         self.admission.finish_now(None, charge=False, audited=False)
         fresh = await again()
-        self.spec, self.handle, self.admission = fresh.spec, fresh.handle, fresh.admission
+        self._switch_to(fresh)
         self.idempotency_key = fresh.idempotency_key
-        self.admission.request_id = self.handle.rid
         return True
 
     async def _fall_back(self, failed: ErrorEvent, sent: _Sent) -> bool:
@@ -219,9 +218,13 @@ class Submitted:
             for text in self.admission.reply:  # the audit's excerpt: the whole reply
                 attempt.admission.note_reply(text)
         self.admission.finish_now(failed, charge=self.charge, audited=False)
-        self.spec, self.handle, self.admission = attempt.spec, attempt.handle, attempt.admission
-        self.admission.request_id = self.handle.rid
+        self._switch_to(attempt)
         return True
+
+    def _switch_to(self, other: Submitted) -> None:
+        """Go on with `other`'s request and admission (a fallback's or a fresh run's)."""
+        self.spec, self.handle, self.admission = other.spec, other.handle, other.admission
+        self.admission.request_id = self.handle.rid
 
     def _settle(self, span: Any, final: FinalEvent | None, first: float | None,
                 ended: tuple[float, int], ended_monotonic: float) -> None:

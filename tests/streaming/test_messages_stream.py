@@ -51,14 +51,18 @@ def test_message_start_reports_the_prompts_token_count(live: Live, org: Org) -> 
     assert events[0].type == "message_start"
 
 
+def forced_weather_call(live: Live, org: Org, roomy: str) -> tuple[list[Any], Any]:
+    """The SDK's streamed events and final message of a forced get_weather call."""
+    return streamed(sdk(live, org), model=roomy, max_tokens=120, tools=[WEATHER],
+                    tool_choice={"type": "tool", "name": "get_weather"},
+                    messages=[{"role": "user", "content": "Weather in Oslo?"}])
+
+
 def test_a_tool_only_reply_reports_its_prompt_count_at_start(live: Live, org: Org,
                                                              roomy: str) -> None:
     # given a forced tool call on the tiny model (no text before the call)
-    client = sdk(live, org)
     # when the SDK streams it
-    events, final = streamed(client, model=roomy, max_tokens=120, tools=[WEATHER],
-                             tool_choice={"type": "tool", "name": "get_weather"},
-                             messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    events, final = forced_weather_call(live, org, roomy)
     # then message_start has the real input count too
     [start] = [e for e in events if e.type == "message_start"]
     assert final.stop_reason == "tool_use"
@@ -68,11 +72,8 @@ def test_a_tool_only_reply_reports_its_prompt_count_at_start(live: Live, org: Or
 def test_a_tool_calls_input_streams_in_pieces_that_join_into_it(live: Live, org: Org,
                                                                 roomy: str) -> None:
     # given a forced tool call on the tiny model
-    client = sdk(live, org)
     # when the SDK streams it
-    events, final = streamed(client, model=roomy, max_tokens=120, tools=[WEATHER],
-                             tool_choice={"type": "tool", "name": "get_weather"},
-                             messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    events, final = forced_weather_call(live, org, roomy)
     # then its input came as several input_json_deltas, in one tool_use block
     [use] = [b for b in final.content if b.type == "tool_use"]
     [start] = [e for e in events if e.type == "content_block_start"]
