@@ -71,13 +71,19 @@ async def read_json(headers: dict[str, str], receive: Receive) -> dict[str, Any]
 class KeepAlive:
     """Sends a stream's chunks, and an SSE comment line whenever `interval` passes with
     nothing sent (proxies close a silent stream). One timer per stream, rearmed only
-    when it fires: a chunk costs a time stamp, not a timeout of its own."""
+    when it fires: a chunk costs a time stamp, not a timeout of its own.
+
+    A codec that makes several events of one worker event `add`s them and `flush`es
+    once, so they leave in one write (a write is a system call: the Responses API's
+    first and last token make four events each); what is still queued when the stream
+    ends goes with its last message (`take`)."""
 
     def __init__(self, send: Send, interval: float) -> None:
         self._send, self._interval = send, interval
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._sending = False
+        self._queued: list[bytes] = []
         self._beat: asyncio.Task[None] | None = None
         self._timer = self._loop.call_later(interval, self._due)
 
@@ -90,6 +96,21 @@ class KeepAlive:
         finally:
             self._sending = False
             self._last = self._loop.time()
+
+    def add(self, body: bytes) -> None:
+        """Queue a chunk for the next `flush` (or `take`)."""
+        self._queued.append(body)
+
+    async def flush(self) -> None:
+        """Send the queued chunks as one."""
+        if self._queued:
+            await self.send(self.take())
+
+    def take(self) -> bytes:
+        """The queued chunks, joined, no longer queued."""
+        body = b"".join(self._queued)
+        self._queued.clear()
+        return body
 
     def _due(self) -> None:
         idle = self._loop.time() - self._last

@@ -20,6 +20,7 @@ stream began is an `error` event, and the stream ends without `message_stop`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
@@ -126,9 +127,9 @@ async def stream(sub: Submitted, model: str, send: Send,
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
             *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
         out = KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
-        blocks = _Blocks(out.send)
+        blocks = _Blocks(out.add)  # a worker event's frames leave in one write
         try:
-            await out.send(_sse("message_start", {"type": "message_start", "message": {
+            out.add(_sse("message_start", {"type": "message_start", "message": {
                 "id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
                 "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": _prompt_tokens(first), "output_tokens": 0}}}))
@@ -136,22 +137,24 @@ async def stream(sub: Submitted, model: str, send: Send,
             while event is not None:
                 if event["t"] == "delta":
                     if event["text"]:
-                        await blocks.text(event["text"])
+                        blocks.text(event["text"])
                     if "tools" in event:
-                        await blocks.tools(event["tools"])
+                        blocks.tools(event["tools"])
+                    await out.flush()
                 elif event["t"] == "error":
-                    await out.send(_sse("error", error_body(error_from_event(event))))
+                    out.add(_sse("error", error_body(error_from_event(event))))
                     break
                 elif event["t"] == "done":
-                    await blocks.finish(event)
+                    blocks.finish(event)
                 event = await anext(events, None)
         finally:
             await out.close()
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    await send({"type": "http.response.body", "body": out.take(), "more_body": False})
 
 
 class _Blocks:
-    """The content blocks of one streamed message, in order."""
+    """The content blocks of one streamed message, in order, each event's frame given
+    to `write`."""
 
     _TEXT_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta",'
                    b'"index":%d,"delta":{"type":"text_delta","text":%s}}\n\n')
@@ -159,73 +162,73 @@ class _Blocks:
     _INPUT_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta",'
                     b'"index":%d,"delta":{"type":"input_json_delta","partial_json":%s}}\n\n')
 
-    def __init__(self, send: Any) -> None:
-        self._send = send
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        self._write = write
         self._count = 0
         self._text_open = False
         self._tool_open = False
         self._streamed: dict[int, str] = {}  # a streamed call's input so far, by index
 
-    async def _start(self, block: dict[str, Any]) -> None:
-        await self._send(_sse("content_block_start", {
+    def _start(self, block: dict[str, Any]) -> None:
+        self._write(_sse("content_block_start", {
             "type": "content_block_start", "index": self._count, "content_block": block}))
         if self._count == 0:
-            await self._send(_sse("ping", {"type": "ping"}))
+            self._write(_sse("ping", {"type": "ping"}))
 
-    async def _stop(self) -> None:
-        await self._send(_sse("content_block_stop",
+    def _stop(self) -> None:
+        self._write(_sse("content_block_stop",
                               {"type": "content_block_stop", "index": self._count}))
         self._count += 1
 
-    async def text(self, text: str) -> None:
+    def text(self, text: str) -> None:
         if not self._text_open:
-            await self._start({"type": "text", "text": ""})
+            self._start({"type": "text", "text": ""})
             self._text_open = True
         # Most of a stream: the event's fixed bytes around the encoded text.
-        await self._send(self._TEXT_DELTA % (self._count, orjson.dumps(text)))
+        self._write(self._TEXT_DELTA % (self._count, orjson.dumps(text)))
 
-    async def _close(self) -> None:
+    def _close(self) -> None:
         if self._text_open or self._tool_open:
-            await self._stop()
+            self._stop()
             self._text_open = self._tool_open = False
 
-    async def _input(self, partial_json: str) -> None:
-        await self._send(self._INPUT_DELTA % (self._count, orjson.dumps(partial_json)))
+    def _input(self, partial_json: str) -> None:
+        self._write(self._INPUT_DELTA % (self._count, orjson.dumps(partial_json)))
 
-    async def tools(self, pieces: list[ToolDelta]) -> None:
+    def tools(self, pieces: list[ToolDelta]) -> None:
         """Pieces of the calls being written: a call's first opens its block."""
         for piece in pieces:
             if "name" in piece:
-                await self._close()
-                await self._start({"type": "tool_use", "id": _tool_id(piece.get("id", "")),
+                self._close()
+                self._start({"type": "tool_use", "id": _tool_id(piece.get("id", "")),
                                    "name": piece["name"], "input": {}})
                 self._tool_open = True
                 self._streamed[piece["index"]] = ""
             if piece["arguments"] and piece["index"] in self._streamed:
                 self._streamed[piece["index"]] += piece["arguments"]
-                await self._input(piece["arguments"])
+                self._input(piece["arguments"])
 
-    async def finish(self, final: DoneEvent) -> None:
+    def finish(self, final: DoneEvent) -> None:
         calls = final.get("tool_calls") or []
         last = len(self._streamed) - 1
         if self._tool_open and 0 <= last < len(calls):
             # The open call's input as the final event has it, if anything is missing.
             whole, sent = calls[last]["arguments"], self._streamed[last]
             if whole.startswith(sent) and len(whole) > len(sent):
-                await self._input(whole[len(sent):])
-        await self._close()
+                self._input(whole[len(sent):])
+        self._close()
         for use in tool_uses(final)[len(self._streamed):]:
-            await self._start({**use, "input": {}})
-            await self._input(orjson.dumps(use["input"]).decode())
-            await self._stop()
+            self._start({**use, "input": {}})
+            self._input(orjson.dumps(use["input"]).decode())
+            self._stop()
         if self._count == 0:
-            await self._send(_sse("ping", {"type": "ping"}))
-        await self._send(_sse("message_delta", {
+            self._write(_sse("ping", {"type": "ping"}))
+        self._write(_sse("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason(final),
                       "stop_sequence": final.get("stop_sequence")},
             "usage": usage(final)}))
-        await self._send(_sse("message_stop", {"type": "message_stop"}))
+        self._write(_sse("message_stop", {"type": "message_stop"}))
 
 
 # -- what the OpenAPI document says the routes answer --------------------------------

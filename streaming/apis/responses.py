@@ -354,14 +354,15 @@ class ResponsesApi(Api):
             out = KeepAlive(ctx.send, settings.SLUICE_SSE_HEARTBEAT_S)
             stream = EventStream(out, head(req, rid), rid)
             try:
-                await stream.start()
+                stream.start()
                 event: Event | None = first
                 while event is not None:
                     if event["t"] == "delta":
                         if event["text"]:
-                            await stream.text(event["text"])
+                            stream.text(event["text"])
                         if "tools" in event:
-                            await stream.calls(event["tools"])
+                            stream.calls(event["tools"])
+                        await out.flush()
                     elif event["t"] == "error":
                         await self._finish(ctx, stream, req, items,
                                            error=error_from_event(event))
@@ -370,15 +371,15 @@ class ResponsesApi(Api):
                     event = await anext(events, None)
             finally:
                 await out.close()
-        await ctx.send({"type": "http.response.body", "body": b"", "more_body": False})
+        await ctx.send({"type": "http.response.body", "body": out.take(), "more_body": False})
 
     async def _finish(self, ctx: Context, stream: EventStream, req: ResponsesRequest,
                       items: list[dict[str, Any]], *, final: DoneEvent | None = None,
                       error: ApiError | None = None) -> None:
-        """The stream's last events: the output closed, the response stored (when asked),
-        then completed / incomplete / failed."""
-        body = await stream.end(final) if final is not None else \
-            await stream.fail(error or BadRequest("The generation failed."))
+        """The stream's last events (queued: they go with its last message): the output
+        closed, the response stored (when asked), then completed / incomplete / failed."""
+        body = stream.end(final) if final is not None else \
+            stream.fail(error or BadRequest("The generation failed."))
         if req.store:
             try:
                 await response_save(actor=ctx.principal, body=body, input_items=items,
@@ -386,7 +387,7 @@ class ResponsesApi(Api):
             except ApiError as exc:  # Redis went away: the caller must not chain
                 body = {**body, "status": "failed", "completed_at": None,
                         "error": {"code": "server_error", "message": exc.message}}
-        await stream.close(body)
+        stream.close(body)
 
 
 register(ResponsesApi())

@@ -90,11 +90,12 @@ def failed(head: dict[str, Any], items: list[dict[str, Any]],
 class EventStream:
     """Encodes one call as the Responses API's events over a started SSE response.
 
-    `start` sends created / in_progress; `text` each delta (opening the message item
-    at the first); `calls` the pieces of calls being written (an item per call, opened
-    at its first); `end` closes the open items, sends the function calls, and returns
-    the final response object, which `close` then sends as completed / incomplete /
-    failed."""
+    `start` adds created / in_progress; `text` each delta (opening the message item at
+    the first); `calls` the pieces of calls being written (an item per call, opened at
+    its first); `end` closes the open items, adds the function calls, and returns the
+    final response object, which `close` then adds as completed / incomplete / failed.
+    Events are queued on `out` (KeepAlive.add): the caller flushes them once per
+    worker event and sends what is left with the stream's last message."""
 
     def __init__(self, out: KeepAlive, head: dict[str, Any], rid: str) -> None:
         self.out, self.head, self.rid = out, head, rid
@@ -111,108 +112,108 @@ class EventStream:
             b'"item_id":"' + self.item_id.encode() + b'","output_index":0,'
             b'"content_index":0,"logprobs":[],"sequence_number":')
 
-    async def emit(self, kind: str, payload: dict[str, Any]) -> None:
+    def emit(self, kind: str, payload: dict[str, Any]) -> None:
         payload = {"type": kind, **payload, "sequence_number": self.seq}
         self.seq += 1
-        await self.out.send(b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps(payload)))
+        self.out.add(b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps(payload)))
 
-    async def start(self) -> None:
+    def start(self) -> None:
         snapshot = {**self.head, "status": "in_progress"}
-        await self.emit("response.created", {"response": snapshot})
-        await self.emit("response.in_progress", {"response": snapshot})
+        self.emit("response.created", {"response": snapshot})
+        self.emit("response.in_progress", {"response": snapshot})
 
-    async def text(self, delta: str) -> None:
+    def text(self, delta: str) -> None:
         if not self.message_open:
-            await self._open_message()
+            self._open_message()
         self.parts.append(delta)
         frame = b"%s%d,\"delta\":%s}\n\n" % (self._delta_head, self.seq, orjson.dumps(delta))
         self.seq += 1
-        await self.out.send(frame)
+        self.out.add(frame)
 
-    async def _open_message(self) -> None:
+    def _open_message(self) -> None:
         self.message_open = True
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        await self.emit("response.output_item.added", {
+        self.emit("response.output_item.added", {
             "output_index": 0, "item": {**message_item(self.item_id, "", "in_progress"),
                                         "content": []}})
-        await self.emit("response.content_part.added", {**where, "part": text_part("")})
+        self.emit("response.content_part.added", {**where, "part": text_part("")})
 
-    async def _close_message(self, status: str) -> None:
+    def _close_message(self, status: str) -> None:
         text = "".join(self.parts)
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        await self.emit("response.output_text.done", {**where, "text": text, "logprobs": []})
-        await self.emit("response.content_part.done", {**where, "part": text_part(text)})
+        self.emit("response.output_text.done", {**where, "text": text, "logprobs": []})
+        self.emit("response.content_part.done", {**where, "part": text_part(text)})
         item = message_item(self.item_id, text, status)
-        await self.emit("response.output_item.done", {"output_index": 0, "item": item})
+        self.emit("response.output_item.done", {"output_index": 0, "item": item})
         self.items.append(item)
         self.message_open = False
 
     def _where(self, k: int) -> dict[str, Any]:
         return {"item_id": f"fc_{self.rid}_{k}", "output_index": len(self.items) + k}
 
-    async def calls(self, pieces: list[ToolDelta]) -> None:
+    def calls(self, pieces: list[ToolDelta]) -> None:
         """Pieces of the calls being written (a reply's calls follow its text, if any)."""
         for piece in pieces:
             k = piece["index"]
             if "name" in piece and k == len(self.streamed):
                 if self.message_open:
-                    await self._close_message("completed")
+                    self._close_message("completed")
                 self.streamed.append((piece, ""))
                 call: ToolCall = {"id": piece.get("id", ""), "name": piece["name"],
                                   "arguments": ""}
-                await self.emit("response.output_item.added", {
+                self.emit("response.output_item.added", {
                     "output_index": self._where(k)["output_index"],
                     "item": call_item(self._where(k)["item_id"], call, "in_progress")})
             if piece["arguments"] and k < len(self.streamed):
                 first, sent = self.streamed[k]
                 self.streamed[k] = (first, sent + piece["arguments"])
-                await self.emit("response.function_call_arguments.delta",
+                self.emit("response.function_call_arguments.delta",
                                 {**self._where(k), "delta": piece["arguments"]})
 
-    async def end(self, final: DoneEvent) -> dict[str, Any]:
+    def end(self, final: DoneEvent) -> dict[str, Any]:
         """Close the call's output after its final event; the response object."""
         calls = final.get("tool_calls") or []
         if self.message_open or not (calls or self.streamed):
             if not self.message_open:
-                await self._open_message()
-            await self._close_message(_status(final))
+                self._open_message()
+            self._close_message(_status(final))
         streamed, self.streamed = self.streamed, []
         for k, call in enumerate(calls):
             index, item_id = len(self.items), f"fc_{self.rid}_{k}"
             where = {"item_id": item_id, "output_index": index}
             sent = streamed[k][1] if k < len(streamed) else None
             if sent is None:
-                await self.emit("response.output_item.added", {
+                self.emit("response.output_item.added", {
                     "output_index": index,
                     "item": call_item(item_id, call, "in_progress", arguments="")})
                 sent = ""
             if len(call["arguments"]) > len(sent) and call["arguments"].startswith(sent):
-                await self.emit("response.function_call_arguments.delta",
+                self.emit("response.function_call_arguments.delta",
                                 {**where, "delta": call["arguments"][len(sent):]})
-            await self.emit("response.function_call_arguments.done",
+            self.emit("response.function_call_arguments.done",
                             {**where, "name": call["name"], "arguments": call["arguments"]})
             item = call_item(item_id, call)
-            await self.emit("response.output_item.done", {"output_index": index, "item": item})
+            self.emit("response.output_item.done", {"output_index": index, "item": item})
             self.items.append(item)
         for first, sent in streamed[len(calls):]:  # cut short (the reply's length)
             call = {"id": first.get("id", ""), "name": first["name"], "arguments": sent}
             item = call_item(f"fc_{self.rid}_{first['index']}", call, "incomplete")
-            await self.emit("response.output_item.done", {"output_index": len(self.items),
+            self.emit("response.output_item.done", {"output_index": len(self.items),
                                                           "item": item})
             self.items.append(item)
         return finished(self.head, self.items, final)
 
-    async def fail(self, error: ApiError) -> dict[str, Any]:
+    def fail(self, error: ApiError) -> dict[str, Any]:
         """The generation failed after it began: the open message ends incomplete; the
         failed response object."""
         if self.message_open:
-            await self._close_message("incomplete")
+            self._close_message("incomplete")
         return failed(self.head, self.items, error)
 
-    async def close(self, body: dict[str, Any]) -> None:
+    def close(self, body: dict[str, Any]) -> None:
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             body["status"], "response.failed")
-        await self.emit(kind, {"response": body})
+        self.emit(kind, {"response": body})
 
 
 # -- the OpenAPI document's description of a response object -------------------------------

@@ -52,17 +52,10 @@ def frames(chunks: list[bytes]) -> list[tuple[str, Any]]:
 
 def anthropic_stream(streamed: list[list[ToolDelta]], end: DoneEvent) -> list[tuple[str, Any]]:
     sent: list[bytes] = []
-
-    async def send(body: bytes) -> None:
-        sent.append(body)
-
-    async def run() -> None:
-        blocks = _Blocks(send)
-        for piece in streamed:
-            await blocks.tools(piece)
-        await blocks.finish(end)
-
-    asyncio.run(run())
+    blocks = _Blocks(sent.append)
+    for piece in streamed:
+        blocks.tools(piece)
+    blocks.finish(end)
     return frames(sent)
 
 
@@ -129,12 +122,14 @@ def responses_stream(streamed: list[list[ToolDelta]], end: DoneEvent
         stream = EventStream(out, {"id": "resp_r1", "object": "response"}, "r1")
         try:
             for piece in streamed:
-                await stream.calls(piece)
-            body = await stream.end(end)
-            await stream.close(body)
+                stream.calls(piece)
+                await out.flush()
+            body = stream.end(end)
+            stream.close(body)
             return body
         finally:
             await out.close()
+            sent.append(out.take())
 
     body = asyncio.run(run())
     return frames(sent), body
