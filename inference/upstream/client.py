@@ -222,7 +222,8 @@ class UpstreamClient:
                     if deadline is not None and time.monotonic() > deadline:
                         raise UpstreamFailure(504, "deadline_exceeded", "The request's "
                                               "deadline passed.", retry=False)
-                    if not (text or lp):
+                    pieces = reader.pieces if job.stream else []
+                    if not (text or lp or pieces):
                         continue
                     deltas += 1
                     if not job.stream:
@@ -232,6 +233,8 @@ class UpstreamClient:
                     event: DeltaEvent = {"t": "delta", "seq": seq, "text": text, "ids": []}
                     if lp:
                         event["lp"] = lp
+                    if pieces:  # tool calls as the upstream writes them
+                        event["tools"] = pieces
                     yield event
                     seq += 1
                 if not finished and reader.finish is None:

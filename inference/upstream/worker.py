@@ -292,6 +292,14 @@ class UpstreamWorker:
                 self.writer.resend(pending.req, earlier.final)
                 self.outbox.ack(pending)
                 return
+            if any("tools" in d for d in earlier.deltas):
+                # A tool call's pieces went out: no upstream continues a call half
+                # written (the gateway does not fall back after them either).
+                cut = RequestError(502, "upstream_cannot_resume", "The reply was cut off "
+                                   "while it called a tool; send the request again.")
+                self.outbox.final(pending, error_event(
+                    cut, seq=earlier.deltas[-1]["seq"] + 1, cost=(0, len(earlier.deltas))))
+                return
             if earlier.deltas:
                 before = job.resume or Continuation(text="", seq=0, completion_tokens=0)
                 continuation = Continuation(

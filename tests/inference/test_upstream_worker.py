@@ -268,3 +268,30 @@ def test_a_request_an_earlier_delivery_finished_is_only_acknowledged(
     assert not live.workers["echo"].admitted, "the upstream was called"
     eventually(lambda: not rds.xpending(q.stream_key("up", q.stream_suffix("alice", 0)),
                                          q.GROUP)["pending"], 5, what="the acknowledgement")
+
+
+def test_a_takeover_after_a_tool_calls_pieces_fails_retriably_without_a_call(
+        live: Live, org: Org, upstream_worker: Callable[..., UpstreamWorker],
+        rds: redis.Redis) -> None:
+    """A redelivery after the earlier delivery streamed a tool call's first pieces: no
+    upstream can go on with a call half written, so the request ends in a retriable
+    502 after those events, and the upstream is not called."""
+    spec = upstream_spec(live, org, "echo")
+    client_ = rds
+
+    async def go(client: InferenceClient) -> Result:
+        handle = await client.submit(spec, tenant="alice", job=_user("weather?"))
+        suffix = q.stream_suffix("alice", 0)
+        client_.xreadgroup(q.GROUP, "dead-worker", {q.stream_key("up", suffix): ">"}, count=1)
+        client_.xadd(q.out_key("alice", handle.rid), {"e": '{"t":"delta","seq":0,"text":"",'
+                     '"ids":[],"tools":[{"index":0,"id":"call_1","name":"get_weather",'
+                     '"arguments":""}]}'})
+        upstream_worker(spec, reclaim_after_ms=300)
+        return await collect(handle)
+
+    result = run(go, settings.REDIS_URL)
+    final = result.final
+    assert final["t"] == "error" and final["seq"] == 1, final
+    assert (final["status"], final["code"], final.get("retry", True)) == (
+        502, "upstream_cannot_resume", True)
+    assert not live.workers["echo"].admitted, "the upstream was called"

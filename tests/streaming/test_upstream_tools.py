@@ -9,6 +9,7 @@ twice: a tool result's "[result of ...]" prefix again, the description missing).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
@@ -79,3 +80,22 @@ def test_anthropic_tool_use_and_results_reach_an_upstream_natively(
                 {"type": "text", "text": "And in Bergen?"}]}])
     # then the upstream saw the chat API's tool messages and the tool's description
     assert reply.usage.input_tokens == _direct_count(front, base, roomy)
+
+
+def test_a_streamed_tool_call_from_an_upstream_arrives_in_pieces(
+        front: Front, roomy: str) -> None:  # noqa: F811
+    # given an upstream deployment of a second Sluice's tiny model, which streams the
+    # arguments of the calls it makes as they are written
+    _proc, base = front.upstream_server()
+    front.deployment("up-tiny", base, roomy, max_context=1024)
+    # when a streamed call through the front must call the tool
+    stream = front.caller().chat.completions.create(
+        model="up-tiny", messages=CONVERSATION[:1], tools=TOOLS, tool_choice="required",
+        max_tokens=100, stream=True)
+    pieces = [call.function.arguments for chunk in stream for choice in chunk.choices
+              for call in choice.delta.tool_calls or []
+              if call.function is not None and call.function.arguments]
+    # then the arguments came in pieces, as the upstream wrote them, and they join into
+    # the call's whole arguments
+    assert len(pieces) > 2, pieces
+    assert isinstance(json.loads("".join(pieces))["city"], str)
