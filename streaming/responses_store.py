@@ -24,11 +24,13 @@ is only in Redis (as the audit stream's events and the queue's jobs are).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
+from django.db import connection
 from django.db.models import QuerySet
 from django.utils import timezone
 from redis.exceptions import RedisError
@@ -53,11 +55,20 @@ _COLUMNS = ("id", "object", "created_at", "status", "model", "output", "usage",
             "previous_response_id", "store")
 
 
-def _scoped(actor: Principal) -> QuerySet[StoredResponse]:
-    """The responses the actor may read, within the tenant's retention."""
+class _Scope(NamedTuple):
+    """What an actor may read: `rows`, the responses in the database it may read;
+    `cutoff`, the tenant's retention (older ones are gone)."""
+
+    actor: Principal
+    rows: QuerySet[StoredResponse]
+    cutoff: datetime
+
+
+def _scoped(actor: Principal) -> _Scope:
+    cutoff = policy_of(actor.tenant_id).cutoff()
     found = owned(actor, StoredResponse.objects.all(),
                   manage_all=Action.CONVERSATION_MANAGE_ALL, manage_own=Action.MODEL_USE)
-    return found.filter(created_at__gte=policy_of(actor.tenant_id).cutoff())
+    return _Scope(actor, found.filter(created_at__gte=cutoff), cutoff)
 
 
 def _missing(param: str | None = None) -> NotFound:
@@ -67,27 +78,70 @@ def _missing(param: str | None = None) -> NotFound:
     return NotFound("No such response.", code="response_not_found")
 
 
-def _find(actor: Principal, scoped: QuerySet[StoredResponse],
-          response_id: str) -> StoredResponse | None:
-    """The response if the actor may read it (`scoped`: `_scoped(actor)`): its copy in
-    Redis (not written yet) under the same rules as the rows, else its row."""
-    if not RESPONSE_ID.match(response_id):
-        return None
+def _copied(scope: _Scope, response_id: str) -> tuple[bool, StoredResponse | None]:
+    """Whether Redis holds a copy of the response (not written to the database yet), and
+    the copy if the scope's actor may read it (the same rules as the scope's rows)."""
+    actor = scope.actor
     try:
         copy = responses_copy.read(actor.tenant_id, response_id)
     except RedisError:
         raise queue_unavailable() from None
-    if copy is not None:
-        mine = (actor.can(Action.CONVERSATION_MANAGE_ALL)
-                or copy.created_by == actor.subject)
-        if not mine or copy.created_at < policy_of(actor.tenant_id).cutoff():
-            return None
-        return StoredResponse(**copy._asdict())
-    return scoped.filter(public_id=response_id).first()
+    if copy is None:
+        return False, None
+    mine = actor.can(Action.CONVERSATION_MANAGE_ALL) or copy.created_by == actor.subject
+    if not mine or copy.created_at < scope.cutoff:
+        return True, None
+    return True, StoredResponse(**copy._asdict())
+
+
+def _find(scope: _Scope, response_id: str) -> StoredResponse | None:
+    """The response if the scope's actor may read it: its copy in Redis (not written
+    yet), else its row."""
+    if not RESPONSE_ID.match(response_id):
+        return None
+    there, copy = _copied(scope, response_id)
+    return copy if there else scope.rows.filter(public_id=response_id).first()
+
+
+# The ids of a chain as the database has it, newest first: the row `public_id`, then
+# each row its `previous_response_id` names, while there is one (the tenant's, whoever
+# created it), at most `depth` + 1.
+_CHAIN_SQL = """
+WITH RECURSIVE chain(public_id, previous_response_id, depth) AS (
+    SELECT public_id, previous_response_id, 0 FROM {table}
+    WHERE tenant_id = %s AND public_id = %s
+  UNION ALL
+    SELECT r.public_id, r.previous_response_id, c.depth + 1 FROM {table} r
+    JOIN chain c ON r.public_id = c.previous_response_id
+    WHERE r.tenant_id = %s AND c.depth < %s
+)
+SELECT public_id FROM chain ORDER BY depth
+"""
+
+
+def _links(scope: _Scope, response_id: str, limit: int) -> tuple[list[StoredResponse], bool]:
+    """The responses the scope's actor may read from `response_id` back along its chain, newest
+    first, as far as one look finds them: its copy in Redis, else the rows of the
+    database's part of the chain (two queries, however long), at most `limit`; and
+    whether the chain may go on past the last (its previous link is elsewhere: in
+    Redis, or past `limit`), False when a link is missing or unreadable."""
+    if not RESPONSE_ID.match(response_id):
+        return [], False
+    there, copy = _copied(scope, response_id)
+    if there:
+        return ([copy], True) if copy is not None else ([], False)
+    tenant_id = scope.actor.tenant_id
+    with connection.cursor() as cursor:
+        cursor.execute(_CHAIN_SQL.format(table=StoredResponse._meta.db_table),
+                       [tenant_id, response_id, tenant_id, limit - 1])
+        ids = [public_id for (public_id,) in cursor.fetchall()]
+    rows = {row.public_id: row for row in scope.rows.filter(public_id__in=ids)}
+    found = [rows[i] for i in itertools.takewhile(rows.__contains__, ids)]
+    return found, bool(ids) and len(found) == len(ids)
 
 
 def response_get(*, actor: Principal, response_id: str) -> StoredResponse:
-    found = _find(actor, _scoped(actor), response_id)
+    found = _find(_scoped(actor), response_id)
     if found is None:
         raise _missing()
     return found
@@ -112,7 +166,7 @@ def response_delete(*, actor: Principal, response_id: str) -> str:
     idempotent retry's), also when nothing is stored yet (NotFound all the same): the
     deletion is recorded first (streaming/responses_copy.py `forget`), then the row
     deleted."""
-    scoped = _scoped(actor)  # the rights first: a refused caller records nothing
+    scoped = _scoped(actor).rows  # the rights first: a refused caller records nothing
     if RESPONSE_ID.match(response_id):
         found = scoped.filter(public_id=response_id).exists()
         try:
@@ -130,17 +184,16 @@ def response_delete(*, actor: Principal, response_id: str) -> str:
 def response_context(*, actor: Principal, response_id: str) -> list[dict[str, Any]]:
     """The items a call continuing `response_id` starts from: every response of its chain,
     oldest first, each its input then its output. NotFound (naming
-    previous_response_id) unless the actor may read `response_id` itself."""
-    scoped = _scoped(actor)
-    row = _find(actor, scoped, response_id)
-    if row is None:
+    previous_response_id) unless the actor may read `response_id` itself. A few round
+    trips however long the chain: one per stretch of it in Redis or in the database."""
+    scope = _scoped(actor)
+    chain, goes_on = _links(scope, response_id, MAX_CHAIN)
+    if not chain:
         raise _missing("previous_response_id")
-    chain = [row]
-    while chain[-1].previous_response_id and len(chain) < MAX_CHAIN:
-        before = _find(actor, scoped, chain[-1].previous_response_id)
-        if before is None:
-            break
-        chain.append(before)
+    while goes_on and chain[-1].previous_response_id and len(chain) < MAX_CHAIN:
+        before, goes_on = _links(scope, chain[-1].previous_response_id,
+                                 MAX_CHAIN - len(chain))
+        chain += before
     return [item for r in reversed(chain) for item in (*r.input_items, *r.output_items)]
 
 

@@ -5,7 +5,9 @@ stream in one transaction, loses nothing when a writer dies before its commit, a
 row the database refuses without holding up the rest; an id stored again stores
 nothing; a DELETE wins over a save it races (in Redis, at the writer's INSERT, during a
 stream, before an idempotent retry), and only its creator's or an admin's does; what
-Redis and the database keep is redacted."""
+Redis and the database keep is redacted; a `previous_response_id` chain is read in a
+few queries however long, across Redis and the database, and ends at a link its reader
+may not read."""
 
 from __future__ import annotations
 
@@ -21,13 +23,20 @@ import psycopg
 import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from sluice import streamwriter
 from sluice.errors import NotFound, PermissionDenied
 from sluice.redis import Coalescer, async_redis, sync_redis
-from streaming import responses_writer
+from streaming import responses_store, responses_writer
 from streaming.responses_copy import STREAM, copy_key
-from streaming.responses_store import response_delete, response_get, response_save
+from streaming.responses_store import (
+    response_context,
+    response_create,
+    response_delete,
+    response_get,
+    response_save,
+)
 from tenants.models import Member
 from tenants.principal import Principal
 from tenants.roles import Role
@@ -396,3 +405,70 @@ def test_saves_are_refused_not_trimmed_while_the_writer_cannot_keep_up(
     responses_writer.drain()
     assert eventually(lambda: refused() is None, timeout=10)
     assert all(stored_elsewhere(rid) for rid in kept)
+
+
+# -- a previous_response_id's chain -------------------------------------------------------
+def chained(actor: Principal, n: int, *, after: str | None = None, first: int = 0,
+            in_redis: bool = False) -> list[str]:
+    """`n` responses, each continuing the one before (the first `after`), created in the
+    database or only saved to Redis; the k-th says `q<first + k>` and answers
+    `a<first + k>`. Their ids, oldest first."""
+    ids: list[str] = []
+    for k in range(first, first + n):
+        made = {**body(text=f"a{k}"), "previous_response_id": ids[-1] if ids else after}
+        items = [{"type": "message", "role": "user", "content": f"q{k}"}]
+        if in_redis:
+            save(actor, made, items=items)
+        else:
+            response_create(actor=actor, body=made, input_items=items)
+        ids.append(made["id"])
+    return ids
+
+
+def said(items: list[dict[str, Any]]) -> list[str]:
+    """The text of each input and output item of a context, in order."""
+    return [i["content"] if isinstance(i["content"], str) else i["content"][0]["text"]
+            for i in items]
+
+
+def test_a_chain_is_read_in_a_few_queries_however_long(org: Org) -> None:
+    dev = dev_of(org)
+    short = chained(dev, 2)
+    # Given a chain of 40 in the database whose newest two are still only in Redis
+    written = chained(dev, 38)
+    newest = chained(dev, 2, after=written[-1], first=38, in_redis=True)
+    # When a call continues each
+    with CaptureQueriesContext(connection) as few:
+        response_context(actor=dev, response_id=short[-1])
+    with CaptureQueriesContext(connection) as many:
+        context = response_context(actor=dev, response_id=newest[-1])
+    # Then the long chain cost the queries of the short one, and it came whole, in order
+    assert len(many) == len(few) <= 4, [q["sql"] for q in many]
+    assert said(context) == [t for k in range(40) for t in (f"q{k}", f"a{k}")]
+
+
+def test_a_chain_ends_at_a_link_its_reader_may_not_read(org: Org) -> None:
+    dev, admin = dev_of(org), principal_for(org.members[Role.TENANT_ADMIN])
+    # Given the admin's chain of 3, then the developer's 3 continuing it
+    theirs = chained(admin, 3)
+    mine = chained(dev, 3, after=theirs[-1])
+    # Then the developer's context stops at the admin's response; the admin, who may
+    # read every member's, gets the whole chain
+    assert said(response_context(actor=dev, response_id=mine[-1])) == [
+        "q0", "a0", "q1", "a1", "q2", "a2"]
+    assert len(response_context(actor=admin, response_id=mine[-1])) == 12
+    # and a deleted link ends it there, in the database and in Redis alike
+    response_delete(actor=dev, response_id=mine[1])
+    assert said(response_context(actor=dev, response_id=mine[-1])) == ["q2", "a2"]
+    copies = chained(dev, 3, after=mine[-1], in_redis=True)
+    response_delete(actor=dev, response_id=copies[0])
+    assert len(response_context(actor=dev, response_id=copies[-1])) == 4
+
+
+def test_a_chain_is_followed_back_max_chain_responses_at_most(
+        org: Org, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = dev_of(org)
+    ids = chained(dev, 12)
+    monkeypatch.setattr(responses_store, "MAX_CHAIN", 5)
+    assert said(response_context(actor=dev, response_id=ids[-1]))[::2] == [
+        f"q{k}" for k in range(7, 12)]
