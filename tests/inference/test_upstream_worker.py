@@ -242,21 +242,25 @@ def test_the_autoscaler_starts_upstream_workers(live: Live, org: Org,
                what="the upstream worker to stop with the autoscaler")
 
 
+def died_after(rds: redis.Redis, rid: str, event: str) -> None:
+    """Alice's one queued request `rid` on "up" as a delivery left it that died after
+    writing `event` (encoded) to its stream: read by a dead worker, never acknowledged."""
+    suffix = q.stream_suffix("alice", 0)
+    rds.xreadgroup(q.GROUP, "dead-worker", {q.stream_key("up", suffix): ">"}, count=1)
+    rds.xadd(q.out_key("alice", rid), {"e": event})
+
+
 def test_a_request_an_earlier_delivery_finished_is_only_acknowledged(
         live: Live, org: Org, upstream_worker: Callable[..., UpstreamWorker],
         rds: redis.Redis) -> None:
     """A redelivery after the final was written (a worker that died between writing the
     final and acknowledging): the worker re-sends that final, calls nobody."""
     spec = upstream_spec(live, org, "echo")
-    client_ = rds
 
     async def go(client: InferenceClient) -> Result:
         handle = await client.submit(spec, tenant="alice", job=_user("once"))
-        # A delivery that died after its final: read, final written, never acknowledged.
-        suffix = q.stream_suffix("alice", 0)
-        client_.xreadgroup(q.GROUP, "dead-worker", {q.stream_key("up", suffix): ">"}, count=1)
-        client_.xadd(q.out_key("alice", handle.rid), {"e": '{"t":"done","seq":0,'
-                     '"finish":"stop","usage":{"prompt_tokens":1,"completion_tokens":0}}'})
+        died_after(rds, handle.rid, '{"t":"done","seq":0,"finish":"stop",'
+                   '"usage":{"prompt_tokens":1,"completion_tokens":0}}')
         worker = upstream_worker(spec, reclaim_after_ms=300)
         result = await collect(handle)
         assert handle.rid in [rid for batch in worker.admitted for rid in batch]
@@ -277,15 +281,11 @@ def test_a_takeover_after_a_tool_calls_pieces_fails_retriably_without_a_call(
     upstream can go on with a call half written, so the request ends in a retriable
     502 after those events, and the upstream is not called."""
     spec = upstream_spec(live, org, "echo")
-    client_ = rds
 
     async def go(client: InferenceClient) -> Result:
         handle = await client.submit(spec, tenant="alice", job=_user("weather?"))
-        suffix = q.stream_suffix("alice", 0)
-        client_.xreadgroup(q.GROUP, "dead-worker", {q.stream_key("up", suffix): ">"}, count=1)
-        client_.xadd(q.out_key("alice", handle.rid), {"e": '{"t":"delta","seq":0,"text":"",'
-                     '"ids":[],"tools":[{"index":0,"id":"call_1","name":"get_weather",'
-                     '"arguments":""}]}'})
+        died_after(rds, handle.rid, '{"t":"delta","seq":0,"text":"","ids":[],"tools":'
+                   '[{"index":0,"id":"call_1","name":"get_weather","arguments":""}]}')
         upstream_worker(spec, reclaim_after_ms=300)
         return await collect(handle)
 
