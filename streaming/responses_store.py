@@ -208,6 +208,9 @@ def _stored(clean: Redactor) -> Redactor:
 
 
 _OURS = frozenset({"id", "type", "role", "status"})  # an item's and a content part's
+# The response object's free text of the caller's besides its items and metadata (an
+# identifier may be an e-mail address).
+_CALLERS_TEXT = ("instructions", "user", "prompt_cache_key", "safety_identifier")
 
 
 def _clean_fields(value: Any, clean: Redactor) -> Any:
@@ -243,8 +246,9 @@ def _row(actor: Principal, body: dict[str, Any], input_items: list[dict[str, Any
     clean = _stored(clean)
     details = redact_json({k: v for k, v in body.items() if k not in _COLUMNS}, _no_nul,
                           keys=True)
-    details["instructions"] = (clean(details["instructions"])
-                               if isinstance(details.get("instructions"), str) else None)
+    for key in _CALLERS_TEXT:
+        if isinstance(details.get(key), str):
+            details[key] = clean(details[key])
     details["metadata"] = redact_json(details.get("metadata") or {}, clean, keys=True)
     created = body.get("created_at")
     return Row(

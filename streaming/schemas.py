@@ -67,7 +67,25 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Strict):
+# A reasoning model's effort (chat's `reasoning_effort`, Responses' `reasoning.effort`).
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+Verbosity = Literal["low", "medium", "high"]
+
+
+class ClientHints(_Strict):
+    """Parameters of OpenAI's APIs that steer OpenAI's own service and that clients send
+    as a matter of course (Codex CLI sends `prompt_cache_key` with every call): accepted
+    and checked, without effect here. The engine's prefix cache needs no key, there is
+    one service tier (a reply says "default"), and the caller's identity for abuse
+    monitoring is the API key's tenant and member."""
+
+    prompt_cache_key: Annotated[str, StringConstraints(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
+    safety_identifier: Annotated[str, StringConstraints(max_length=256)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+
+
+class ChatCompletionRequest(ClientHints):
     model: ModelName
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -95,6 +113,11 @@ class ChatCompletionRequest(_Strict):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # Hints for reasoning models (none here): accepted without effect.
+    reasoning_effort: Effort | None = None
+    verbosity: Verbosity | None = None
+    # OpenAI keeps a completion for its evals when asked; Sluice keeps none: only "no".
+    store: Literal[False] | None = None
     # Sluice extension (also the X-Sluice-Conversation-Id header): server-side history.
     conversation_id: ConversationId | None = None
     # Sluice extension: with conversation_id and stream, resume that conversation's

@@ -36,7 +36,7 @@ from streaming.apis.responses_stream import EventStream, finished, output
 from streaming.gateway import error_from_event
 from streaming.httpio import KeepAlive, send_json
 from streaming.responses_store import response_context, response_save
-from streaming.schemas import ChatCompletionRequest, ModelName
+from streaming.schemas import ChatCompletionRequest, ClientHints, Effort, ModelName, Verbosity
 from streaming.submitted import Submitted
 
 MAX_ITEMS = 4096
@@ -77,13 +77,23 @@ class ResponsesTextFormat(_Strict):
 
 class ResponsesText(_Strict):
     format: ResponsesTextFormat | None = None
+    verbosity: Verbosity | None = None  # a hint for reasoning models: no effect here
+
+
+class ResponsesReasoning(_Strict):
+    """A reasoning model's effort and summaries: no model here reasons, so accepted
+    without effect (a reply has no reasoning items)."""
+
+    effort: Effort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # older name
 
 
 class ResponsesStreamOptions(_Strict):
     include_obfuscation: bool | None = None  # nothing here is obfuscated either way
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(ClientHints):
     model: ModelName
     input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
     instructions: str | None = None
@@ -101,10 +111,19 @@ class ResponsesRequest(_Strict):
     previous_response_id: Annotated[str, StringConstraints(max_length=64)] | None = None
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
-    # Extra output to include: none is offered (no logprobs, no reasoning here).
-    include: Annotated[list[str], Field(max_length=0)] | None = None
+    # Extra output to include: a reply has no reasoning items to carry encrypted
+    # content (what Codex asks for), and no other extra is offered (no logprobs).
+    include: Annotated[list[Literal["reasoning.encrypted_content"]],
+                       Field(max_length=8)] | None = None
     truncation: Literal["disabled"] | None = None
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
+    reasoning: ResponsesReasoning | None = None
+    # Bounds calls of OpenAI's built-in tools; there are none here.
+    max_tool_calls: Annotated[int, Field(ge=1, le=1024)] | None = None
+    # What Codex CLI says about itself (its installation, its window): not kept.
+    client_metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                                    Annotated[str, StringConstraints(max_length=512)]],
+                               Field(max_length=16)] | None = None
 
 
 # -- input items -------------------------------------------------------------------------
@@ -285,10 +304,15 @@ def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
         "model": req.model, "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None}, "store": req.store,
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                      "summary": None},
+        "store": req.store, "service_tier": "default",
+        "prompt_cache_key": req.prompt_cache_key, "safety_identifier": req.safety_identifier,
+        "max_tool_calls": req.max_tool_calls,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt
-                 else {"type": "text"}},
+                 else {"type": "text"},
+                 "verbosity": req.text.verbosity if req.text else None},
         "tool_choice": choice.model_dump() if isinstance(choice, BaseModel)
         else choice or "auto",
         "tools": [t.model_dump() for t in req.tools or []],

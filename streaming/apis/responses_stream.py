@@ -275,3 +275,7 @@ class ResponseObject(BaseModel):
     user: str | None
     background: bool
     reasoning: dict[str, Any]
+    service_tier: Literal["default"]
+    prompt_cache_key: str | None
+    safety_identifier: str | None
+    max_tool_calls: int | None

@@ -191,8 +191,8 @@ def test_the_writer_writes_a_busy_stream_in_one_transaction(org: Org) -> None:
     rids = [f"resp_{token_hex(12)}" for _ in range(40)]
     save(dev, *(body(rid, text=rid) for rid in rids))
     # When the writer runs, Then they are written in one transaction
-    assert responses_writer.drain() == 40
-    assert len(xmins(rids)) == 1
+    written = responses_writer.drain()
+    assert (written, len(xmins(rids))) == (40, 1), sync_redis().xinfo_groups(STREAM)
     for rid in rids:
         assert response_get(actor=dev, response_id=rid).output_items[0]["content"][0][
             "text"] == rid
@@ -359,8 +359,10 @@ def test_every_field_of_the_callers_is_redacted_before_the_write(org: Org) -> No
         {"id": "fco_1", "type": "function_call_output", "status": "completed",
          "call_id": ssn, "output": f"found {ssn}"},
     ]
-    # When they are saved
-    save(dev_of(org), body(rid, text=ssn), items=items)
+    # When they are saved, with a response object whose caller's text holds it too
+    caller = {"instructions": f"Help {ssn}", "user": ssn, "prompt_cache_key": ssn,
+              "safety_identifier": ssn, "metadata": {"who": ssn}}
+    save(dev_of(org), {**body(rid, text=ssn), **caller}, items=items)
     # Then Redis's copy holds none of it raw, nor, once written, the row
     raw = sync_redis().hgetall(copy_key(org.tenant.pk, rid))
     assert raw and all(ssn.encode() not in v for v in raw.values())
@@ -368,9 +370,11 @@ def test_every_field_of_the_callers_is_redacted_before_the_write(org: Org) -> No
     assert all(ssn.encode() not in fields[b"row"] for _, fields in sync_redis().xrange(STREAM))
     responses_writer.drain()
     with other_connection() as other:
-        row = other.execute("SELECT input_items::text, output_items::text FROM "
-                            "streaming_storedresponse WHERE public_id = %s", [rid]).fetchone()
-    assert row is not None and ssn not in row[0] + row[1]
+        row = other.execute("SELECT input_items::text, output_items::text, details::text "
+                            "FROM streaming_storedresponse WHERE public_id = %s",
+                            [rid]).fetchone()
+    assert row is not None and ssn not in row[0] + row[1] + row[2]
+    assert row[2].count("[SSN]") == len(caller)
     stored = response_get(actor=dev_of(org), response_id=rid).input_items
     assert [(i["id"], i["type"]) for i in stored] == [(i["id"], i["type"]) for i in items]
     assert stored[1]["name"] == stored[1]["call_id"] == "[SSN]"
