@@ -9,9 +9,9 @@ blocks `tool` messages, which the gateway writes for the model as it writes chat
 `tool_choice` auto / any (required) / tool (named) / none, with
 `disable_parallel_tool_use`; `output_config.format` (a JSON schema) the response format;
 `stop_sequences` stop; `metadata.user_id` the user. What the engine cannot do is refused
-by name (`top_k`, `thinking`, image and document blocks); `cache_control` hints,
+by name (`top_k`, image and document blocks); `cache_control` hints, `thinking`,
 `output_config.effort` and `service_tier` are accepted without effect (no prompt cache,
-one tier, one effort here).
+no model that thinks, one tier, one effort here).
 
 Authentication: `x-api-key` (Anthropic's header) or `Authorization: Bearer`; any
 `anthropic-version` is accepted. Every error, also those raised before `serve` runs
@@ -124,6 +124,16 @@ class AnthropicOutputConfig(_Strict):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # no effect
 
 
+class AnthropicThinking(BaseModel):
+    """Extended or adaptive thinking. No model here thinks: accepted without effect (a
+    reply has no thinking blocks): recent Claude Code versions send adaptive thinking
+    by default, whatever the model. Fields Anthropic may add to this hint are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["enabled", "disabled", "adaptive"] | None = None
+    budget_tokens: Annotated[int, Field(ge=0, le=10_000_000)] | None = None
+
+
 class AnthropicCountTokensRequest(_Strict):
     model: Annotated[Line, StringConstraints(min_length=1, max_length=200)]
     messages: Annotated[list[AnthropicMessageParam], Field(min_length=1, max_length=4096)]
@@ -132,8 +142,7 @@ class AnthropicCountTokensRequest(_Strict):
     tool_choice: AnthropicToolChoice | None = None
     output_config: AnthropicOutputConfig | None = None
     cache_control: CacheControl = None
-    # Refused unless disabled: this engine has no extended thinking.
-    thinking: dict[str, Any] | None = None
+    thinking: AnthropicThinking | None = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
@@ -165,9 +174,6 @@ def parse(model: type[_Request], data: dict[str, Any]) -> _Request:
     if getattr(req, "top_k", None) is not None:
         raise BadRequest("top_k: not supported by this server; use temperature or top_p.",
                          param="top_k", code="unsupported_parameter")
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise BadRequest("thinking: extended thinking is not supported by this server.",
-                         param="thinking", code="unsupported_parameter")
     return req
 
 
@@ -222,7 +228,7 @@ def to_chat(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
         # would only lengthen the tool prompt.
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema, "strict": t.strict,
-            **({"description": t.description[:4096]} if t.description else {})}}
+            **({"description": t.description[:_CHAT_DESCRIPTION_MAX]} if t.description else {})}}
             for t in req.tools]
     fmt = req.output_config.format if req.output_config else None
     if fmt is not None:

@@ -324,3 +324,49 @@ def test_calls_and_counts_are_audited_as_messages(live: Live, org: Org,
     while (found := events()) != [("messages", 200, 7), ("messages", 400, 0),
                                   ("messages.count_tokens", 200, 7)]:
         assert time.monotonic() < deadline, found
+
+
+# What Claude Code sends (recent versions: system and turns as blocks with cache_control,
+# adaptive thinking by default, its metadata.user_id, beta headers), for a model that
+# neither caches prompts nor thinks.
+CLAUDE_CODE_BODY: dict[str, Any] = {
+    "model": "echo", "max_tokens": 64, "stream": True,
+    "system": [{"type": "text", "text": "You are Claude Code.",
+                "cache_control": {"type": "ephemeral"}}],
+    "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "list the files", "cache_control": {"type": "ephemeral"}}]}],
+    "thinking": {"type": "adaptive", "budget_tokens": 0},
+    "metadata": {"user_id": "user_3f2a_account_9b_session_c1"},
+    "temperature": 1,
+}
+
+
+def test_claude_codes_request_streams_to_its_end(live: Live, keys: dict[Role, str]) -> None:
+    events = sse_events(live, keys[Role.DEVELOPER], CLAUDE_CODE_BODY)
+    names = [name for name, _ in events]
+    assert names[0] == "message_start" and names[-1] == "message_stop"
+    text = "".join(d["delta"]["text"] for n, d in events
+                   if n == "content_block_delta" and d["delta"]["type"] == "text_delta")
+    assert text == "list the files"
+    assert not [d for n, d in events if n == "content_block_start"
+                and d["content_block"]["type"] != "text"], "a block other than text"
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024},
+                                      {"type": "adaptive"}, {"type": "disabled"},
+                                      {"budget_tokens": 1200}])
+def test_thinking_is_accepted_without_effect(live: Live, keys: dict[Role, str],
+                                             thinking: dict[str, Any]) -> None:
+    reply = sdk(live, keys[Role.DEVELOPER]).messages.create(
+        model="echo", max_tokens=1500, messages=hello("think"),
+        extra_body={"thinking": thinking})
+    assert [(b.type, getattr(b, "text", None)) for b in reply.content] == [("text", "think")]
+
+
+def test_a_thinking_of_another_kind_is_refused_naming_it(live: Live,
+                                                        keys: dict[Role, str]) -> None:
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        sdk(live, keys[Role.DEVELOPER]).messages.create(
+            model="echo", max_tokens=5, messages=hello(),
+            extra_body={"thinking": {"type": "deep", "budget_tokens": -1}})
+    assert error_of(refused)["message"].startswith("thinking.")
