@@ -10,8 +10,11 @@ blocks `tool` messages, which the gateway writes for the model as it writes chat
 `disable_parallel_tool_use`; `output_config.format` (a JSON schema) the response format;
 `stop_sequences` stop; `metadata.user_id` the user. What the engine cannot do is refused
 by name (`top_k`, image and document blocks); `cache_control` hints, `thinking`,
-`output_config.effort` and `service_tier` are accepted without effect (no prompt cache,
-no model that thinks, one tier, one effort here).
+`output_config.effort`, `service_tier` and what Claude Code sends besides
+(`context_management`, `betas`, `diagnostics`) are accepted without effect (no prompt
+cache, no model that thinks, no server-side context editing, one tier, one effort
+here); an earlier reply's thinking blocks and a tool result's `tool_reference` blocks
+are left out of the prompt.
 
 Authentication: `x-api-key` (Anthropic's header) or `Authorization: Bearer`; any
 `anthropic-version` is accepted. Every error, also those raised before `serve` runs
@@ -73,18 +76,42 @@ class AnthropicToolUseBlockParam(_Strict):
     toolset_name: str | None = None
 
 
+class AnthropicToolReferenceBlockParam(BaseModel):
+    """A tool found by Anthropic's tool search, in a tool result (Claude Code sends
+    them): no text for the model, skipped."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["tool_reference"]
+
+
+ToolResultBlock = Annotated[AnthropicTextBlockParam | AnthropicToolReferenceBlockParam,
+                            Field(discriminator="type")]
+
+
 class AnthropicToolResultBlockParam(_Strict):
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,256}$")]
-    content: str | list[AnthropicTextBlockParam] | None = None
+    content: str | list[ToolResultBlock] | None = None
     is_error: bool | None = None
     cache_control: CacheControl = None
     toolset_name: str | None = None
 
 
+class AnthropicThinkingBlockParam(_Strict):
+    """An earlier reply's thinking, as a client sends its history back (one that began
+    with a model that thinks): left out of the prompt, as Anthropic leaves earlier
+    turns' thinking out of the context."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None  # redacted_thinking's
+    cache_control: CacheControl = None
+
+
 ContentBlock = Annotated[
-    AnthropicTextBlockParam | AnthropicToolUseBlockParam | AnthropicToolResultBlockParam,
-    Field(discriminator="type")]
+    AnthropicTextBlockParam | AnthropicToolUseBlockParam | AnthropicToolResultBlockParam
+    | AnthropicThinkingBlockParam, Field(discriminator="type")]
 
 
 class AnthropicMessageParam(_Strict):
@@ -143,6 +170,12 @@ class AnthropicCountTokensRequest(_Strict):
     output_config: AnthropicOutputConfig | None = None
     cache_control: CacheControl = None
     thinking: AnthropicThinking | None = None
+    # What Claude Code sends besides: server-side context editing (none here: a prompt
+    # over the model's context is a 400), beta names, its diagnostics. No effect.
+    context_management: dict[str, Any] | None = None
+    betas: Annotated[list[Annotated[str, StringConstraints(max_length=128)]],
+                     Field(max_length=64)] | None = None
+    diagnostics: dict[str, Any] | None = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
@@ -177,10 +210,12 @@ def parse(model: type[_Request], data: dict[str, Any]) -> _Request:
     return req
 
 
-def _text(content: str | list[AnthropicTextBlockParam] | None) -> str:
+def _text(content: str | list[AnthropicTextBlockParam] | list[ToolResultBlock] | None
+          ) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "\n".join(block.text for block in content)
+    return "\n".join(block.text for block in content
+                     if isinstance(block, AnthropicTextBlockParam))
 
 
 def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
@@ -197,6 +232,8 @@ def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
         for j, block in enumerate(blocks):
             if isinstance(block, AnthropicTextBlockParam):
                 text.append(block.text)
+            elif message.role == "assistant" and isinstance(block, AnthropicThinkingBlockParam):
+                continue
             elif message.role == "assistant" and isinstance(block, AnthropicToolUseBlockParam):
                 calls.append({"id": block.id, "type": "function", "function": {
                     "name": block.name, "arguments": json.dumps(block.input)}})
@@ -210,7 +247,7 @@ def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
             else:
                 where = f"messages.{i}.content.{j}"
                 raise BadRequest(f"{where}: {block.type} blocks belong in "
-                                 f"{'assistant' if block.type == 'tool_use' else 'user'} "
+                                 f"{'user' if block.type == 'tool_result' else 'assistant'} "
                                  "messages.", param=where, code="invalid_request")
         if text or calls or not blocks:
             out.append({"role": message.role, "content": "\n".join(text),

@@ -326,18 +326,30 @@ def test_calls_and_counts_are_audited_as_messages(live: Live, org: Org,
         assert time.monotonic() < deadline, found
 
 
-# What Claude Code sends (recent versions: system and turns as blocks with cache_control,
-# adaptive thinking by default, its metadata.user_id, beta headers), for a model that
-# neither caches prompts nor thinks.
+# What Claude Code sends (2.1 and later: system and turns as blocks with cache_control,
+# its scope too; adaptive thinking by default; context_management, diagnostics and betas
+# in the body; a history whose earlier replies thought and called tools, found by tool
+# search), for a model that neither caches prompts nor thinks.
+CACHED = {"type": "ephemeral", "scope": "global"}
 CLAUDE_CODE_BODY: dict[str, Any] = {
     "model": "echo", "max_tokens": 64, "stream": True,
-    "system": [{"type": "text", "text": "You are Claude Code.",
-                "cache_control": {"type": "ephemeral"}}],
-    "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "list the files", "cache_control": {"type": "ephemeral"}}]}],
+    "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": CACHED}],
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is here?"}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "I should look.", "signature": "c2ln"},
+            {"type": "redacted_thinking", "data": "ZW5j"},
+            {"type": "tool_use", "id": "toolu_01", "name": "Bash", "input": {"command": "ls"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01", "content": [
+                {"type": "tool_reference", "tool_name": "Bash"},
+                {"type": "text", "text": "README.md"}]},
+            {"type": "text", "text": "list the files", "cache_control": CACHED}]}],
     "thinking": {"type": "adaptive", "budget_tokens": 0},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "diagnostics": {"session": "s1"}, "betas": ["interleaved-thinking-2025-05-14"],
     "metadata": {"user_id": "user_3f2a_account_9b_session_c1"},
-    "temperature": 1,
+    "output_config": {"effort": "high"}, "temperature": 1,
 }
 
 
