@@ -275,7 +275,8 @@ class ResponseObject(BaseModel):
     user: str | None
     background: bool
     reasoning: dict[str, Any]
-    service_tier: Literal["default"]
-    prompt_cache_key: str | None
-    safety_identifier: str | None
-    max_tool_calls: int | None
+    # Echoed hints (absent from responses stored before they were echoed).
+    service_tier: Literal["default"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: int | None = None

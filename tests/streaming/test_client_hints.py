@@ -12,12 +12,12 @@ import json
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from tenants.roles import Role
-from tests.conftest import Org, make_org
+from tests.conftest import Org
 from tests.streaming.conftest import Live
+from tests.streaming.test_choices import org, sdk  # noqa: F401  (a fixture, a client)
 
 pytestmark = pytest.mark.slow
 
@@ -42,17 +42,8 @@ CODEX_BODY: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def org(live: Live) -> Org:
-    return make_org("alice", [Role.DEVELOPER])
-
-
-def sdk(live: Live, org: Org) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER],
-                         max_retries=0, timeout=60)
-
-
-def test_codex_clis_request_streams_to_completion(live: Live, org: Org, roomy: str) -> None:
+def test_codex_clis_request_streams_to_completion(
+        live: Live, org: Org, roomy: str) -> None:  # noqa: F811
     # Given a model that can call tools; When Codex CLI's request comes (its 1,024
     # tokens' default bound cut to keep the toy model's reply short)
     events: list[dict[str, Any]] = []
@@ -72,7 +63,8 @@ def test_codex_clis_request_streams_to_completion(live: Live, org: Org, roomy: s
     assert done["response"]["store"] is False
 
 
-def test_openais_hints_are_accepted_on_responses(live: Live, org: Org) -> None:
+def test_openais_hints_are_accepted_on_responses(
+        live: Live, org: Org) -> None:  # noqa: F811
     response = sdk(live, org).responses.create(
         model="echo", input="hello", prompt_cache_key="thread-1", safety_identifier="u-1",
         service_tier="auto", reasoning={"effort": "low", "summary": "auto"},
@@ -84,7 +76,7 @@ def test_openais_hints_are_accepted_on_responses(live: Live, org: Org) -> None:
     assert response.prompt_cache_key == "thread-1" and response.max_tool_calls == 4
 
 
-def test_openais_hints_are_accepted_on_chat(live: Live, org: Org) -> None:
+def test_openais_hints_are_accepted_on_chat(live: Live, org: Org) -> None:  # noqa: F811
     reply = sdk(live, org).chat.completions.create(
         model="echo", messages=[{"role": "user", "content": "hello"}],
         prompt_cache_key="thread-1", safety_identifier="u-1", service_tier="auto",
@@ -105,7 +97,8 @@ def test_openais_hints_are_accepted_on_chat(live: Live, org: Org) -> None:
                            "verbosity": "loud"}, "verbosity"),
 ])
 def test_a_hint_out_of_range_or_needing_an_effect_is_refused_by_name(
-        live: Live, org: Org, path: str, body: dict[str, Any], param: str) -> None:
+        live: Live, org: Org, path: str, body: dict[str, Any],  # noqa: F811
+        param: str) -> None:
     reply = httpx.post(f"{live.base_url}{path}", json={"model": "echo", **body}, timeout=30,
                        headers={"Authorization": f"Bearer {org.keys[Role.DEVELOPER]}"})
     assert reply.status_code == 400, reply.text
