@@ -51,10 +51,17 @@ from sluice.errors import (
     Unavailable,
 )
 from streaming import choices, replay
-from streaming.prompting import chat_job, native_messages, prompt_bound
+from streaming.prompting import (
+    chat_job,
+    native_message,
+    native_messages,
+    prompt_bound,
+    rendered,
+)
 from streaming.routed import Attempt, Routed, call_bound
 from streaming.schemas import (
     ChatCompletionRequest,
+    ChatMessage,
     EmbeddingRequest,
 )
 from streaming.submitted import Submitted
@@ -207,13 +214,17 @@ class Gateway:
                    idempotency_key: str | None = None,
                    conversation_id: str | None = None, protocol: str = "rest",
                    timeout_s: float | None = None, stream: bool | None = None,
-                   action: str = "chat.completions", raw_prompt: bool = False) -> Submitted:
+                   action: str = "chat.completions", raw_prompt: bool = False,
+                   earlier: list[dict[str, Any]] | None = None) -> Submitted:
         """Admit and enqueue one chat call (`req.n` choices: streaming/choices.py).
         `stream`: whether the caller consumes the reply token by token (default: the
         request's own `stream`); when it does not, the worker sends the reply in one
         piece at the end (no per-token events). `action`: the API's name in the call's
         audit event. `raw_prompt` (a legacy completion): the last message's text is
-        the model's prompt as it is, without the chat template or any history."""
+        the model's prompt as it is, without the chat template or any history.
+        `earlier`: chat messages before `req`'s that the worker may drop, oldest first,
+        until the prompt fits the model's context (the Responses API's truncation
+        "auto"); they go with the conversation's history."""
         target = await self._model(principal, req.model, Kind.CHAT)
         conversation_id = req.conversation_id or conversation_id
         n = req.n or 1
@@ -221,12 +232,16 @@ class Gateway:
         history = (await async_db(conversation_history)(actor=principal,
                                                         public_id=conversation_id)
                    if conversation_id else [])
+        if earlier:
+            history = [*history, *(rendered(native_message(ChatMessage.model_validate(m),
+                                                           f"earlier.{i}"))
+                                   for i, m in enumerate(earlier))]
         asked = req.max_completion_tokens or req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true.",
                              param="top_logprobs", code="invalid_value")
         job, turn = chat_job(req)
-        key, fingerprint = replay.idempotency(principal, idempotency_key, req)
+        key, fingerprint = replay.idempotency(principal, idempotency_key, req, earlier)
         stream = req.stream if stream is None else stream
 
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:

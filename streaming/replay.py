@@ -80,11 +80,12 @@ def parse_event_id(value: str | None) -> tuple[str, int] | None:
     return found[1], -1 if found[2] == "start" else int(found[2])
 
 
-def idempotency(principal: Principal, key: str | None,
-                request: BaseModel) -> tuple[str | None, str]:
-    """(the key as the queue stores it, the request's fingerprint); (None, "") without a
-    key. The stored key is a hash of the caller's identity and its key text, so the
-    client's text (which may be anything, personal data included) never reaches Redis."""
+def idempotency(principal: Principal, key: str | None, request: BaseModel,
+                more: list[dict[str, Any]] | None = None) -> tuple[str | None, str]:
+    """(the key as the queue stores it, the request's fingerprint: `request` and `more`
+    of the call, messages that are not in it); (None, "") without a key. The stored key
+    is a hash of the caller's identity and its key text, so the client's text (which may
+    be anything, personal data included) never reaches Redis."""
     if key is None:
         return None, ""
     if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isprintable():
@@ -93,6 +94,8 @@ def idempotency(principal: Principal, key: str | None,
                          code="invalid_idempotency_key")
     who = f"{principal.subject}\0{principal.key_id or ''}\0{key}"
     fingerprint = hashlib.sha256(request.model_dump_json(exclude_none=True).encode())
+    if more:
+        fingerprint.update(orjson.dumps(more))
     return hashlib.sha256(who.encode()).hexdigest(), fingerprint.hexdigest()
 
 

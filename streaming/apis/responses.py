@@ -9,7 +9,9 @@ the call starts from that stored response's chain (streaming/responses_store.py;
 instructions are not carried over, as OpenAI does). With `store` (the default) the reply
 is stored, redacted per the tenant's policy, before the caller sees it (in Redis, in
 the call's coalesced round trip; a writer process puts it in the database): a next call
-from any gateway can always find it. A streamed reply is encoded by
+from any gateway can always find it. With `truncation` "auto" the messages before the
+conversation's last user message may be dropped, oldest first, to fit the model's
+context (the gateway's `earlier`). A streamed reply is encoded by
 streaming/apis/responses_stream.py.
 
 Everything the caller got wrong is a 400 in OpenAI's shape naming the Responses field
@@ -115,7 +117,7 @@ class ResponsesRequest(ClientHints):
     # content (what Codex asks for), and no other extra is offered (no logprobs).
     include: Annotated[list[Literal["reasoning.encrypted_content"]],
                        Field(max_length=8)] | None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
     reasoning: ResponsesReasoning | None = None
     # Bounds calls of OpenAI's built-in tools; there are none here.
@@ -224,6 +226,19 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def droppable(conversation: list[dict[str, Any]], truncation: str | None
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """With `truncation` "auto": the conversation's messages before its last user
+    message, which the worker drops oldest first until the prompt fits the model's
+    context (as a conversation's history), and the rest, which stays; else nothing
+    droppable."""
+    if truncation != "auto":
+        return [], conversation
+    last_user = max((i for i, m in enumerate(conversation) if m["role"] == "user"),
+                    default=0)
+    return conversation[:last_user], conversation[last_user:]
+
+
 # -- errors in the Responses API's names ---------------------------------------------------
 _TAG = re.compile(r"^[a-z]+\[|^[A-Z]|^(str|int|float|bool|dict|list|none)$")
 # Chat's parameter names, as the Responses API calls them (the first match wins).
@@ -316,7 +331,8 @@ def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
         "tool_choice": choice.model_dump() if isinstance(choice, BaseModel)
         else choice or "auto",
         "tools": [t.model_dump() for t in req.tools or []],
-        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": req.truncation or "disabled",
         "usage": None, "user": req.user,
     }
 
@@ -338,11 +354,13 @@ class ResponsesApi(Api):
                                                    response_id=req.previous_response_id)
                   if req.previous_response_id else [])
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        chat = chat_request(req, system + chat_messages([*before, *items]))
+        conversation = chat_messages([*before, *items])
+        earlier, conversation = droppable(conversation, req.truncation)
+        chat = chat_request(req, system + conversation)
         if req.store:  # before the call runs: its reply could not be kept
             await responses_copy.keeps_up(call.gateway.client.scripts)
         try:
-            sub = await call.chat(chat, stream=req.stream,
+            sub = await call.chat(chat, stream=req.stream, earlier=earlier,
                                   idempotency_key=ctx.headers.get("idempotency-key"))
         except ApiError as exc:
             raise renamed(exc) from None
