@@ -120,8 +120,8 @@ class Call:
 
     async def chat(self, req: ChatCompletionRequest, **options: Any) -> Submitted:
         """Admit and submit a chat call (Gateway.chat's options: idempotency_key,
-        conversation_id, timeout_s, stream, raw_prompt). A call may admit several (a
-        legacy completion's prompts); a refusal of any is the call's."""
+        conversation_id, timeout_s, stream, raw_prompt, earlier). A call may admit
+        several (a legacy completion's prompts); a refusal of any is the call's."""
         self.model = req.model
 
         def chat() -> Awaitable[Submitted]:
