@@ -120,9 +120,11 @@ def conversation_prompt(runtime: ChatRuntime, messages: list[Message],
 
     Trimming policy: every message of this request stays; the fewest oldest history
     messages are dropped that leave room for max_tokens (or for at least a quarter of
-    the context when max_tokens asks for more). Found by bisection, as dropping more
-    never lengthens the prompt: a few encodings of it, not one per message dropped (a
-    long agent conversation has hundreds)."""
+    the context when max_tokens asks for more). Found by bisection, which presumes that
+    dropping more does not lengthen the prompt (a template that adds a default system
+    prompt when the first message is not one can break that by a few tokens: then one
+    message more than needed may go): a few encodings of it, not one per message
+    dropped (a long agent conversation has hundreds)."""
     budget = runtime.max_context - min(max_tokens, runtime.max_context // 4)
 
     def encoded(dropped: int) -> list[int]:
