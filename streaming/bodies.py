@@ -95,17 +95,22 @@ def message(text: str, final: DoneEvent) -> dict[str, Any]:
 
 async def whole_reply(sub: Submitted) -> tuple[str, DoneEvent]:
     """A one-choice call's whole text and its final event; a worker error raises its
-    ApiError (the codecs that answer in one piece share this)."""
+    ApiError (the codecs that answer in one piece share this). The events are read to
+    their end: leaving them at the final event would settle the call as one its
+    consumer left (Submitted.events)."""
     parts: list[str] = []
+    final: FinalEvent | None = None
     async with contextlib.aclosing(sub.events()) as events:
         async for event in events:
             if event["t"] == "delta":
                 parts.append(event["text"])
-            elif event["t"] == "error":
-                raise error_from_event(event)
-            elif event["t"] == "done":
-                return "".join(parts), whole(event)
-    raise ServerError("The call ended without a final event.")
+            elif event["t"] == "done" or event["t"] == "error":
+                final = event
+    if final is None:
+        raise ServerError("The call ended without a final event.")
+    if final["t"] == "error":
+        raise error_from_event(final)
+    return "".join(parts), whole(final)
 
 
 async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from governance import audit, metrics
+from inference.jobs import FinalEvent
 from sluice import telemetry
 from sluice.errors import ApiError, ServerError
 from streaming.gateway import Gateway, error_from_event, queue_unavailable
@@ -152,12 +153,15 @@ class Call:
         self.model = req.model
         sub = await self._admit(self.gateway.count(self.principal, req, action=self.action,
                                                    protocol=self.protocol))
-        async for event in sub.events():
-            if event["t"] == "error":
-                raise error_from_event(event)
-            if event["t"] == "done":
-                return event["usage"]["prompt_tokens"]
-        raise ServerError("The count ended without a result.")
+        final: FinalEvent | None = None
+        async for event in sub.events():  # to their end: leaving early is a client gone
+            if event["t"] == "done" or event["t"] == "error":
+                final = event
+        if final is None:
+            raise ServerError("The count ended without a result.")
+        if final["t"] == "error":
+            raise error_from_event(final)
+        return final["usage"]["prompt_tokens"]
 
     async def remember(self, reply: str) -> None:
         """The call's turn (its messages and `reply`) into its conversation, if any."""

@@ -35,10 +35,12 @@ and seeds (and leaves as it is).
     .venv/bin/python tests/bench/bench_apis.py [--rounds 5] [--requests 1000]
         [--clients 32] [--workers N] [--only chat,responses,...] [--against REV]
         [--database-url URL] [--against-database-url URL]
-        [--profile MODE] (after the rounds, py-spy on this checkout's gateway threads
-                          holding the GIL while MODE runs once more: its top functions
-                          by own time, and the share of samples under a few frames of
-                          the store's path)
+        [--profile MODE[,MODE...]] (after the rounds, py-spy on this checkout's gateway
+                          threads holding the GIL while each MODE runs once more: its
+                          top functions by own time, and the share of samples under a
+                          few frames of the store's path)
+        [--profile-dir DIR] (keep each profiled mode's samples there, py-spy's raw
+                             format, to compare two modes' stacks)
 """
 
 from __future__ import annotations
@@ -263,7 +265,8 @@ def print_side(side: Side, other: Side | None) -> None:
           f"{worst.name}, {worst.ratio():.2f}x")
 
 
-def profile(mode: Mode, folder: Path, clients: int, requests: int) -> None:
+def profile(mode: Mode, folder: Path, clients: int, requests: int,
+            keep: Path | None) -> None:
     """py-spy on the gateway's threads holding the GIL while `mode` runs once more."""
     spy_bin = Path(sys.executable).with_name("py-spy")
     if not spy_bin.exists():
@@ -278,6 +281,8 @@ def profile(mode: Mode, folder: Path, clients: int, requests: int) -> None:
     finally:
         spy.send_signal(2)  # SIGINT: py-spy writes what it has
         spy.wait(60)
+    if keep is not None:  # for a comparison of stacks (py-spy's raw format)
+        shutil.copy(raw, keep / f"{mode.name.replace(' ', '_').replace('=', '-')}.raw")
     own: collections.Counter[str] = collections.Counter()
     under: collections.Counter[str] = collections.Counter()
     samples = 0
@@ -310,7 +315,9 @@ def main() -> None:
     parser.add_argument("--against", default=None, metavar="REV")
     parser.add_argument("--database-url", default=None)
     parser.add_argument("--against-database-url", default=None)
-    parser.add_argument("--profile", default=None, metavar="MODE")
+    parser.add_argument("--profile", default=None, metavar="MODE[,MODE...]")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="keep each profiled mode's py-spy samples here (raw format)")
     args = parser.parse_args()
     if shutil.which("h2load") is None:
         sys.exit("h2load is needed: apt-get install nghttp2-client")
@@ -345,8 +352,9 @@ def main() -> None:
         bench.report("apis", **{m.name: {"calls_s": m.calls / m.seconds, "cpu_ms": m.ms,
                                          "total_cpu_ms": m.total_ms}
                                 for m in sides[0].modes.values()})
-        if args.profile:
-            profile(sides[0].modes[args.profile], folder, args.clients, args.requests * 2)
+        for name in args.profile.split(",") if args.profile else []:
+            profile(sides[0].modes[name], folder, args.clients, args.requests * 2,
+                    args.profile_dir)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from anthropic import Anthropic
 from openai import AuthenticationError, OpenAI
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from governance.models import RateLimitPolicy, RateLimitScope
 from streaming.protos import inference_pb2 as pb
 from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
+from tests.streaming.test_anthropic import root
 from tests.streaming.test_grpc import call
 from tests.streaming.test_websocket import frames_until, in_loop, socket
 
@@ -43,6 +45,7 @@ def _wait_for(spans: InMemorySpanExporter, name: str, trace_id: str,
     (the server span ends just after the client has its response; the wait span when
     the call settles, a loop turn later, which a busy machine can put after it)."""
     deadline = time.monotonic() + 10
+    ended: set[str] = set()
     while time.monotonic() < deadline:
         finished = list(spans.get_finished_spans())
         ended = {s.name for s in finished if _hex(s.context.trace_id, 32) == trace_id}
@@ -50,7 +53,7 @@ def _wait_for(spans: InMemorySpanExporter, name: str, trace_id: str,
             return finished
         time.sleep(0.02)
     raise AssertionError(f"no finished span {name!r} (and {sorted(stages)}) in trace "
-                         f"{trace_id}")
+                         f"{trace_id}; it has {sorted(ended)}")
 
 
 def _assert_one_trace(finished: Sequence[ReadableSpan], server_name: str, secret: str,
@@ -178,3 +181,41 @@ def test_a_refused_call_marks_its_stage_and_status(live: Live, org: Any,
     server = next(s for s in finished if s.name == "POST /v1/chat/completions")
     assert (server.attributes or {})["http.response.status_code"] == 401
     assert not [s for s in finished if s.name == "sluice.enqueue"]
+
+
+@pytest.mark.parametrize("api", ["responses", "messages", "count_tokens"])
+def test_an_agent_apis_plain_call_ends_its_wait_span_as_it_ended(
+        live: Live, org: Any, spans: InMemorySpanExporter, api: str) -> None:
+    """A call answered in one piece reads its events to their end: its wait span carries
+    the usage and no error (leaving at the final event had marked every such call's
+    span failed, GeneratorExit)."""
+    key = org.keys[Role.DEVELOPER]
+    hello = [{"role": "user", "content": "hello there"}]
+    # (The test process's instrumented SDKs start a trace of their own: the call's trace
+    # is found by its server span.)
+    if api == "responses":
+        reply = OpenAI(base_url=live.base_url, api_key=key).responses.create(
+            model="echo", input="hello there")
+        name, output_tokens = "POST /v1/responses", reply.usage.output_tokens  # type: ignore[union-attr]
+    elif api == "messages":
+        message = Anthropic(base_url=root(live), api_key=key, max_retries=0).messages.create(
+            model="echo", max_tokens=8, messages=hello)  # type: ignore[arg-type]
+        name, output_tokens = "POST /v1/messages", message.usage.output_tokens
+    else:
+        Anthropic(base_url=root(live), api_key=key, max_retries=0).messages.count_tokens(
+            model="echo", messages=hello)  # type: ignore[arg-type]
+        name, output_tokens = "POST /v1/messages/count_tokens", 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        finished = list(spans.get_finished_spans())
+        server = next((s for s in finished if s.name == name), None)
+        wait = next((s for s in finished if s.name == "sluice.wait" and server is not None
+                     and s.context.trace_id == server.context.trace_id), None)
+        if wait is not None:
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError(f"no wait span beside {name!r}")
+    assert wait.status.status_code != StatusCode.ERROR, wait.attributes
+    assert "error.type" not in (wait.attributes or {})
+    assert (wait.attributes or {})["gen_ai.usage.output_tokens"] == output_tokens
