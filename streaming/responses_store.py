@@ -30,6 +30,7 @@ import re
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
+import orjson
 from django.db import connection
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -244,8 +245,9 @@ def _row(actor: Principal, body: dict[str, Any], input_items: list[dict[str, Any
     """The response object `body` and the call's own `input_items` as a row, redacted
     with `clean`."""
     clean = _stored(clean)
-    details = redact_json({k: v for k, v in body.items() if k not in _COLUMNS}, _no_nul,
-                          keys=True)
+    details = {k: v for k, v in body.items() if k not in _COLUMNS}
+    if b"\\u0000" in orjson.dumps(details):  # rare: not walked string by string
+        details = redact_json(details, _no_nul, keys=True)
     for key in _CALLERS_TEXT:
         if isinstance(details.get(key), str):
             details[key] = clean(details[key])

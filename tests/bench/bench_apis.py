@@ -273,7 +273,7 @@ def profile(mode: Mode, folder: Path, clients: int, requests: int,
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
     raw = folder / "gateway.raw"
     spy = subprocess.Popen([str(spy_bin), "record", "--subprocesses", "--nonblocking",
-                            "--gil", "-r", "200", "-f", "raw", "-o", str(raw),
+                            "--gil", "-r", "1000", "-f", "raw", "-o", str(raw),
                             "-p", str(mode.side.gateway_pid)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -381,6 +381,23 @@ def test_every_field_of_the_callers_is_redacted_before_the_write(org: Org) -> No
     assert stored[0]["content"][0]["text"] == "I am [SSN]"
 
 
+def test_a_nul_anywhere_in_the_response_object_is_stored_as_a_replacement(org: Org) -> None:
+    # Given a response object with a NUL in fields nobody redacts (a tool's description,
+    # a schema's) and none elsewhere
+    rid, plain = f"resp_{token_hex(12)}", f"resp_{token_hex(12)}"
+    tools = [{"type": "function", "name": "lookup", "description": "Looks\x00 up",
+              "parameters": {"type": "object", "description": "\x00"}}]
+    # When both are saved and written
+    save(dev_of(org), {**body(rid), "tools": tools}, {**body(plain), "tools": []})
+    responses_writer.drain()
+    # Then PostgreSQL holds the first (jsonb has no NUL) with U+FFFD for each, the other as
+    # it was
+    stored = response_get(actor=dev_of(org), response_id=rid).details["tools"]
+    assert stored[0]["description"] == "Looks\ufffd up"
+    assert stored[0]["parameters"]["description"] == "\ufffd"
+    assert response_get(actor=dev_of(org), response_id=plain).details["tools"] == []
+
+
 def test_saves_are_refused_not_trimmed_while_the_writer_cannot_keep_up(
         live: Live, org: Org, settings: Any) -> None:
     """No writer runs here: once SLUICE_RESPONSES_REFUSE_AT rows wait in the stream, a
