@@ -90,8 +90,9 @@ class Continuation(msgspec.Struct, frozen=True):
 class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind",
               tag="chat"):
     """One sequence to generate. The prompt is `prompt` as it is when given (a legacy
-    completion: no chat template, no history), else `history` then `messages` through
-    the model's chat template, the oldest history dropped until it fits.
+    completion: no chat template, no history), else `conversation(messages, history)`
+    (the instructions, the history, the rest of the messages) through the model's chat
+    template, the oldest history dropped until it fits.
 
     `max_tokens` None means `default_max_tokens` of the model's context; `logprobs` is
     how many alternatives each token's entry lists (None: no log probabilities);
@@ -153,6 +154,23 @@ def default_max_tokens(max_context: int) -> int:
     """How long a reply may be when the caller does not say: half the context, at most
     1,024 tokens (what the gateway reserves quota for)."""
     return max(1, min(_MAX_TOKENS_CAP, max_context // 2))
+
+
+_INSTRUCTIONS = ("system", "developer")
+
+
+def conversation(messages: list[Message], history: list[Message],
+                 dropped: int = 0) -> list[Message]:
+    """What a chat job's prompt is made of, in order: the leading system (and developer)
+    messages of `messages` (its instructions: first, wherever the history puts the
+    conversation's start), then `history` but its `dropped` oldest, then the rest of
+    `messages`."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in _INSTRUCTIONS:
+        lead += 1
+    if not lead:
+        return [*history[dropped:], *messages]
+    return [*messages[:lead], *history[dropped:], *messages[lead:]]
 
 
 def encode_job(job: Job) -> bytes:

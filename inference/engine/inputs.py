@@ -4,10 +4,10 @@ InputProcessor). Pure of I/O: it reads the job, the runtime's tokenizer and limi
 A chat job becomes a `Prepared`: the prompt's token ids, the sampling parameters and
 the row that will collect its output (inference/engine/output.py). The prompt is the
 job's `prompt` as it is when given (a legacy completion: no chat template, no history),
-else its `history` then `messages` through the model's chat template, the oldest
-history dropped until the reply fits. A job with tools or a response format gets its
-grammar (inference/constraint.py). A `count_only` job is prepared for its prompt's
-token count alone.
+else its instructions (leading system messages), `history` and other `messages` through
+the model's chat template, the oldest history dropped until the reply fits. A job with
+tools or a response format gets its grammar (inference/constraint.py). A `count_only`
+job is prepared for its prompt's token count alone.
 
 Everything a request gets wrong is a `RequestError` with a 400 (malformed job, a prompt
 longer than the context, a token of logit_bias outside the vocabulary, tools or
@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from inference.engine.entries import Pending, RequestError, malformed
 from inference.engine.output import Row
-from inference.jobs import ChatJob, EmbedJob, JobError, Message, default_max_tokens
+from inference.jobs import (
+    ChatJob,
+    EmbedJob,
+    JobError,
+    Message,
+    conversation,
+    default_max_tokens,
+)
 from inference.runtimes.base import ChatRuntime, SamplingParams, TorchModel
 
 if TYPE_CHECKING:
@@ -116,7 +123,8 @@ class InputProcessor:
 
 def conversation_prompt(runtime: ChatRuntime, messages: list[Message],
                         history: list[Message], max_tokens: int) -> list[int]:
-    """The prompt for a conversation: history, then this request's messages.
+    """The prompt for a conversation: `conversation(messages, history)` (this request's
+    leading system messages, the history, the rest of its messages).
 
     Trimming policy: every message of this request stays; the fewest oldest history
     messages are dropped that leave room for max_tokens (or for at least a quarter of
@@ -130,7 +138,7 @@ def conversation_prompt(runtime: ChatRuntime, messages: list[Message],
     def encoded(dropped: int) -> list[int]:
         # A Message is a plain dict: the chat template reads it as one.
         return runtime.encode_chat(cast("list[dict[str, Any]]",
-                                        [*history[dropped:], *messages]))
+                                        conversation(messages, history, dropped)))
 
     prompt = encoded(0)
     if len(prompt) <= budget or not history:

@@ -2,10 +2,10 @@
 chunks that come back. Pure: no I/O (inference/upstream/client.py does the sending).
 
 Requests
-- A chat job (`messages`, after its `history`) goes to /chat/completions, each message
-  with its tool traffic native (an assistant's `tool_calls`, with null content when it
-  said nothing else; a tool result's `tool_call_id`; a `name`); a legacy
-  completion job (`prompt`) to /completions. Streamed, with
+- A chat job (its messages and history in `conversation` order) goes to
+  /chat/completions, each message with its tool traffic native (an assistant's
+  `tool_calls`, with null content when it said nothing else; a tool result's
+  `tool_call_id`; a `name`); a legacy completion job (`prompt`) to /completions. Streamed, with
   `stream_options.include_usage`, so usage is the upstream's own count; a job whose
   reply nobody reads token by token (`stream` false) asks for one JSON reply instead
   (its usage is in it; the upstream does no per-token work for it).
@@ -41,7 +41,16 @@ from dataclasses import dataclass, field
 from secrets import token_hex
 from typing import Any
 
-from inference.jobs import ChatJob, Continuation, Message, ToolCall, ToolDelta, Usage, usage
+from inference.jobs import (
+    ChatJob,
+    Continuation,
+    Message,
+    ToolCall,
+    ToolDelta,
+    Usage,
+    conversation,
+    usage,
+)
 from inference.spec import Dialect, UpstreamSpec
 from inference.upstream.secrets import cache_salt
 
@@ -123,7 +132,7 @@ def request_body(job: ChatJob, upstream: UpstreamSpec, *, tenant: str, max_token
         if job.logprobs is not None:
             body["logprobs"] = max(1, job.logprobs)
         return body
-    messages = [_message(m) for m in (*job.history, *job.messages)]
+    messages = [_message(m) for m in conversation(job.messages, job.history)]
     if continuation is not None and continuation.text:
         messages.append({"role": "assistant", "content": continuation.text})
         body["continue_final_message"] = True

@@ -40,6 +40,15 @@ def test_a_chat_job_s_parameters_pass_through_and_nothing_else() -> None:
         "logprobs": True, "top_logprobs": 3}
 
 
+def test_a_chat_job_s_instructions_precede_its_history() -> None:
+    job = ChatJob(history=[{"role": "user", "content": "earlier"},
+                           {"role": "assistant", "content": "said"}],
+                  messages=[{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "hi"}])
+    body = request_body(job, _up(Dialect.OPENAI), tenant="t", max_tokens=10)
+    assert [m["content"] for m in body["messages"]] == ["be brief", "earlier", "said", "hi"]
+
+
 def test_tool_traffic_and_tool_descriptions_cross_the_queue_and_go_natively() -> None:
     # given a job with an earlier call, its result, and a described tool
     call = {"id": "call_1", "type": "function",
