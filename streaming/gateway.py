@@ -201,14 +201,17 @@ class Gateway:
 
     def _routed(self, route: Route, kind: Kind, attempt: Attempt, *, texts: list[str],
                 max_tokens: int | None, timeout_s: float | None,
-                prompt_only: bool = False) -> Awaitable[Submitted]:
-        """An alias call: planned, then its first admitted attempt (streaming/routed.py)."""
+                prompt_only: bool = False,
+                droppable: list[str] | None = None) -> Awaitable[Submitted]:
+        """An alias call: planned, then its first admitted attempt (streaming/routed.py).
+        `droppable`: the texts of history the worker may drop to fit (not in `texts`)."""
         limit = float(settings.SLUICE_REQUEST_TIMEOUT_S)
         if timeout_s is not None:
             limit = min(limit, timeout_s)
         return Routed.start(route, kind, attempt, redis=self.client.redis,
-                            bound=call_bound(texts, max_tokens), timeout_s=limit,
-                            prompt_only=prompt_only)
+                            bound=call_bound([*texts, *(droppable or ())], max_tokens),
+                            trimmed=call_bound(texts, max_tokens) if droppable else None,
+                            timeout_s=limit, prompt_only=prompt_only)
 
     async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
                    idempotency_key: str | None = None,
@@ -289,8 +292,8 @@ class Gateway:
         if isinstance(target, DeploymentSpec):
             return await on(target)
         return await self._routed(
-            target, Kind.CHAT, on, texts=[m["content"] for m in job.messages]
-            + [m["content"] for m in history],
+            target, Kind.CHAT, on, texts=[m["content"] for m in job.messages],
+            droppable=[m["content"] for m in history],
             max_tokens=asked, timeout_s=timeout_s, prompt_only=raw_prompt)
 
     async def count(self, principal: Principal, req: ChatCompletionRequest, *,

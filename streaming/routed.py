@@ -147,12 +147,18 @@ class Routed:
 
     @classmethod
     async def start(cls, route: Route, kind: Kind, attempt: Attempt, *, redis: Any,
-                    bound: int, timeout_s: float, prompt_only: bool = False) -> Submitted:
+                    bound: int, timeout_s: float, prompt_only: bool = False,
+                    trimmed: int | None = None) -> Submitted:
         """Plan the call and make its first attempt that is admitted; the last refusal
-        when none is (BadRequest when the call is too long for every deployment)."""
+        when none is (BadRequest when the call is too long for every deployment).
+        `trimmed`: the call's bound once the worker dropped all the history it may drop
+        (a conversation's, truncation "auto"): the deployments that hold only that are
+        planned when none holds the whole call."""
         names = [t.deployment for t in (*route.targets, *route.fallbacks)]
         down = await breakers.unavailable(redis, names)
         planned: Plan = plan(route, rng=_rng, unavailable=down, prompt_bound=bound)
+        if planned.only_context and trimmed is not None and trimmed < bound:
+            planned = plan(route, rng=_rng, unavailable=down, prompt_bound=trimmed)
         if planned.only_context:
             raise BadRequest(f"The request is too long for every deployment of model "
                              f"'{route.alias}'.", code="context_length_exceeded",
