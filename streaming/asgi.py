@@ -199,16 +199,18 @@ class LeanApp:
         text_heads = [head + b'%d,"delta":{"content":' % i for i in range(len(rids))]
         text_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-        async def emit(i: int, seq: int | str, payload: Any) -> None:
-            await out.send(b"%s%s\ndata: %s\n\n" % (event_ids[i], str(seq).encode(),
-                                                     orjson.dumps(payload)))
+        # A worker event's chunks are queued and leave in one write (the role chunk
+        # with the first; the finish with the tool calls' rest; the usage with [DONE]).
+        def emit(i: int, seq: int | str, payload: Any) -> None:
+            out.add(b"%s%s\ndata: %s\n\n" % (event_ids[i], str(seq).encode(),
+                                              orjson.dumps(payload)))
 
-        async def emit_tools(i: int, seq: int, deltas: list[list[dict[str, Any]]]) -> None:
-            if deltas:  # one write: the event's id only after all its chunks
+        def emit_tools(i: int, seq: int, deltas: list[list[dict[str, Any]]]) -> None:
+            if deltas:  # the event's id only after all its chunks
                 frames = [b"data: %s\n\n" % orjson.dumps(chunk(i, {"tool_calls": calls}))
                           for calls in deltas]
-                await out.send(b"".join(frames[:-1]) + b"%s%d\n%s" % (event_ids[i], seq,
-                                                                      frames[-1]))
+                out.add(b"".join(frames[:-1]) + b"%s%d\n%s" % (event_ids[i], seq,
+                                                               frames[-1]))
 
         def chunk(i: int, delta: dict[str, Any], finish: str | None = None,
                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -222,7 +224,7 @@ class LeanApp:
         try:
             if replay is None:
                 for i in range(len(rids)):
-                    await emit(i, "start", chunk(i, {"role": "assistant", "content": ""}))
+                    emit(i, "start", chunk(i, {"role": "assistant", "content": ""}))
             event: Event | None = first
             last: Event = first
             while event is not None:
@@ -230,7 +232,7 @@ class LeanApp:
                 if event["t"] == "delta" and "tools" in event:
                     deltas = tools[i].pieces(event["tools"])
                     if replay is None or event["seq"] > replay:
-                        await emit_tools(i, event["seq"], deltas)
+                        emit_tools(i, event["seq"], deltas)
                 if replay is not None and event["seq"] <= replay \
                         and event["t"] not in FINAL_EVENTS:
                     pass  # the resuming client has it
@@ -238,32 +240,33 @@ class LeanApp:
                     if i == 0:
                         parts.append(event["text"])
                     if event["text"] or event.get("lp"):
-                        await emit(i, event["seq"], chunk(
+                        emit(i, event["seq"], chunk(
                             i, {"content": event["text"]},
                             logprobs=bodies.choice_logprobs(req, event.get("lp") or [])))
                 elif event["t"] == "delta" and event["text"]:
                     if i == 0:
                         parts.append(event["text"])
-                    await out.send(b"".join((event_ids[i], b"%d" % event["seq"], b"\ndata: ",
-                                             text_heads[i], orjson.dumps(event["text"]),
-                                             text_tail)))
+                    out.add(b"".join((event_ids[i], b"%d" % event["seq"], b"\ndata: ",
+                                      text_heads[i], orjson.dumps(event["text"]),
+                                      text_tail)))
                 elif event["t"] == "error":
                     finals.append(event)
-                    await emit(i, event["seq"], error_from_event(event).body())
+                    emit(i, event["seq"], error_from_event(event).body())
                 elif event["t"] == "done":
                     finals.append(event)
                     if rest := tools[i].rest(event):
-                        await emit(i, event["seq"], chunk(i, {"tool_calls": rest}))
-                    await emit(i, event["seq"], chunk(i, {}, bodies.finish_reason(event)))
+                        emit(i, event["seq"], chunk(i, {"tool_calls": rest}))
+                    emit(i, event["seq"], chunk(i, {}, bodies.finish_reason(event)))
+                await out.flush()
                 last = event
                 event = await anext(events, None)
             if req.stream_options is not None and req.stream_options.include_usage \
                     and any(f["t"] == "done" for f in finals):
-                await emit(last.get("i", 0), last["seq"],
-                           {**base, "choices": [], "usage": bodies.usage(*finals)})
+                emit(last.get("i", 0), last["seq"],
+                     {**base, "choices": [], "usage": bodies.usage(*finals)})
         finally:
             await out.close()
         if before_done is not None:
             await before_done("".join(parts))
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+        await send({"type": "http.response.body", "body": out.take() + b"data: [DONE]\n\n",
                     "more_body": False})
