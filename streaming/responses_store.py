@@ -52,8 +52,8 @@ from tenants.selectors import owned, require
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{24}$")
 MAX_CHAIN = 256  # responses followed back from a previous_response_id, at most
 # The response object's fields that have columns of their own; the rest is `details`.
-_COLUMNS = ("id", "object", "created_at", "status", "model", "output", "usage",
-            "previous_response_id", "store")
+_COLUMNS = frozenset({"id", "object", "created_at", "status", "model", "output", "usage",
+                    "previous_response_id", "store"})
 
 
 class _Scope(NamedTuple):
