@@ -38,10 +38,10 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from governance import audit, metrics
-from inference.jobs import FinalEvent
 from sluice import telemetry
-from sluice.errors import ApiError, ServerError
-from streaming.gateway import Gateway, error_from_event, queue_unavailable
+from sluice.errors import ApiError
+from streaming import bodies
+from streaming.gateway import Gateway, queue_unavailable
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 from streaming.submitted import Submitted
 from tenants.principal import Principal
@@ -153,14 +153,7 @@ class Call:
         self.model = req.model
         sub = await self._admit(self.gateway.count(self.principal, req, action=self.action,
                                                    protocol=self.protocol))
-        final: FinalEvent | None = None
-        async for event in sub.events():  # to their end: leaving early is a client gone
-            if event["t"] == "done" or event["t"] == "error":
-                final = event
-        if final is None:
-            raise ServerError("The count ended without a result.")
-        if final["t"] == "error":
-            raise error_from_event(final)
+        _nothing, final = await bodies.whole_reply(sub)
         return final["usage"]["prompt_tokens"]
 
     async def remember(self, reply: str) -> None:

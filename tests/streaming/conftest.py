@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import openai
 import pytest
 from django.conf import settings
 
@@ -113,3 +114,17 @@ def grpc_target(live: Live) -> Iterator[str]:
     yield f"127.0.0.1:{started['port']}"
     stop.set()
     thread.join(10)
+
+
+def assert_rate_limited(api: Any, **body: Any) -> None:
+    """With the tenant's rate limit at 60 a minute and a burst of 1 (the caller sets it),
+    `api` (an openai SDK resource: `client.completions`, `client.responses`) answers one
+    call of `body` with the limit's headers and refuses the next with a 429 whose
+    headers say when to come back."""
+    raw = api.with_raw_response.create(**body)
+    assert raw.headers["x-ratelimit-limit-requests"] == "60"
+    with pytest.raises(openai.RateLimitError) as caught:
+        api.create(**body)
+    assert caught.value.code == "rate_limit_requests"
+    assert 1 <= int(caught.value.response.headers["retry-after"]) <= 2
+    assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "0"
