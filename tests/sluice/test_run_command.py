@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import sqlite3
+import string
 import subprocess
 import sys
 import threading
@@ -317,7 +319,8 @@ def test_calls_are_audited_into_the_embedded_database_redacted_and_chained(
     """The audit writer's insert on SQLite (the suite's other tests run on PostgreSQL):
     calls reach the database, redacted, and the demo chain verifies. (After the tests
     that wait for the workers and that read the first chat call's log line.)"""
-    marker = f"run-{time.monotonic_ns()}"
+    # Letters only: a number could be redacted (a 13-19 digit Luhn-valid one is a card).
+    marker = "run-" + "".join(secrets.choice(string.ascii_lowercase) for _ in range(12))
     for _ in range(3):
         status, _body = http("POST", f"{running.base}/v1/chat/completions", json.dumps(
             {"model": "echo", "messages": [{"role": "user", "content":
