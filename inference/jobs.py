@@ -168,8 +168,6 @@ def conversation(messages: list[Message], history: list[Message],
     lead = 0
     while lead < len(messages) and messages[lead]["role"] in _INSTRUCTIONS:
         lead += 1
-    if not lead:
-        return [*history[dropped:], *messages]
     return [*messages[:lead], *history[dropped:], *messages[lead:]]
 
 

@@ -128,3 +128,16 @@ def assert_rate_limited(api: Any, **body: Any) -> None:
     assert caught.value.code == "rate_limit_requests"
     assert 1 <= int(caught.value.response.headers["retry-after"]) <= 2
     assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def assert_quota_exhausted(api: Any, **body: Any) -> None:
+    """With a quota of one request a minute on the model (the caller sets it), `api` (an
+    openai SDK resource) answers one call of `body` and refuses the next, streamed, with
+    OpenAI's 429 `insufficient_quota` (before any stream starts)."""
+    api.create(**body)
+    with pytest.raises(openai.RateLimitError) as caught:
+        api.create(**body, stream=True)
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["type"] == "insufficient_quota" and error["code"] == "quota_exceeded"
+    assert caught.value.type == "insufficient_quota" and caught.value.code == "quota_exceeded"

@@ -25,7 +25,7 @@ from inference.weights import smollm2_tokenizer_dir
 from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import Org, make_org
-from tests.streaming.conftest import Live, assert_rate_limited
+from tests.streaming.conftest import Live, assert_quota_exhausted, assert_rate_limited
 
 pytestmark = pytest.mark.slow
 
@@ -292,10 +292,7 @@ def test_a_list_refused_part_way_cancels_the_prompts_already_admitted(
 def test_an_exhausted_quota_is_a_429_insufficient_quota(client: openai.OpenAI,
                                                         org: Org) -> None:
     Quota.objects.create(tenant=org.tenant, model="echo", period="minute", max_requests=1)
-    client.completions.create(model="echo", prompt="hi")
-    with pytest.raises(openai.RateLimitError) as caught:
-        client.completions.create(model="echo", prompt="hi", stream=True)
-    assert caught.value.type == "insufficient_quota" and caught.value.code == "quota_exceeded"
+    assert_quota_exhausted(client.completions, model="echo", prompt="hi")
 
 
 def test_calls_are_audited_as_completions(client: openai.OpenAI, live: Live,

@@ -23,7 +23,7 @@ from tenants.models import Member, Tenant
 from tenants.roles import Role
 from tenants.services import apikey_create
 from tests.conftest import PASSWORD, Org, make_org, principal_for
-from tests.streaming.conftest import Live, assert_rate_limited
+from tests.streaming.conftest import Live, assert_quota_exhausted, assert_rate_limited
 from tests.streaming.test_responses import ORDER, sdk
 
 pytestmark = pytest.mark.slow
@@ -107,12 +107,7 @@ def test_rate_limited_is_a_429_with_the_headers_the_sdk_reads(client: openai.Ope
 def test_an_exhausted_quota_is_a_429_insufficient_quota(client: openai.OpenAI,
                                                         org: Org) -> None:
     Quota.objects.create(tenant=org.tenant, model="echo", period="minute", max_requests=1)
-    client.responses.create(model="echo", input="hi")
-    with pytest.raises(openai.RateLimitError) as caught:
-        client.responses.create(model="echo", input="hi", stream=True)
-    body = caught.value.body
-    assert isinstance(body, dict)
-    assert body["type"] == "insufficient_quota" and body["code"] == "quota_exceeded"
+    assert_quota_exhausted(client.responses, model="echo", input="hi")
 
 
 # -- who may read a stored response ---------------------------------------------------------

@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from governance.models import RateLimitPolicy, RateLimitScope
 from streaming.protos import inference_pb2 as pb
 from tenants.roles import Role
-from tests.conftest import make_org
+from tests.conftest import eventually, make_org
 from tests.streaming.conftest import Live
 from tests.streaming.test_anthropic import root
 from tests.streaming.test_grpc import call
@@ -205,17 +205,13 @@ def test_an_agent_apis_plain_call_ends_its_wait_span_as_it_ended(
         Anthropic(base_url=root(live), api_key=key, max_retries=0).messages.count_tokens(
             model="echo", messages=hello)  # type: ignore[arg-type]
         name, output_tokens = "POST /v1/messages/count_tokens", 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def beside_server() -> ReadableSpan | None:
         finished = list(spans.get_finished_spans())
         server = next((s for s in finished if s.name == name), None)
-        wait = next((s for s in finished if s.name == "sluice.wait" and server is not None
+        return next((s for s in finished if s.name == "sluice.wait" and server is not None
                      and s.context.trace_id == server.context.trace_id), None)
-        if wait is not None:
-            break
-        time.sleep(0.02)
-    else:
-        raise AssertionError(f"no wait span beside {name!r}")
+
+    wait = eventually(beside_server, 10, what=f"a wait span beside {name!r}")
     assert wait.status.status_code != StatusCode.ERROR, wait.attributes
     assert "error.type" not in (wait.attributes or {})
     assert (wait.attributes or {})["gen_ai.usage.output_tokens"] == output_tokens
