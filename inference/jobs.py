@@ -87,6 +87,29 @@ class Continuation(msgspec.Struct, frozen=True):
     completion_tokens: int
 
 
+class Keep(msgspec.Struct, frozen=True):
+    """Keep the reply past its request, with its final event: what the Responses API
+    stores (streaming/responses_copy.py), written by the worker in the write that ends
+    the request, so the gateway adds no write of its own (inference/queue.py KEEP_LUA).
+
+    The kept copy is a hash at `key` + the request's id holding `by`, `draft` (opaque
+    to the worker: what the reply completes) and the reply's events; it is not written
+    when the set at `deletions` + the request's id names `by` or "*" (a DELETE came
+    first), and it lasts `ttl_s`. The copy also goes to the stream `stream` (at most
+    about `maxlen` entries) for a writer. The worker keeps only a whole reply it made
+    from the first event to a `done` one (not a cancelled one); the final event then
+    says so (`DoneEvent.kept_at`), else the gateway stores the reply itself."""
+
+    key: str
+    deletions: str
+    stream: str
+    by: str
+    draft: str
+    ttl_s: int
+    forget_s: int
+    maxlen: int
+
+
 class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind",
               tag="chat"):
     """One sequence to generate. The prompt is `prompt` as it is when given (a legacy
@@ -126,6 +149,7 @@ class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind"
     # Continue the reply after what another deployment already streamed (upstream
     # deployments only; the events' sequence numbers go on from its `seq`).
     resume: Continuation | None = None
+    keep: Keep | None = None  # the reply kept with its final event (never with `resume`)
 
     @property
     def constrained(self) -> bool:
@@ -238,6 +262,7 @@ class DoneEvent(TypedDict):
     usage: Usage
     tool_calls: NotRequired[list[ToolCall]]
     stop_sequence: NotRequired[str]
+    kept_at: NotRequired[int]  # the epoch second the worker kept the reply (ChatJob.keep)
     i: NotRequired[int]
 
 

@@ -272,6 +272,34 @@ for i, key in ipairs(KEYS) do
 end
 return #KEYS
 """
+# A reply kept with its request's final event (jobs.Keep): copied unless a deletion
+# names its keeper or an admin (the deletion is then kept longer), the first copy
+# standing; queued for the stream's writer (on a cluster the stream is in another slot:
+# queued apart, KEEP_QUEUE_LUA). KEYS: copy, deletions[, stream]. ARGV: keeper, draft,
+# reply (the events, a JSON array), request id, copy TTL, deletion TTL, stream maxlen.
+# Returns 1 when kept.
+KEEP_LUA = """
+if redis.call('SISMEMBER', KEYS[2], '*') == 1
+   or redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
+  redis.call('EXPIRE', KEYS[2], ARGV[6])
+  return 0
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'by', ARGV[1], 'draft', ARGV[2], 'reply', ARGV[3],
+             'rid', ARGV[4])
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+end
+if KEYS[3] then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'by', ARGV[1],
+             'draft', ARGV[2], 'reply', ARGV[3], 'rid', ARGV[4])
+end
+return 1
+"""
+# KEYS: the stream. ARGV: keeper, draft, reply, request id, maxlen.
+KEEP_QUEUE_LUA = """
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[5], '*', 'by', ARGV[1],
+                  'draft', ARGV[2], 'reply', ARGV[3], 'rid', ARGV[4])
+"""
 EVENTS_PER_CALL = 1000  # bounds how long one call holds Redis (events, finals, acks)
 
 # Forget a stream that is still empty (workers call it for streams idle a while).

@@ -33,6 +33,7 @@ from inference.jobs import (
     EmbedJob,
     ErrorEvent,
     Job,
+    Keep,
     default_max_tokens,
 )
 from inference.routing import Route
@@ -218,7 +219,8 @@ class Gateway:
                    conversation_id: str | None = None, protocol: str = "rest",
                    timeout_s: float | None = None, stream: bool | None = None,
                    action: str = "chat.completions", raw_prompt: bool = False,
-                   earlier: list[dict[str, Any]] | None = None) -> Submitted:
+                   earlier: list[dict[str, Any]] | None = None,
+                   keep: Keep | None = None) -> Submitted:
         """Admit and enqueue one chat call (`req.n` choices: streaming/choices.py).
         `stream`: whether the caller consumes the reply token by token (default: the
         request's own `stream`); when it does not, the worker sends the reply in one
@@ -227,7 +229,9 @@ class Gateway:
         the model's prompt as it is, without the chat template or any history.
         `earlier`: chat messages before `req`'s that the worker may drop, oldest first,
         until the prompt fits the model's context (the Responses API's truncation
-        "auto"); they go with the conversation's history."""
+        "auto"); they go with the conversation's history. `keep`: the worker keeps the
+        reply with its final event (inference/jobs.py Keep; not a continuation's, whose
+        reply starts on another deployment)."""
         target = await self._model(principal, req.model, Kind.CHAT)
         conversation_id = req.conversation_id or conversation_id
         n = req.n or 1
@@ -274,8 +278,10 @@ class Gateway:
                 # token counts with the model's own tokenizer).
                 attempt = msgspec.structs.replace(attempt, history=history)
             # After another deployment's reply was cut: its continuation (routed.py).
+            resume = routed.resume if routed else None
             attempt = msgspec.structs.replace(attempt, max_tokens=max_tokens, stream=stream,
-                                              resume=routed.resume if routed else None)
+                                              resume=resume,
+                                              keep=keep if resume is None else None)
             if routed is not None:
                 await routed.supersede(key)
             handle, *more = await self._submit(

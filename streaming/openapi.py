@@ -20,7 +20,7 @@ from streaming.apis.completions import CompletionRequest, TextCompletion
 from streaming.apis.messages import OPENAPI_MODELS as MESSAGES_MODELS
 from streaming.apis.messages import openapi_paths as messages_paths
 from streaming.apis.responses import ResponsesRequest
-from streaming.apis.responses_stream import ResponseObject
+from streaming.responses_wire import ResponseObject
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 
 

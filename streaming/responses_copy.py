@@ -1,18 +1,30 @@
 """Stored responses in Redis: the copy every gateway reads until the database has it.
 
-A response the gateway stores (streaming/responses_store.py `response_save`) is written
-to Redis, redacted, in the call's coalesced round trip (sluice.redis Coalescer): one
-script on a single Redis, two on a cluster (the stream is in a slot of its own):
+A stored response reaches Redis one of two ways:
+- kept by the worker (`keep`: a job's inference/jobs.Keep), in the write that ends
+  its request, before the gateway hears of the end: the gateway's draft (the response
+  object's fields the request decides, the input items) and the reply's events, not
+  yet redacted; readers and the writer make the row (streaming/responses_rows.py
+  `kept_row`, redacting then). The common case: the call adds no write of its own;
+- put by the gateway (`put`, streaming/responses_store.py `response_save`) when the
+  worker did not keep it (a failed stream's response, a continuation on another
+  deployment, a reply the worker did not make whole): the row, redacted, in the call's
+  coalesced round trip (sluice.redis Coalescer), one script on a single Redis, two on
+  a cluster (the stream is in a slot of its own).
 
-    sluice:{<tenant>}:response:<id>          hash: by (its creator), row (Row as JSON);
-                                             TTL COPY_TTL_S, dropped once written
-    sluice:responses:stored                  stream of rows (field "row") for the
-                                             writer (streaming/responses_writer.py)
+    sluice:{<tenant>}:response:<id>          hash: by (its creator), and row (Row as
+                                             JSON) or draft, reply, rid (kept); TTL
+                                             COPY_TTL_S, dropped once written
+    sluice:responses:stored                  stream of the same (fields "row", or by,
+                                             draft, reply, rid) for the writer
+                                             (streaming/responses_writer.py)
     sluice:{<tenant>}:response-deleted:<id>  set of who deleted it ("*": an admin)
 
 A reader looks at the copy first, then the database; the writer moves rows into the
 database and drops their copies after its commit, so a row is always in one or the
-other. What a copy holds is the database row as the writer will insert it.
+other. A kept copy holds text not yet redacted until the writer writes it (normally
+within a second; while the writer is down, as long as COPY_TTL_S), as the queue's jobs
+and the requests' event streams hold their text.
 
 A DELETE wins over a save it races, at each step: its script records the deletion and
 drops a copy its caller may delete, in one step; a save's script neither copies nor
@@ -39,6 +51,7 @@ import orjson
 from django.conf import settings
 from redis.exceptions import RedisError
 
+from inference.jobs import Keep
 from sluice.errors import store_unavailable
 from sluice.redis import Coalescer, ScriptBatch, is_cluster, sync_redis
 from sluice.streamwriter import STREAMS
@@ -81,6 +94,23 @@ def from_wire(raw: bytes | str) -> Row:
     fields = orjson.loads(raw)
     fields["created_at"] = datetime.fromisoformat(fields["created_at"])
     return Row(**fields)
+
+
+class Kept(NamedTuple):
+    """A reply a worker kept: who called (`by`), the gateway's `draft` (JSON), the
+    reply's events (a JSON array) and its request's id (streaming/responses_rows.py
+    makes it a Row)."""
+
+    by: str
+    draft: bytes
+    reply: bytes
+    rid: str
+
+
+def kept_from(fields: dict[bytes, bytes]) -> Kept:
+    """The Kept of a copy's hash or a stream entry's fields (KeyError: not one)."""
+    return Kept(fields[b"by"].decode(), fields[b"draft"], fields[b"reply"],
+                fields[b"rid"].decode())
 
 
 def copy_key(tenant_id: int, response_id: str) -> str:
@@ -160,10 +190,21 @@ async def put(scripts: Coalescer, row: Row) -> None:
                          scripts.script(_ENQUEUE_LUA, [STREAM], [wire, STREAM_MAXLEN]))
 
 
-def read(tenant_id: int, response_id: str) -> Row | None:
-    """The copy of a response not yet in the database (None: none). Raises RedisError."""
-    raw = sync_redis().hget(copy_key(tenant_id, response_id), "row")
-    return None if raw is None else from_wire(raw)
+def keep(tenant_id: int, created_by: str, draft: str) -> Keep:
+    """What a call's job carries for its worker to keep its reply (response id
+    `resp_<request id>`) with `draft` (streaming/responses_rows.py `keep_draft`)."""
+    return Keep(key=copy_key(tenant_id, "resp_"), deletions=forget_key(tenant_id, "resp_"),
+                stream=STREAM, by=created_by, draft=draft, ttl_s=COPY_TTL_S,
+                forget_s=FORGET_STORED_S, maxlen=STREAM_MAXLEN)
+
+
+def read(tenant_id: int, response_id: str) -> Row | Kept | None:
+    """The copy of a response not yet in the database (None: none): its row, or the
+    reply a worker kept. Raises RedisError."""
+    fields = sync_redis().hgetall(copy_key(tenant_id, response_id))
+    if not fields:
+        return None
+    return from_wire(fields[b"row"]) if b"row" in fields else kept_from(fields)
 
 
 def forget(*, tenant_id: int, response_id: str, subject: str | None, found: bool) -> bool:

@@ -13,11 +13,13 @@ retention (tenants/privacy.py) or a malformed id are all the same NotFound. A ne
 as far as its links are readable (a deleted or expired response ends it). The retention
 task deletes what is past retention (`responses_purge`).
 
-Where a stored response is: a call's save (`response_save`) puts it in Redis, in the
-call's coalesced round trip (streaming/responses_copy.py), and a writer process moves it
-into the database in batches (streaming/responses_writer.py), dropping the copy once it
-is committed; every reader looks at the copy first, then the database, so a response
-is readable from every gateway process as soon as its caller has the reply. A DELETE
+Where a stored response is: in Redis first (streaming/responses_copy.py), kept there by
+the worker with the request's final event (the call's job carries the draft:
+`response_keep`) or, when the worker did not keep it, put there by the call's save
+(`response_save`); a writer process moves it into the database in batches
+(streaming/responses_writer.py), dropping the copy once it is committed; every reader
+looks at the copy first, then the database, so a response is readable from every
+gateway process as soon as its caller has the reply. A DELETE
 wins over a save it races (`response_delete`). Until the writer commits it, a response
 is only in Redis (as the audit stream's events and the queue's jobs are).
 """
@@ -25,24 +27,23 @@ is only in Redis (as the audit stream's events and the queue's jobs are).
 from __future__ import annotations
 
 import itertools
-import json
 import re
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, NamedTuple
 
-import orjson
 from django.db import connection
 from django.db.models import QuerySet
-from django.utils import timezone
 from redis.exceptions import RedisError
 
-from governance.privacy import Redactor, redact_json, redactor, redactor_now
+from governance.privacy import redactor, redactor_now
+from inference.jobs import Keep
 from sluice.errors import NotFound
 from sluice.redis import Coalescer
 from streaming import responses_copy
 from streaming.gateway import queue_unavailable
 from streaming.models import StoredResponse
-from streaming.responses_copy import Row
+from streaming.responses_copy import Kept
+from streaming.responses_rows import keep_draft, kept_row, row
 from streaming.responses_writer import insert
 from tenants.principal import Principal
 from tenants.privacy import policy_of, retention_groups
@@ -51,9 +52,6 @@ from tenants.selectors import owned, require
 
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{24}$")
 MAX_CHAIN = 256  # responses followed back from a previous_response_id, at most
-# The response object's fields that have columns of their own; the rest is `details`.
-_COLUMNS = frozenset({"id", "object", "created_at", "status", "model", "output", "usage",
-                    "previous_response_id", "store"})
 
 
 class _Scope(NamedTuple):
@@ -89,6 +87,11 @@ def _copied(scope: _Scope, response_id: str) -> tuple[bool, StoredResponse | Non
         raise queue_unavailable() from None
     if copy is None:
         return False, None
+    if isinstance(copy, Kept):
+        try:
+            copy = kept_row(copy, redactor_now)
+        except (ValueError, TypeError, KeyError):  # not what a worker keeps: unreadable
+            return True, None
     mine = actor.can(Action.CONVERSATION_MANAGE_ALL) or copy.created_by == actor.subject
     if not mine or copy.created_at < scope.cutoff:
         return True, None
@@ -198,81 +201,28 @@ def response_context(*, actor: Principal, response_id: str) -> list[dict[str, An
     return [item for r in reversed(chain) for item in (*r.input_items, *r.output_items)]
 
 
-def _no_nul(text: str) -> str:
-    return text.replace("\x00", "\ufffd")
-
-
-def _stored(clean: Redactor) -> Redactor:
-    # PostgreSQL's jsonb cannot hold a NUL (a 500 at the insert): kept as U+FFFD, as
-    # conversations keep it.
-    return lambda text: _no_nul(clean(text))
-
-
-_OURS = frozenset({"id", "type", "role", "status"})  # an item's and a content part's
-# The response object's free text of the caller's besides its items and metadata (an
-# identifier may be an e-mail address).
-_CALLERS_TEXT = ("instructions", "user", "prompt_cache_key", "safety_identifier")
-
-
-def _clean_fields(value: Any, clean: Redactor) -> Any:
-    if isinstance(value, str):
-        return clean(value)
-    if isinstance(value, list):
-        return [_clean_fields(v, clean) for v in value]
-    if isinstance(value, dict):
-        return {k: v if k in _OURS and isinstance(v, str) else _clean_fields(v, clean)
-                for k, v in value.items()}
-    return value
-
-
-def _clean_item(item: dict[str, Any], clean: Redactor) -> dict[str, Any]:
-    """An item's strings through `clean` but its own ids, types, roles and statuses
-    (made here or checked against a fixed set: no text of the caller's); a function
-    call's arguments as JSON when they parse (redacting the serialized text could leave
-    an unquoted placeholder)."""
-    cleaned = _clean_fields(item, clean)
-    if item.get("type") == "function_call":
-        try:
-            arguments = json.loads(item.get("arguments") or "")
-        except ValueError:
-            return cleaned
-        cleaned["arguments"] = json.dumps(redact_json(arguments, clean, keys=True))
-    return cleaned
-
-
-def _row(actor: Principal, body: dict[str, Any], input_items: list[dict[str, Any]],
-         clean: Redactor) -> Row:
-    """The response object `body` and the call's own `input_items` as a row, redacted
-    with `clean`."""
-    clean = _stored(clean)
-    details = {k: v for k, v in body.items() if k not in _COLUMNS}
-    if b"\\u0000" in orjson.dumps(details):  # rare: not walked string by string
-        details = redact_json(details, _no_nul, keys=True)
-    for key in _CALLERS_TEXT:
-        if isinstance(details.get(key), str):
-            details[key] = clean(details[key])
-    details["metadata"] = redact_json(details.get("metadata") or {}, clean, keys=True)
-    created = body.get("created_at")
-    return Row(
-        tenant_id=actor.tenant_id, public_id=body["id"], created_by=actor.subject,
-        model=body["model"], status=body["status"],
-        previous_response_id=body.get("previous_response_id") or "",
-        input_items=[_clean_item(i, clean) for i in input_items],
-        output_items=[_clean_item(i, clean) for i in body.get("output") or []],
-        usage=body.get("usage"), details=details,
-        created_at=(datetime.fromtimestamp(created, tz=UTC)
-                    if isinstance(created, int | float) else timezone.now()))
-
-
 def response_create(*, actor: Principal, body: dict[str, Any],
                     input_items: list[dict[str, Any]]) -> StoredResponse:
     """Store a response object `body` and the call's own `input_items`, redacted per the
     tenant's policy (read now), in the database at once (sync callers: services, tests);
     storing an id again stores nothing. The row as stored (unsaved instance)."""
     require(actor, Action.MODEL_USE)
-    row = _row(actor, body, input_items, redactor_now(actor.tenant_id))
-    insert([row])
-    return StoredResponse(**row._asdict())
+    made = row(actor.tenant_id, actor.subject, body, input_items,
+               redactor_now(actor.tenant_id))
+    insert([made])
+    return StoredResponse(**made._asdict())
+
+
+def response_keep(*, actor: Principal, head: dict[str, Any],
+                  input_items: list[dict[str, Any]]) -> Keep:
+    """What a call's job carries for its worker to store its response (inference/jobs.py
+    Keep): the response object's fields the request decides (`head`) and the call's own
+    input items, redacted when a reader or the writer makes them a row. The response
+    is stored when the final event says `kept_at`; else the call stores it
+    (`response_save`)."""
+    require(actor, Action.MODEL_USE)
+    return responses_copy.keep(actor.tenant_id, actor.subject,
+                               keep_draft(actor.tenant_id, head, input_items))
 
 
 async def response_save(*, actor: Principal, body: dict[str, Any],
@@ -282,9 +232,10 @@ async def response_save(*, actor: Principal, body: dict[str, Any],
     process when this returns; a writer process puts it in the database. Redis failing
     is the queue's retriable 503."""
     require(actor, Action.MODEL_USE)
-    row = _row(actor, body, input_items, await redactor(actor.tenant_id))
+    made = row(actor.tenant_id, actor.subject, body, input_items,
+               await redactor(actor.tenant_id))
     try:
-        await responses_copy.put(scripts, row)
+        await responses_copy.put(scripts, made)
     except RedisError:
         raise queue_unavailable() from None
 

@@ -2,9 +2,10 @@
 
     manage.py responseswriter        # until SIGTERM/SIGINT; several may run
 
-The gateway puts each stored response in Redis (streaming/responses_copy.py: a copy the
-readers find, and an entry of the stream `sluice:responses:stored`); this process moves
-them into PostgreSQL off the calls' path with the loop the audit writer uses
+Each stored response is in Redis (streaming/responses_copy.py: a copy the readers
+find, and an entry of the stream `sluice:responses:stored`: a row the gateway made, or
+a reply a worker kept, which this process makes a row, redacting it); this process
+moves them into PostgreSQL off the calls' path with the loop the audit writer uses
 (sluice/streamwriter.py: a consumer group, batches of up to 500 written in one
 transaction, entries acknowledged only after commit, a dead writer's entries claimed):
 - a batch is written by `insert`: one constant statement for every row, no model
@@ -30,10 +31,12 @@ from django.db.models import Field, JSONField
 from django.db.models.constants import OnConflict
 from redis import exceptions as redis_errors
 
+from governance.privacy import redactor_now
 from sluice.db import OUTAGE
 from sluice.streamwriter import Entry, StreamWriter
 from streaming.models import StoredResponse
-from streaming.responses_copy import STREAM, Row, copy_key, forgotten, from_wire
+from streaming.responses_copy import STREAM, Row, copy_key, forgotten, from_wire, kept_from
+from streaming.responses_rows import kept_row
 
 logger = logging.getLogger(__name__)
 _FIELDS: list[Field[Any, Any]] = [
@@ -101,9 +104,11 @@ class Writer(StreamWriter):
 
     def write(self, entries: list[Entry]) -> list[str]:
         rows: dict[str, Row] = {}  # by id: an id twice in a batch is written once
+        redactor_of = functools.cache(redactor_now)  # each tenant's policy, read once
         for entry_id, fields in entries:
             try:
-                row = from_wire(fields[b"row"])
+                row = from_wire(fields[b"row"]) if b"row" in fields \
+                    else kept_row(kept_from(fields), redactor_of)
             except (KeyError, ValueError, TypeError):
                 logger.error("stored responses' entry %s is malformed; dropped", entry_id)
                 continue

@@ -15,7 +15,12 @@ What one write does (`Writer.write`), in as few round trips as it can:
   first delivery to finish a request owns its one final event (one charge);
 - every other event is appended by EVENTS_LUA, one call per tenant and chunk;
 - the waiting gateway gets one message per write, with every event of the step;
-- ACKS_LUA acknowledges the finished entries and releases their counts.
+- ACKS_LUA acknowledges the finished entries and releases their counts;
+- a reply its job asks to keep (jobs.Keep: the Responses API's stored response) is
+  kept by KEEP_LUA before the gateway's message, in the same round trip (on a cluster,
+  in a round trip of its own before it): the events of such a request are gathered as
+  they are written, and its `done` event, when this worker wrote every event of it,
+  says `kept_at`.
 A first delivery's finals are claimed in the same round trip, ownership presumed; a
 redelivery asks first, and when another delivery finished the request, the gateway is
 told the final that stands (this delivery's own events are dropped).
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -32,12 +38,26 @@ import redis
 
 from inference import queue as q
 from inference.engine.entries import Pending
-from inference.jobs import FINAL_EVENTS, Event, FinalEvent, encode_event
-from sluice.redis import ScriptBatch, chunks
+from inference.jobs import FINAL_EVENTS, ChatJob, Event, FinalEvent, JobError, Keep, encode_event
+from sluice.redis import ScriptBatch, chunks, is_cluster
 
 logger = logging.getLogger("sluice.worker")
 
 Outgoing = list[tuple[q.QueuedRequest, Event]]
+_KEEPING_MAX = 100_000  # replies gathered at once, at most (the oldest are given up)
+
+
+class _Keeping:
+    """A reply being gathered to keep: its job's Keep, its encoded events so far, how
+    many events it had, and whether they are all of its events from the first."""
+
+    __slots__ = ("count", "events", "keep", "whole")
+
+    def __init__(self, keep: Keep) -> None:
+        self.keep = keep
+        self.events: list[str] = []
+        self.count = 0
+        self.whole = True
 
 
 class Outbox:
@@ -80,6 +100,8 @@ class Writer:
         self.worker_id = worker_id
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-writer")
         self._writing: Future[None] | None = None
+        self._cluster = is_cluster(client)
+        self._keeping: dict[str, _Keeping] = {}  # by request id
 
     def flush(self, outbox: Outbox, *, background: bool, wait: bool = False) -> None:
         """Write what `outbox` holds: on the writer thread when `background` (a step
@@ -123,7 +145,9 @@ class Writer:
     def write(self, outbox: Outgoing, acks: list[Pending]) -> None:
         """One step's events, then the acknowledgements of `acks` (see the module
         docstring); any thread, one call at a time."""
+        keeping = self._gather(outbox)
         encoded = [(req, event, encode_event(event)) for req, event in outbox]
+        kept = self._gathered(keeping, encoded)
         finishing: dict[str, tuple[q.QueuedRequest, list[str]]] = {
             req.rid: (req, []) for req, event, _data in encoded
             if event["t"] in FINAL_EVENTS}
@@ -156,6 +180,11 @@ class Writer:
                         owned.add(rid)
                     elif reply:
                         stored[rid] = _s(reply)
+        kept = [(req, k) for req, k in kept if req.rid in owned]
+        if kept and self._cluster:  # before the gateway hears of them: a round trip first
+            keeps = ScriptBatch(self.redis)
+            self._keep(keeps, kept, queue=False)
+            keeps.run()
         by_gateway: dict[str, list[str]] = {}
         appends: dict[str, list[tuple[str, str, str]]] = {}  # tenant -> (stream, event, first)
         for req, event, data in encoded:
@@ -176,6 +205,8 @@ class Writer:
                 batch.script(q.EVENTS_LUA, [stream for stream, _e, _f in chunk],
                              [q.OUT_TTL_S, *(x for _stream, event, first in chunk
                                              for x in (event, first))])
+        if kept:
+            self._keep(batch, kept, queue=True)
         # One message per gateway per step carries every event of the step.
         for gateway, items in by_gateway.items():
             q.add_gateway_message(batch.pipe, gateway, items)
@@ -189,6 +220,67 @@ class Writer:
                     if reply != 1:
                         logger.warning("request %s was finished by another worker too; "
                                        "the gateway kept the first final it got", rid)
+
+    def _gather(self, outbox: Outgoing) -> dict[str, _Keeping]:
+        """Start gathering the replies to keep whose first event is in `outbox`, mark
+        each kept `done` event (`kept_at`: every event of the reply is this worker's);
+        the replies gathered that have events in `outbox`."""
+        touched: dict[str, _Keeping] = {}
+        for req, event in outbox:
+            keeping = self._keeping.get(req.rid)
+            if keeping is None and event["seq"] == 0 and b'"keep"' in req.body:
+                with contextlib.suppress(JobError):
+                    job = req.job()
+                    if isinstance(job, ChatJob) and job.keep is not None:
+                        keeping = self._keeping[req.rid] = _Keeping(job.keep)
+                        if len(self._keeping) > _KEEPING_MAX:  # finals that never came
+                            del self._keeping[next(iter(self._keeping))]
+            if keeping is None:
+                continue
+            touched[req.rid] = keeping
+            keeping.whole = keeping.whole and event["seq"] == keeping.count
+            keeping.count += 1
+            if event["t"] == "done" and keeping.whole and event["finish"] != "cancelled":
+                event["kept_at"] = int(time.time())
+        return touched
+
+    def _gathered(self, keeping: dict[str, _Keeping],
+                  encoded: list[tuple[q.QueuedRequest, Event, str]]
+                  ) -> list[tuple[q.QueuedRequest, _Keeping]]:
+        """The gathered events' encodings filled in; the replies that end here kept
+        (their gathering ends either way)."""
+        kept = []
+        if keeping:
+            for req, event, data in encoded:
+                k = keeping.get(req.rid)
+                if k is None:
+                    continue
+                k.events.append(data)
+                if event["t"] in FINAL_EVENTS:
+                    self._keeping.pop(req.rid, None)
+                    if "kept_at" in event:
+                        kept.append((req, k))
+        return kept
+
+    def _keep(self, batch: ScriptBatch, kept: list[tuple[q.QueuedRequest, _Keeping]], *,
+              queue: bool) -> None:
+        """KEEP_LUA for each kept reply, queued for its writer in the same script on a
+        single Redis; on a cluster the copy (`queue` False) and the queueing (`queue`)
+        are apart (two slots)."""
+        for req, k in kept:
+            keep, reply = k.keep, "[" + ",".join(k.events) + "]"
+            if not self._cluster:
+                batch.script(q.KEEP_LUA, [keep.key + req.rid, keep.deletions + req.rid,
+                                          keep.stream],
+                             [keep.by, keep.draft, reply, req.rid, keep.ttl_s,
+                              keep.forget_s, keep.maxlen])
+            elif queue:
+                batch.script(q.KEEP_QUEUE_LUA, [keep.stream],
+                             [keep.by, keep.draft, reply, req.rid, keep.maxlen])
+            else:
+                batch.script(q.KEEP_LUA, [keep.key + req.rid, keep.deletions + req.rid],
+                             [keep.by, keep.draft, reply, req.rid, keep.ttl_s,
+                              keep.forget_s, keep.maxlen])
 
     def _claims(self, batch: ScriptBatch,
                 finishing: list[tuple[q.QueuedRequest, list[str]]]) -> list[list[str]]:

@@ -7,12 +7,14 @@ ChatCompletionRequest, so it gets the same governance, quotas, audit (action
 "responses"), metrics and structured generation as chat. With `previous_response_id`
 the call starts from that stored response's chain (streaming/responses_store.py; its
 instructions are not carried over, as OpenAI does). With `store` (the default) the reply
-is stored, redacted per the tenant's policy, before the caller sees it (in Redis, in
-the call's coalesced round trip; a writer process puts it in the database): a next call
-from any gateway can always find it. With `truncation` "auto" the messages before the
-conversation's last user message may be dropped, oldest first, to fit the model's
-context (the gateway's `earlier`). A streamed reply is encoded by
-streaming/apis/responses_stream.py.
+is stored before the caller sees it, in Redis (a writer process puts it in the
+database, redacted per the tenant's policy): the worker keeps it with the request's
+final event (the job carries the draft: responses_store `response_keep`), or, when the
+worker did not (a failed stream, a continuation on another deployment), the call
+saves it; a next call from any gateway can always find it. With `truncation` "auto"
+the messages before the conversation's last user message may be dropped, oldest first,
+to fit the model's context (the gateway's `earlier`). A streamed reply is encoded by
+streaming/responses_wire.py.
 
 Everything the caller got wrong is a 400 in OpenAI's shape naming the Responses field
 (`input[2].call_id`, `text.format.schema`, `max_output_tokens`), never chat's.
@@ -34,10 +36,10 @@ from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
 from streaming import bodies, responses_copy
 from streaming.apis import Api, Context, register
-from streaming.apis.responses_stream import EventStream, finished, output
 from streaming.gateway import error_from_event
 from streaming.httpio import KeepAlive, send_json
-from streaming.responses_store import response_context, response_save
+from streaming.responses_store import response_context, response_keep, response_save
+from streaming.responses_wire import EventStream, finished, output
 from streaming.schemas import ChatCompletionRequest, ClientHints, Effort, ModelName, Verbosity
 from streaming.submitted import Submitted
 
@@ -357,31 +359,34 @@ class ResponsesApi(Api):
         conversation = chat_messages([*before, *items])
         earlier, conversation = droppable(conversation, req.truncation)
         chat = chat_request(req, system + conversation)
+        base = head(req, "")  # the request's fields; its id is the last attempt's
+        keep = None
         if req.store:  # before the call runs: its reply could not be kept
             await responses_copy.keeps_up(call.gateway.client.scripts)
+            keep = response_keep(actor=ctx.principal, head=base, input_items=items)
         try:
-            sub = await call.chat(chat, stream=req.stream, earlier=earlier,
+            sub = await call.chat(chat, stream=req.stream, earlier=earlier, keep=keep,
                                   idempotency_key=ctx.headers.get("idempotency-key"))
         except ApiError as exc:
             raise renamed(exc) from None
         async with call.watching(ctx.receive, resumable=False):
             if req.stream:
-                await self._stream(ctx, sub, req, items)
+                await self._stream(ctx, sub, req, base, items)
             else:
-                await self._complete(ctx, sub, req, items)
+                await self._complete(ctx, sub, req, base, items)
 
     async def _complete(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
-                        items: list[dict[str, Any]]) -> None:
+                        base: dict[str, Any], items: list[dict[str, Any]]) -> None:
         text, final = await bodies.whole_reply(sub)
         rid = sub.handle.rid
-        body = finished(head(req, rid), output(rid, text, final), final)
-        if req.store:  # before the caller sees it: its next call must find it
-            await response_save(actor=ctx.principal, body=body, input_items=items,
-                                scripts=ctx.call.gateway.client.scripts)
+        body = finished({**base, "id": f"resp_{rid}"}, output(rid, text, final), final)
+        if req.store and "kept_at" not in final:  # before the caller sees it: its next
+            await response_save(actor=ctx.principal, body=body,  # call must find it
+                                input_items=items, scripts=ctx.call.gateway.client.scripts)
         await send_json(ctx.send, 200, body, sub.headers)
 
     async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
-                      items: list[dict[str, Any]]) -> None:
+                      base: dict[str, Any], items: list[dict[str, Any]]) -> None:
 
         rid = sub.handle.rid
         async with contextlib.aclosing(sub.events()) as events:
@@ -394,7 +399,7 @@ class ResponsesApi(Api):
                 (b"x-request-id", rid.encode()),
                 *((k.lower().encode(), v.encode()) for k, v in sub.headers.items())]})
             out = KeepAlive(ctx.send, settings.SLUICE_SSE_HEARTBEAT_S)
-            stream = EventStream(out, head(req, rid), rid)
+            stream = EventStream(out, {**base, "id": f"resp_{rid}"}, rid)
             try:
                 stream.start()
                 event: Event | None = first
@@ -419,10 +424,11 @@ class ResponsesApi(Api):
                       items: list[dict[str, Any]], *, final: DoneEvent | None = None,
                       error: ApiError | None = None) -> None:
         """The stream's last events (queued: they go with its last message): the output
-        closed, the response stored (when asked), then completed / incomplete / failed."""
+        closed, the response stored (when asked and the worker did not keep it), then
+        completed / incomplete / failed."""
         body = stream.end(final) if final is not None else \
             stream.fail(error or BadRequest("The generation failed."))
-        if req.store:
+        if req.store and (final is None or "kept_at" not in final):
             try:
                 await response_save(actor=ctx.principal, body=body, input_items=items,
                                     scripts=ctx.call.gateway.client.scripts)

@@ -242,6 +242,7 @@ def test_function_call_is_an_output_item_with_valid_arguments(client: openai.Ope
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     assert response.output_text == ""
+    assert client.responses.retrieve(response.id) == response  # stored as answered
     # The call and its result go back as items: the next turn's prompt holds both
     follow = client.responses.create(model=roomy, previous_response_id=response.id,
                                      tools=[WEATHER], tool_choice="none", max_output_tokens=4,
@@ -276,6 +277,7 @@ def test_streamed_function_call_sends_argument_events(client: openai.OpenAI,
     jsonschema.validate(json.loads(done.arguments), WEATHER["parameters"])
     [call] = events[-1].response.output
     assert call.type == "function_call" and call.arguments == done.arguments
+    assert client.responses.retrieve(events[-1].response.id) == events[-1].response
 
 
 @pytest.mark.parametrize("fmt", [

@@ -16,8 +16,8 @@ import httpx2
 
 from inference.jobs import DoneEvent, ToolDelta
 from streaming.apis.messages_stream import _Blocks
-from streaming.apis.responses_stream import EventStream
 from streaming.httpio import KeepAlive
+from streaming.responses_wire import EventStream
 
 CALLS = [("call_r1", "get_weather", '{"city": "Oslo", "unit": "celsius"}'),
          ("call_r1_1", "get_time", '{"zone": "CET"}')]

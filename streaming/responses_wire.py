@@ -17,7 +17,7 @@ arguments, when the worker streams its calls; else one with them whole) / `.done
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import orjson
 from pydantic import BaseModel
@@ -26,8 +26,11 @@ from inference.jobs import DoneEvent, ToolCall, ToolDelta
 from sluice.errors import ApiError
 from streaming import bodies
 
-if TYPE_CHECKING:  # streaming.asgi imports the APIs: theirs is a run-time import
-    from streaming.httpio import KeepAlive
+
+class Frames(Protocol):
+    """Where a stream's encoded events go (streaming/httpio.py KeepAlive)."""
+
+    def add(self, body: bytes) -> None: ...
 
 
 # -- the response object ----------------------------------------------------------------
@@ -73,7 +76,9 @@ def finished(head: dict[str, Any], items: list[dict[str, Any]],
     """The response object once the call ended with `final` (a worker's done event)."""
     status = _status(final)
     return {**head, "status": status, "output": items, "usage": usage(final),
-            "completed_at": int(time.time()) if status == "completed" else None,
+            # The worker's time when it kept the reply: the stored copy says the same.
+            "completed_at": final.get("kept_at") or int(time.time())
+            if status == "completed" else None,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None}
 
@@ -97,7 +102,7 @@ class EventStream:
     Events are queued on `out` (KeepAlive.add): the caller flushes them once per
     worker event and sends what is left with the stream's last message."""
 
-    def __init__(self, out: KeepAlive, head: dict[str, Any], rid: str) -> None:
+    def __init__(self, out: Frames, head: dict[str, Any], rid: str) -> None:
         self.out, self.head, self.rid = out, head, rid
         self.seq = 0
         self.parts: list[str] = []
