@@ -28,7 +28,7 @@ from django.utils import timezone
 from governance.privacy import Redactor, redact_json
 from inference.jobs import Event
 from streaming.responses_copy import Kept, Row
-from streaming.responses_wire import EventStream
+from streaming.responses_wire import EventStream, finished, output
 
 # The response object's fields that have columns of their own; the rest is `details`.
 _COLUMNS = frozenset({"id", "object", "created_at", "status", "model", "output", "usage",
@@ -53,16 +53,22 @@ def kept_body(draft: dict[str, Any], rid: str, events: list[Event]) -> dict[str,
     """The response object of a kept reply, as its caller got it (streaming/apis/
     responses.py encodes the same events the same way). ValueError when the events do
     not end with a `done` event."""
-    stream = EventStream(_Unsent(), {**draft["head"], "id": f"resp_{rid}"}, rid)
+    head = {**draft["head"], "id": f"resp_{rid}"}
+    final = events[-1] if events else None
+    if final is None or final["t"] != "done":
+        raise ValueError(f"the reply kept for {rid} has no done event")
+    if not any("tools" in e for e in events):  # the items as a plain call makes them
+        text = "".join(e["text"] for e in events if e["t"] == "delta")
+        return finished(head, output(rid, text, final), final)
+    # Calls written piece by piece: a call cut short is an item of its own.
+    stream = EventStream(_Unsent(), head, rid)
     for event in events:
         if event["t"] == "delta":
             if event["text"]:
                 stream.text(event["text"])
             if "tools" in event:
                 stream.calls(event["tools"])
-        elif event["t"] == "done":
-            return stream.end(event)
-    raise ValueError(f"the reply kept for {rid} has no done event")
+    return stream.end(final)
 
 
 def kept_row(kept: Kept, redactor_of: Callable[[int], Redactor]) -> Row:

@@ -219,8 +219,7 @@ def response_keep(*, actor: Principal, head: dict[str, Any],
     Keep): the response object's fields the request decides (`head`) and the call's own
     input items, redacted when a reader or the writer makes them a row. The response
     is stored when the final event says `kept_at`; else the call stores it
-    (`response_save`)."""
-    require(actor, Action.MODEL_USE)
+    (`response_save`). The call's admission checks the actor's right to call models."""
     return responses_copy.keep(actor.tenant_id, actor.subject,
                                keep_draft(actor.tenant_id, head, input_items))
 
