@@ -282,6 +282,7 @@ def profile(mode: Mode, folder: Path, clients: int, requests: int,
         spy.send_signal(2)  # SIGINT: py-spy writes what it has
         spy.wait(60)
     if keep is not None:  # for a comparison of stacks (py-spy's raw format)
+        keep.mkdir(parents=True, exist_ok=True)
         shutil.copy(raw, keep / f"{mode.name.replace(' ', '_').replace('=', '-')}.raw")
     own: collections.Counter[str] = collections.Counter()
     under: collections.Counter[str] = collections.Counter()
