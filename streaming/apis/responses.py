@@ -388,11 +388,13 @@ class ResponsesApi(Api):
     async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
                       base: dict[str, Any], items: list[dict[str, Any]]) -> None:
 
-        rid = sub.handle.rid
         async with contextlib.aclosing(sub.events()) as events:
             first = await anext(events)  # an error before any output is a plain HTTP error
             if first["t"] == "error":
                 raise error_from_event(first)
+            # The attempt that answers (a model alias's next one when the first failed
+            # before any event): its request's id is the response's.
+            rid = sub.handle.rid
             await ctx.send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
@@ -414,7 +416,10 @@ class ResponsesApi(Api):
                         await self._finish(ctx, stream, req, items,
                                            error=error_from_event(event))
                     elif event["t"] == "done":
-                        await self._finish(ctx, stream, req, items, final=event)
+                        # Kept by the worker under this response's id (a continuation
+                        # on another deployment is never kept: its reply began here).
+                        kept = "kept_at" in event and sub.handle.rid == rid
+                        await self._finish(ctx, stream, req, items, final=event, kept=kept)
                     event = await anext(events, None)
             finally:
                 await out.close()
@@ -422,13 +427,13 @@ class ResponsesApi(Api):
 
     async def _finish(self, ctx: Context, stream: EventStream, req: ResponsesRequest,
                       items: list[dict[str, Any]], *, final: DoneEvent | None = None,
-                      error: ApiError | None = None) -> None:
+                      error: ApiError | None = None, kept: bool = False) -> None:
         """The stream's last events (queued: they go with its last message): the output
         closed, the response stored (when asked and the worker did not keep it), then
         completed / incomplete / failed."""
         body = stream.end(final) if final is not None else \
             stream.fail(error or BadRequest("The generation failed."))
-        if req.store and (final is None or "kept_at" not in final):
+        if req.store and not kept:
             try:
                 await response_save(actor=ctx.principal, body=body, input_items=items,
                                     scripts=ctx.call.gateway.client.scripts)

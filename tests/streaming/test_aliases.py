@@ -86,9 +86,14 @@ def _ask(client: OpenAI, model: str, text: str, **params: Any) -> str:
 
 def audited(org: Org, count: int) -> list[AuditEvent]:
     """The tenant's last `count` chat call events, oldest first, once they are stored."""
+    return audited_as(org, "chat.completions", count)
+
+
+def audited_as(org: Org, action: str, count: int) -> list[AuditEvent]:
+    """The tenant's last `count` call events of `action`, oldest first, once stored."""
     def stored() -> list[AuditEvent]:
         audit.drain(settle_s=0.1)
-        rows = list(AuditEvent.objects.filter(tenant=org.tenant, action="chat.completions")
+        rows = list(AuditEvent.objects.filter(tenant=org.tenant, action=action)
                     .order_by("-seq")[:count])
         return rows if len(rows) == count else []
     return list(reversed(eventually(stored, 15, what=f"{count} audit events")))
@@ -212,3 +217,26 @@ def test_aliases_serve_several_choices_and_embeddings(live: Live, org: Org, admi
     with pytest.raises(openai.BadRequestError) as wrong:
         caller.embeddings.create(model="org/echo", input="a")
     assert wrong.value.code == "wrong_model_kind"
+
+
+def test_a_stored_response_that_fell_back_is_stored_under_the_id_its_caller_got(
+        live: Live, org: Org, admin: Any, caller: OpenAI, started: Callable[[Any], Any],
+        settings: Any) -> None:
+    settings.SLUICE_UPSTREAM_ALLOW_PRIVATE = True
+    # An alias whose first target fails every call before any text (its server is down)
+    down = deployment_create(actor=admin, name="up-down", runtime="openai_upstream",
+                             upstream_url=f"http://127.0.0.1:{free_port()}/v1",
+                             upstream_model="m", max_context=2048)
+    started(UpstreamWorker(down.to_spec(), sync_client(settings.REDIS_URL),
+                           private_ok=True, block_ms=200))
+    alias_create(actor=admin, name="org/ha", targets=[("up-down", 1)], fallbacks=["echo"])
+    # When a plain and a streamed Responses call are answered by the fallback
+    plain = caller.responses.create(model="org/ha", input="plain")
+    streamed = list(caller.responses.create(model="org/ha", input="streamed",
+                                            stream=True))[-1].response
+    # Then each is stored under the id its caller got, as it was answered
+    for response in (plain, streamed):
+        assert caller.responses.retrieve(response.id) == response
+    events = audited_as(org, "responses", 2)
+    assert [(e.model, e.detail.get("failed_attempts")) for e in events] == [
+        ("echo", "up-down (503 upstream_unavailable)")] * 2
