@@ -272,34 +272,45 @@ for i, key in ipairs(KEYS) do
 end
 return #KEYS
 """
-# A reply kept with its request's final event (jobs.Keep): copied unless a deletion
-# names its keeper or an admin (the deletion is then kept longer), the first copy
-# standing; queued for the stream's writer (on a cluster the stream is in another slot:
-# queued apart, KEEP_QUEUE_LUA). KEYS: copy, deletions[, stream]. ARGV: keeper, draft,
-# reply (the events, a JSON array), request id, copy TTL, deletion TTL, stream maxlen.
-# Returns 1 when kept.
+# A reply kept past its request (jobs.Keep; the gateway's own saves of a stored response
+# too): copied unless a deletion names its keeper or an admin ("*"; the deletion is then
+# kept longer), the first copy standing; queued for the stream's writer (on a cluster
+# the stream is in another slot: queued apart, KEEP_QUEUE_LUA). The copy and the entry
+# hold `by` (the keeper) and the given fields. KEYS: copy, deletions[, stream]. ARGV:
+# keeper, copy TTL, deletion TTL, stream maxlen, then field, value, ... Returns 1 when
+# kept.
 KEEP_LUA = """
 if redis.call('SISMEMBER', KEYS[2], '*') == 1
    or redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
-  redis.call('EXPIRE', KEYS[2], ARGV[6])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
   return 0
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 'by', ARGV[1], 'draft', ARGV[2], 'reply', ARGV[3],
-             'rid', ARGV[4])
-  redis.call('EXPIRE', KEYS[1], ARGV[5])
+  redis.call('HSET', KEYS[1], 'by', ARGV[1], unpack(ARGV, 5))
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
 if KEYS[3] then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'by', ARGV[1],
-             'draft', ARGV[2], 'reply', ARGV[3], 'rid', ARGV[4])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'by', ARGV[1], unpack(ARGV, 5))
 end
 return 1
 """
-# KEYS: the stream. ARGV: keeper, draft, reply, request id, maxlen.
+# KEYS: the stream. ARGV: keeper, maxlen, then field, value, ...
 KEEP_QUEUE_LUA = """
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[5], '*', 'by', ARGV[1],
-                  'draft', ARGV[2], 'reply', ARGV[3], 'rid', ARGV[4])
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'by', ARGV[1], unpack(ARGV, 3))
 """
+
+
+def keep_args(keeper: str, ttl_s: int, forget_s: int, maxlen: int,
+              fields: list[str | bytes]) -> list[Any]:
+    """KEEP_LUA's ARGV."""
+    return [keeper, ttl_s, forget_s, maxlen, *fields]
+
+
+def keep_queue_args(keeper: str, maxlen: int, fields: list[str | bytes]) -> list[Any]:
+    """KEEP_QUEUE_LUA's ARGV."""
+    return [keeper, maxlen, *fields]
+
+
 EVENTS_PER_CALL = 1000  # bounds how long one call holds Redis (events, finals, acks)
 
 # Forget a stream that is still empty (workers call it for streams idle a while).

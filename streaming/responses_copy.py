@@ -51,6 +51,7 @@ import orjson
 from django.conf import settings
 from redis.exceptions import RedisError
 
+from inference import queue as q
 from inference.jobs import Keep
 from sluice.errors import store_unavailable
 from sluice.redis import Coalescer, ScriptBatch, is_cluster, sync_redis
@@ -121,31 +122,6 @@ def forget_key(tenant_id: int, response_id: str) -> str:
     return f"sluice:{{{tenant_id}}}:response-deleted:{response_id}"
 
 
-# KEYS: copy, deletions[, the stream]. ARGV: creator, row, copy TTL, FORGET_STORED_S,
-# the stream's maxlen. An id its creator or an admin deleted is neither copied nor
-# queued (its deletion is kept longer: a writer may still hold the row); an id already
-# copied keeps its first copy.
-_PUT_LUA = """
-if redis.call('SISMEMBER', KEYS[2], '*') == 1
-   or redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-  return 0
-end
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 'by', ARGV[1], 'row', ARGV[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-end
-if KEYS[3] then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'row', ARGV[2])
-end
-return 1
-"""
-# On a cluster the stream is in another slot than the tenant's keys: queued by a
-# script of its own (the writer's check after its INSERT is then what makes a DELETE
-# win). KEYS: the stream. ARGV: row, maxlen.
-_ENQUEUE_LUA = """
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'row', ARGV[1])
-"""
 # KEYS: deletions, copy. ARGV: who deletes ("*": an admin), the deletion's TTL when no
 # copy is dropped, FORGET_STORED_S. Returns 1 when a copy was dropped.
 _DELETE_LUA = """
@@ -179,15 +155,18 @@ async def keeps_up(scripts: Coalescer) -> None:
 
 async def put(scripts: Coalescer, row: Row) -> None:
     """Copy `row` for the readers and queue it for the writer, in the call's coalesced
-    round trip: one script on a single Redis, two on a cluster. Raises RedisError."""
-    wire = to_wire(row)
+    round trip, as a worker keeps a reply (inference/queue.py KEEP_LUA): one script on a
+    single Redis, two on a cluster (the stream is in a slot of its own). Raises
+    RedisError."""
+    fields: list[str | bytes] = ["row", to_wire(row)]
     keys = [copy_key(row.tenant_id, row.public_id), forget_key(row.tenant_id, row.public_id)]
-    args = [row.created_by, wire, COPY_TTL_S, FORGET_STORED_S, STREAM_MAXLEN]
+    args = q.keep_args(row.created_by, COPY_TTL_S, FORGET_STORED_S, STREAM_MAXLEN, fields)
     if not is_cluster(scripts.client):
-        await scripts.script(_PUT_LUA, [*keys, STREAM], args)
+        await scripts.script(q.KEEP_LUA, [*keys, STREAM], args)
         return
-    await asyncio.gather(scripts.script(_PUT_LUA, keys, args),
-                         scripts.script(_ENQUEUE_LUA, [STREAM], [wire, STREAM_MAXLEN]))
+    await asyncio.gather(scripts.script(q.KEEP_LUA, keys, args),
+                         scripts.script(q.KEEP_QUEUE_LUA, [STREAM], q.keep_queue_args(
+                             row.created_by, STREAM_MAXLEN, fields)))
 
 
 def keep(tenant_id: int, created_by: str, draft: str) -> Keep:

@@ -264,23 +264,23 @@ class Writer:
 
     def _keep(self, batch: ScriptBatch, kept: list[tuple[q.QueuedRequest, _Keeping]], *,
               queue: bool) -> None:
-        """KEEP_LUA for each kept reply, queued for its writer in the same script on a
-        single Redis; on a cluster the copy (`queue` False) and the queueing (`queue`)
-        are apart (two slots)."""
+        """KEEP_LUA for each kept reply, which also queues it on a single Redis; on a
+        cluster (the stream in a slot of its own) the copy (`queue` False) or the
+        queueing (`queue`, KEEP_QUEUE_LUA)."""
         for req, k in kept:
-            keep, reply = k.keep, "[" + ",".join(k.events) + "]"
+            keep = k.keep
+            fields: list[str | bytes] = ["draft", keep.draft,
+                                         "reply", "[" + ",".join(k.events) + "]",
+                                         "rid", req.rid]
+            keys = [keep.key + req.rid, keep.deletions + req.rid]
+            args = q.keep_args(keep.by, keep.ttl_s, keep.forget_s, keep.maxlen, fields)
             if not self._cluster:
-                batch.script(q.KEEP_LUA, [keep.key + req.rid, keep.deletions + req.rid,
-                                          keep.stream],
-                             [keep.by, keep.draft, reply, req.rid, keep.ttl_s,
-                              keep.forget_s, keep.maxlen])
+                batch.script(q.KEEP_LUA, [*keys, keep.stream], args)
             elif queue:
                 batch.script(q.KEEP_QUEUE_LUA, [keep.stream],
-                             [keep.by, keep.draft, reply, req.rid, keep.maxlen])
+                             q.keep_queue_args(keep.by, keep.maxlen, fields))
             else:
-                batch.script(q.KEEP_LUA, [keep.key + req.rid, keep.deletions + req.rid],
-                             [keep.by, keep.draft, reply, req.rid, keep.ttl_s,
-                              keep.forget_s, keep.maxlen])
+                batch.script(q.KEEP_LUA, keys, args)
 
     def _claims(self, batch: ScriptBatch,
                 finishing: list[tuple[q.QueuedRequest, list[str]]]) -> list[list[str]]:

@@ -110,12 +110,19 @@ SITES: dict[tuple[str, str], Callable[[], Iterator[list[str]]]] = {
             for i, rid in enumerate(_rids(5))])[0]),
     ("streaming/replay.py", "FREE_LUA"): lambda: _per_tenant(
         lambda t: [q.idem_key(t, "k" * 64), q.done_key(t, _rids(1)[0])]),
-    # On a single Redis the put also takes the stream's key (one round trip); on a
-    # cluster, the keys below, and the stream through _ENQUEUE_LUA.
-    ("streaming/responses_copy.py", "_PUT_LUA"): lambda: (
+    # On a single Redis a keep also takes the stream's key (one round trip); on a
+    # cluster, the keys below, and the stream through KEEP_QUEUE_LUA.
+    ("streaming/responses_copy.py", "q.KEEP_LUA"): lambda: (
         [responses_copy.copy_key(t, r), responses_copy.forget_key(t, r)]
         for t, r in itertools.product((1, 42, 10**9), ("resp_a", "resp_" + "f" * 48))),
-    ("streaming/responses_copy.py", "_ENQUEUE_LUA"): lambda: iter([[responses_copy.STREAM]]),
+    ("streaming/responses_copy.py", "q.KEEP_QUEUE_LUA"): lambda: iter(
+        [[responses_copy.STREAM]]),
+    ("inference/engine/writer.py", "q.KEEP_LUA"): lambda: (
+        [keep.key + rid, keep.deletions + rid]
+        for keep in (responses_copy.keep(t, "u", "{}") for t in (1, 42, 10**9))
+        for rid in _rids(3)),
+    ("inference/engine/writer.py", "q.KEEP_QUEUE_LUA"): lambda: iter(
+        [[responses_copy.keep(1, "u", "{}").stream]]),
     ("streaming/responses_copy.py", "_DELETE_LUA"): lambda: (
         [responses_copy.forget_key(t, r), responses_copy.copy_key(t, r)]
         for t, r in itertools.product((1, 42, 10**9), ("resp_a", "resp_" + "f" * 48))),

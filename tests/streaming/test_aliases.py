@@ -136,21 +136,26 @@ def test_a_rate_limited_target_falls_back_and_each_attempt_is_its_own(
         _ask(caller, "echo-small", "three")
 
 
-def test_a_retriable_upstream_failure_falls_back_until_the_breaker_opens(
-        live: Live, org: Org, admin: Any, caller: OpenAI, started: Callable[[Any], Any],
-        settings: Any) -> None:
+@pytest.fixture
+def down(live: Live, admin: Any, started: Callable[[Any], Any], settings: Any) -> Deployment:
+    """An upstream deployment whose server is down (every call a retriable 503
+    upstream_unavailable before any text), served, first target of the alias org/ha
+    with echo as its fallback."""
     settings.SLUICE_UPSTREAM_ALLOW_PRIVATE = True
-    # An upstream deployment whose server is down: every call is a retriable 503
-    # (upstream_unavailable) before any text.
-    down = deployment_create(actor=admin, name="up-down", runtime="openai_upstream",
-                             upstream_url=f"http://127.0.0.1:{free_port()}/v1",
-                             upstream_model="m", max_context=2048)
+    deployment = deployment_create(actor=admin, name="up-down", runtime="openai_upstream",
+                                   upstream_url=f"http://127.0.0.1:{free_port()}/v1",
+                                   upstream_model="m", max_context=2048)
+    started(UpstreamWorker(deployment.to_spec(), sync_client(settings.REDIS_URL),
+                           private_ok=True, block_ms=200))
+    alias_create(actor=admin, name="org/ha", targets=[("up-down", 1)], fallbacks=["echo"])
+    return deployment
+
+
+def test_a_retriable_upstream_failure_falls_back_until_the_breaker_opens(
+        org: Org, caller: OpenAI, down: Deployment) -> None:
     BreakerPolicy.objects.create(deployment=down, min_calls=2, window_size=4,
                                  failure_rate=0.5, open_wait_s=600)
     policy_cache.clear()
-    started(UpstreamWorker(down.to_spec(), sync_client(settings.REDIS_URL),
-                           private_ok=True, block_ms=200))
-    alias_create(actor=admin, name="org/ha", targets=[("up-down", 1)], fallbacks=["echo"])
     for i in range(2):
         assert _ask(caller, "org/ha", f"call {i}") == f"call {i}"
     for event in audited(org, 2):
@@ -220,16 +225,8 @@ def test_aliases_serve_several_choices_and_embeddings(live: Live, org: Org, admi
 
 
 def test_a_stored_response_that_fell_back_is_stored_under_the_id_its_caller_got(
-        live: Live, org: Org, admin: Any, caller: OpenAI, started: Callable[[Any], Any],
-        settings: Any) -> None:
-    settings.SLUICE_UPSTREAM_ALLOW_PRIVATE = True
-    # An alias whose first target fails every call before any text (its server is down)
-    down = deployment_create(actor=admin, name="up-down", runtime="openai_upstream",
-                             upstream_url=f"http://127.0.0.1:{free_port()}/v1",
-                             upstream_model="m", max_context=2048)
-    started(UpstreamWorker(down.to_spec(), sync_client(settings.REDIS_URL),
-                           private_ok=True, block_ms=200))
-    alias_create(actor=admin, name="org/ha", targets=[("up-down", 1)], fallbacks=["echo"])
+        org: Org, caller: OpenAI, down: Deployment) -> None:
+    # Given an alias whose first target fails every call before any event
     # When a plain and a streamed Responses call are answered by the fallback
     plain = caller.responses.create(model="org/ha", input="plain")
     streamed = list(caller.responses.create(model="org/ha", input="streamed",
