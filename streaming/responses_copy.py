@@ -181,9 +181,12 @@ def read(tenant_id: int, response_id: str) -> Row | Kept | None:
     """The copy of a response not yet in the database (None: none): its row, or the
     reply a worker kept. Raises RedisError."""
     fields = sync_redis().hgetall(copy_key(tenant_id, response_id))
-    if not fields:
+    if b"row" in fields:
+        return from_wire(fields[b"row"])
+    try:
+        return kept_from(fields)
+    except KeyError:  # none (or not one of ours)
         return None
-    return from_wire(fields[b"row"]) if b"row" in fields else kept_from(fields)
 
 
 def forget(*, tenant_id: int, response_id: str, subject: str | None, found: bool) -> bool:
