@@ -9,12 +9,13 @@ default) and not (`store: false`), Anthropic Messages. h2load (Debian package
 mode in each of `--rounds` rounds, the modes one after another in a rotated order
 (A B C D, B C D A, ...), so that a loaded machine's changes of speed fall on every mode
 alike. A mode's gateway CPU is the gateway processes' user + system seconds
-(/proc/<pid>/stat, the server's worker processes included) over its runs, divided by
-the calls answered 2xx; a non-2xx answer fails the run. Its total CPU adds what every
-other process of the pipeline used meanwhile: the writers (the audit writer, and the
-stored responses' writer where the revision has one), the echo worker and Redis (its
-own INFO cpu); each run's figures are read once the audit and stored-responses streams
-are empty, so the writers' work for a mode's calls counts for that mode. (PostgreSQL's
+(/proc/<pid>/stat, the server's worker processes included) over its runs (from the
+first call until GATEWAY_SETTLE_S after the last reply), divided by the calls answered
+2xx; a non-2xx answer fails the run. Its total CPU adds what every other process of
+the pipeline used meanwhile: the writers (the audit writer, and the stored responses'
+writer where the revision has one), the echo worker and Redis (its own INFO cpu); their
+figures are read once the audit and stored-responses streams are empty, so the
+writers' work for a mode's calls counts for that mode. (PostgreSQL's
 own CPU is not counted: its server is shared.)
 
 Printed for each mode: calls/s, the gateway's CPU ms per call, and its ratio to chat's
@@ -72,6 +73,11 @@ from tests.procstat import cpu_seconds, process_tree
 # The streams whose writers' work a mode's calls leave behind (audit events; stored
 # responses where the revision writes them off the call's path).
 STREAMS = ("sluice:audit:events", "sluice:responses:stored")
+# How long after its last reply a mode's gateway CPU is still counted: the settlements
+# flushed every 0.1 s (governance/recorder.py FLUSH_S), the same for every mode. Not
+# until the writers are done: that wait is longer for the modes that store more, and
+# the gateway's idle CPU meanwhile is no call's.
+GATEWAY_SETTLE_S = 0.3
 HELLO = [{"role": "user", "content": "hello"}]
 # Each API's call, plain: (path, body). The streamed mode adds "stream": true.
 APIS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -230,8 +236,9 @@ def measure(modes: list[Mode], rounds: int, clients: int, requests: int) -> None
             pids = side.gateway()
             before, others = sum(map(cpu_seconds, pids)), side.other_cpu()
             calls, seconds = h2load(mode, clients, requests)
-            side.wait_written()
+            time.sleep(GATEWAY_SETTLE_S)  # the calls' deferred work: settlement flushes
             used = sum(map(cpu_seconds, pids)) - before
+            side.wait_written()
             for what, cpu in side.other_cpu().items():
                 mode.cpu_by[what] = mode.cpu_by.get(what, 0.0) + cpu - others[what]
             mode.cpu, mode.calls = mode.cpu + used, mode.calls + calls

@@ -59,20 +59,29 @@ class Outcome:
     code: str | None = None
 
 
-def masters_with_replicas(cluster: StartedCluster) -> list[tuple[int, int]]:
-    """(master port, its replica's port) for every master, from CLUSTER NODES."""
-    with redis.Redis(port=cluster.nodes[0].port, decode_responses=True) as client:
-        nodes = client.execute_command("CLUSTER NODES")
-    if isinstance(nodes, str):  # redis-py parses the reply into {address: fields}
-        nodes = {}
-    by_id = {fields["node_id"]: (int(address.split(":")[1].split("@")[0]), fields)
-             for address, fields in nodes.items()}
-    pairs = []
-    for port, fields in by_id.values():
-        if "master" in fields["flags"]:
-            replica = next(p for p, f in by_id.values() if f["master_id"] == fields["node_id"])
-            pairs.append((port, replica))
-    return pairs
+def masters_with_replicas(cluster: StartedCluster, timeout_s: float = 30.0
+                          ) -> list[tuple[int, int]]:
+    """(master port, its replica's port) for every master, from CLUSTER NODES, once the
+    first node's view lists a replica for each (after a failover, the old master rejoins
+    as a replica a gossip round later: on a starved machine, seconds)."""
+    def pairs() -> list[tuple[int, int]] | None:
+        with redis.Redis(port=cluster.nodes[0].port, decode_responses=True) as client:
+            nodes = client.execute_command("CLUSTER NODES")
+        if isinstance(nodes, str):  # redis-py parses the reply into {address: fields}
+            nodes = {}
+        by_id = {fields["node_id"]: (int(address.split(":")[1].split("@")[0]), fields)
+                 for address, fields in nodes.items()}
+        found = []
+        for port, fields in by_id.values():
+            if "master" in fields["flags"]:
+                replica = next((p for p, f in by_id.values()
+                                if f["master_id"] == fields["node_id"]), None)
+                if replica is None:
+                    return None
+                found.append((port, replica))
+        return found
+
+    return eventually(pairs, timeout_s, what="a replica of every master in CLUSTER NODES")
 
 
 MF_RETRY_S = 8.0  # past Redis's manual failover timeout (5 s), with a margin
