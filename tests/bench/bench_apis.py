@@ -22,7 +22,10 @@ Printed for each mode: calls/s, the gateway's CPU ms per call, and its ratio to 
 with the same transport (plain to plain chat, streamed to streamed chat) measured in
 the same run: over all rounds, and the median and range of the per-round ratios; then
 the writers', Redis's and the total CPU ms per call, and the total's ratio to chat's.
-The issue's goal: every API within 10% of chat (ratio <= 1.10).
+The issue's goal: every API within 10% of chat (ratio <= 1.10). Unpinned on a 2-CPU
+machine, a mode's gateway CPU also holds what sharing its cores with the rest of the run
+cost it (a stored response's writer, PostgreSQL): per-round ratios of one mode spread
+over 0.75-1.5x and a whole run's over about +-0.1x; `--pin` takes that out.
 
 With --against REV, an earlier revision's pipeline (from a git worktree) runs beside
 this checkout's, and the rounds alternate between both sides' modes: each side is
@@ -36,6 +39,8 @@ and seeds (and leaves as it is).
     .venv/bin/python tests/bench/bench_apis.py [--rounds 5] [--requests 1000]
         [--clients 32] [--workers N] [--only chat,responses,...] [--against REV]
         [--database-url URL] [--against-database-url URL]
+        [--pin] (the gateways alone on CPU 0, the rest of the run on the other CPUs;
+                 with --workers 1 on a 2-CPU machine: see pin())
         [--profile MODE[,MODE...]] (after the rounds, py-spy on this checkout's gateway
                           threads holding the GIL while each MODE runs once more: its
                           top functions by own time, and the share of samples under a
@@ -211,6 +216,31 @@ def start_side(name: str, repo: Path, database_url: str | None, workers: int,
     return side
 
 
+def pin(sides: list[Side]) -> None:
+    """Each side's gateway processes on CPU 0, everything else of the run (the workers,
+    writers, private Redis servers, this process and so h2load) on the other CPUs: the
+    gateway's CPU per call is then its own work's, not what sharing its core with the
+    processes a mode keeps busier (a stored response's writer) cost it."""
+    rest = os.sched_getaffinity(0) - {0}
+    if not rest:
+        sys.exit("--pin needs two CPUs or more")
+
+    def move(pid: int, cpus: set[int]) -> None:  # each thread (a new one inherits)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), cpus)
+
+    for side in sides:
+        for pid in side.gateway():
+            move(pid, {0})
+        client = redis.Redis.from_url(side.redis_url)
+        others = [int(client.info("server")["process_id"])]
+        for pids in side.others.values():
+            others += [p for pid in pids for p in process_tree(pid)]
+        for pid in others:
+            move(pid, rest)
+    move(os.getpid(), rest)
+
+
 def h2load(mode: Mode, clients: int, requests: int) -> tuple[int, float]:
     """One h2load run of `mode` over HTTP/1.1: (calls answered 2xx, seconds it took)."""
     cmd = ["h2load", "--h1", "-t1", f"-c{clients}", f"-n{requests}", "-d", str(mode.body),
@@ -323,6 +353,8 @@ def main() -> None:
     parser.add_argument("--against", default=None, metavar="REV")
     parser.add_argument("--database-url", default=None)
     parser.add_argument("--against-database-url", default=None)
+    parser.add_argument("--pin", action="store_true",
+                        help="the gateways on CPU 0, the rest of the run on the others")
     parser.add_argument("--profile", default=None, metavar="MODE[,MODE...]")
     parser.add_argument("--profile-dir", type=Path, default=None,
                         help="keep each profiled mode's py-spy samples here (raw format)")
@@ -343,6 +375,8 @@ def main() -> None:
                                             str(tree)], cwd=bench.REPO, check=False)
             sides.append(start_side(args.against, tree, args.against_database_url,
                                     args.workers, folder, stack))
+        if args.pin:
+            pin(sides)
         for side in sides:
             side.modes = {n: m for n, m in side.modes.items()
                           if n.removesuffix(" stream") in only}
@@ -354,6 +388,7 @@ def main() -> None:
         measure(modes, args.rounds, args.clients, args.requests)
         print(json.dumps({"workers": args.workers, "clients": args.clients,
                           "requests": args.requests, "rounds": args.rounds,
+                          "pinned": args.pin,
                           "database": "postgresql" if args.database_url else "sqlite"}))
         for side in sides:
             print_side(side, next((s for s in sides if s is not side), None))
