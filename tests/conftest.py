@@ -286,8 +286,11 @@ def uvicorn_server() -> Iterator[int]:
     from sluice.asgi import application
 
     port = free_port()
+    # Requests still open at the end are cancelled after 2 s, as `sluice run`'s servers
+    # cancel theirs after 5 (a test's left-over stream held the join for its 10 s).
     server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port,
-                                           lifespan="off", log_level="warning"))
+                                           lifespan="off", log_level="warning",
+                                           timeout_graceful_shutdown=2))
     serving = threading.Thread(target=server.run, daemon=True)
     serving.start()
     deadline = time.monotonic() + 20

@@ -66,6 +66,7 @@ async def _reply(ws: ClientConnection, rid: str, timeout: float = 20) -> list[di
                 return frames
 
 
+@pytest.mark.single_redis("an idle minute touches no Redis; the call after it is any call")
 def test_an_idle_socket_stays_open_a_minute_gets_pings_and_still_answers(
         live: Live, org: Org) -> None:
     """Given a developer's socket on which the client itself never pings, when it sits
