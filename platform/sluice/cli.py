@@ -265,7 +265,7 @@ def _pytest(pytest_args: list[str], env: Mapping[str, str], what: str) -> int:
     _say(f"pytest on {what}")
     began = time.monotonic()
     # In CI, the slowest tests are named at the end: the suite's time is kept under watch.
-    slowest = ["--durations=15"] if os.environ.get("CI", "").lower() == "true" else []
+    slowest = ["--durations=30"] if os.environ.get("CI", "").lower() == "true" else []
     code = subprocess.call([sys.executable, "-m", "pytest", *slowest, *pytest_args],  # noqa: S603
                            cwd=REPO, env=env)
     _say(f"pytest on {what}: exit {code} in {time.monotonic() - began:.0f} s")
