@@ -227,7 +227,8 @@ def pin(sides: list[Side]) -> None:
 
     def move(pid: int, cpus: set[int]) -> None:  # each thread (a new one inherits)
         for task in Path(f"/proc/{pid}/task").iterdir():
-            os.sched_setaffinity(int(task.name), cpus)
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(int(task.name), cpus)
 
     for side in sides:
         for pid in side.gateway():
