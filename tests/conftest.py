@@ -287,7 +287,7 @@ def uvicorn_server() -> Iterator[int]:
 
     port = free_port()
     # Requests still open at the end are cancelled after 2 s, as `sluice run`'s servers
-    # cancel theirs after 5 (a test's left-over stream held the join for its 10 s).
+    # cancel theirs after 5 (a thousand streams left open held the join for its 10 s).
     server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port,
                                            lifespan="off", log_level="warning",
                                            timeout_graceful_shutdown=2))
