@@ -277,9 +277,9 @@ def test_open_breaker_refuses_then_a_probe_closes_it(live: Live, org: Org) -> No
     # as the probe (the cluster pass's failure at 7ebe71f)
     policy = _breaker("echo", min_calls=1, window_size=1, open_wait_s=3, half_open_probes=1)
     r = sync_client(settings.REDIS_URL)
-    opened = time.monotonic()
     r.eval(breaker.RECORD_LUA, 4, *breaker.keys("echo"),
            *breaker.record_args("", [(Outcome.FAILURE, 10)], policy))
+    opened = time.monotonic()  # the breaker opened before this: its wait ends by +3 s
     time.sleep(0.25)  # gateways re-ask a breaker they saw closed after 0.2 s
     client = sdk(live, org.keys[Role.DEVELOPER])
     with pytest.raises(openai.APIStatusError) as caught:
