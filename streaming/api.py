@@ -74,7 +74,7 @@ def _page(rows: QuerySet[Any], after: str | None, limit: int,
 def file_create(request: HttpRequest, file: File[UploadedFile],
                 purpose: Form[Line]) -> dict[str, Any]:
     row = files.file_create(actor=actor_of(request), filename=file.name or "upload",
-                              purpose=purpose, content=file.read())
+                              purpose=purpose, content=file.chunks())
     return _file(row)
 
 

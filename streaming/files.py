@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from pathlib import Path
 from secrets import token_hex
@@ -28,7 +29,7 @@ from django.utils import timezone
 
 from governance.privacy import redactor_now
 from sluice.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
-from sluice.private_files import private_dirs, write_private
+from sluice.private_files import open_private, private_dirs
 from streaming.models import Batch, BatchStatus, StoredFile
 from tenants.principal import Principal
 from tenants.privacy import effective, policy_of, retention_groups
@@ -48,30 +49,44 @@ def files_dir(tenant_id: int) -> Path:
     return private_dirs(Path(settings.STATE_DIR), "files", str(tenant_id))
 
 
-def store(*, tenant_id: int, filename: str, purpose: str, content: bytes,
-          created_by: str) -> StoredFile:
-    """Write `content` (as given: callers redact what must be) and its row."""
+def store(*, tenant_id: int, filename: str, purpose: str, content: bytes | Iterable[bytes],
+          created_by: str, limit: int | None = None) -> StoredFile:
+    """Write `content` (as given: callers redact what must be), chunk by chunk, and its
+    row. Past `limit` bytes the partial file is removed and PayloadTooLarge raised: a
+    stream is never held whole in memory."""
     public_id = f"file-{token_hex(12)}"
     path = files_dir(tenant_id) / public_id
-    write_private(path, content)
-    return StoredFile.objects.create(tenant_id=tenant_id, public_id=public_id,
-                                     filename=redactor_now(tenant_id)(filename)[:255],
-                                     purpose=purpose, bytes=len(content), path=str(path),
-                                     created_by=created_by)
+    size = 0
+    try:
+        with open_private(path, "wb") as out:
+            for chunk in (content,) if isinstance(content, bytes) else content:
+                size += len(chunk)
+                if limit is not None and size > limit:
+                    raise PayloadTooLarge(f"Files are limited to {limit} bytes.")
+                out.write(chunk)
+        return StoredFile.objects.create(tenant_id=tenant_id, public_id=public_id,
+                                         filename=redactor_now(tenant_id)(filename)[:255],
+                                         purpose=purpose, bytes=size, path=str(path),
+                                         created_by=created_by)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def expires_at(row: StoredFile) -> datetime:
     return row.created_at + timedelta(days=effective(row.tenant).retention_days)
 
 
-def file_create(*, actor: Principal, filename: str, purpose: str, content: bytes) -> StoredFile:
+def file_create(*, actor: Principal, filename: str, purpose: str,
+                content: bytes | Iterable[bytes]) -> StoredFile:
+    """Store an upload: `content` its bytes, or its chunks as they are read (an upload's
+    `chunks()`), written as they come within SLUICE_MAX_FILE_BYTES."""
     require(actor, Action.MODEL_USE)
     if purpose not in PURPOSES:
         raise BadRequest(f"purpose must be one of {', '.join(PURPOSES)}.", param="purpose")
-    if len(content) > settings.SLUICE_MAX_FILE_BYTES:
-        raise PayloadTooLarge(f"Files are limited to {settings.SLUICE_MAX_FILE_BYTES} bytes.")
     return store(tenant_id=actor.tenant_id, filename=filename, purpose=purpose,
-                 content=content, created_by=actor.subject)
+                 content=content, created_by=actor.subject,
+                 limit=settings.SLUICE_MAX_FILE_BYTES)
 
 
 def file_list(*, actor: Principal) -> QuerySet[StoredFile]:

@@ -21,23 +21,27 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from governance import metrics  # noqa: E402
 from sluice import gctuning, telemetry  # noqa: E402
+from sluice.bodylimit import BodyLimit  # noqa: E402
 from sluice.websocket_urls import websocket_urlpatterns  # noqa: E402
 from streaming.asgi import LeanApp  # noqa: E402
 
 telemetry.setup("sluice-api")
 lean = LeanApp()
+# Django reads a whole body before its middleware runs: the limits go in front of it.
+django_guarded = BodyLimit(django_http)
 gctuning.tune()  # everything above lives as long as the process (sluice/gctuning.py)
 
 
 async def http(scope: Any, receive: Any, send: Any) -> None:
-    """The /v1 inference routes take the lean path, /metrics is Prometheus's; everything
-    else is Django."""
+    """The /v1 inference routes take the lean path (which limits its own bodies),
+    /metrics is Prometheus's; everything else is Django, behind the body limits
+    (sluice/bodylimit.py)."""
     if lean.handles(scope["path"]):
         await lean(scope, receive, send)
     elif scope["path"] == "/metrics":
         await metrics.serve(scope, receive, send)
     else:
-        await django_http(scope, receive, send)
+        await django_guarded(scope, receive, send)
 
 
 sockets = URLRouter(websocket_urlpatterns)

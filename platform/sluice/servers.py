@@ -25,12 +25,22 @@ for; uvicorn serves TLS with HTTP/1.1 only, daphne no TLS here. In
 tests/bench/bench_http2.py (docs/BENCHMARKS.md, "HTTP/2 and TLS on the edge") granian's
 HTTP/1.1 also out-served uvicorn's at 50-2,000 clients (1.1-2.3x req/s, two runs on a
 loaded VM), but the lone-request latency and SSE memory behind the default were not
-measured there, so plain HTTP/1.1 keeps uvicorn."""
+measured there, so plain HTTP/1.1 keeps uvicorn.
+
+Forwarded headers (X-Forwarded-For, X-Forwarded-Proto) are believed only from
+SLUICE_TRUSTED_PROXIES (`trusted_proxies`; none by default), the same rule as
+tenants.throttle.client_source. uvicorn would otherwise believe them from 127.0.0.1, so
+it is told the list, or `--no-proxy-headers` when it is empty. daphne's
+`--proxy-headers` believes any peer and takes the left-most hop, which the client
+writes, so it is never passed: the application reads X-Forwarded-For itself under the
+rule. granian's command line rewrites nothing."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,14 +103,32 @@ def default_workers(server: str = DEFAULT) -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1))
 
 
+def proxy_options(trusted_proxies: Sequence[str] | None = None) -> list[str]:
+    """uvicorn's options for forwarded headers: believed from `trusted_proxies` (CIDRs;
+    None: settings.SLUICE_TRUSTED_PROXIES) only, from no one when there are none."""
+    if trusted_proxies is None:
+        from django.conf import settings
+
+        trusted_proxies = settings.SLUICE_TRUSTED_PROXIES
+    if not trusted_proxies:
+        return ["--no-proxy-headers"]
+    # uvicorn reads "10.0.0.1/8" (host bits set) as a literal name, never an address.
+    networks = [str(ipaddress.ip_network(cidr.strip(), strict=False))
+                for cidr in trusted_proxies]
+    return ["--proxy-headers", "--forwarded-allow-ips", ",".join(networks)]
+
+
 def http_command(server: str, app: str, *, host: str, port: int, workers: int = 1,
                  app_dir: str | None = None, graceful_s: int = 5, tls: Tls | None = None,
-                 http: str = "auto") -> list[str]:
+                 http: str = "auto", trusted_proxies: Sequence[str] | None = None
+                 ) -> list[str]:
     """The command line that serves ASGI `app` ("module:attr") with `server` on
     host:port with `workers` processes, lifespan on, no access log (Sluice writes its
     own), logs at warning and up; `app_dir` goes first on the import path. With `tls`,
     TLS 1.2 and 1.3 (1.3 preferred); `http` is one of HTTP_VERSIONS. ValueError for a
-    combination the server cannot serve (HTTP/2 on uvicorn or daphne, TLS on daphne)."""
+    combination the server cannot serve (HTTP/2 on uvicorn or daphne, TLS on daphne).
+    Forwarded headers are believed from `trusted_proxies` only (None: the setting;
+    see the module's doc)."""
     if http not in HTTP_VERSIONS:
         raise ValueError(f"HTTP version {http!r}: one of {', '.join(HTTP_VERSIONS)}")
     if http == "2" and server != "granian":
@@ -121,6 +149,7 @@ def http_command(server: str, app: str, *, host: str, port: int, workers: int = 
         return [py, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers",
                 str(workers), "--no-access-log", "--log-level", "warning", "--lifespan",
                 "on", "--timeout-graceful-shutdown", str(graceful_s), *secure,
+                *proxy_options(trusted_proxies),
                 *(["--app-dir", app_dir] if app_dir else []), app]
     if server == "daphne":
         if tls:
