@@ -73,6 +73,9 @@ class DeploymentSpec:
     max_queue_depth: int = 256
     # A tenant may hold at most this share of the queue (so one flood cannot fill it).
     tenant_queue_share: float = 0.5
+    # While another tenant waits, a tenant runs at most this share of max_batch_size
+    # (or of an upstream's concurrency); None: the SLUICE_TENANT_RUNNING_SHARE setting.
+    tenant_running_share: float | None = None
     # A request delivered more often than this goes to the dead-letter stream.
     max_deliveries: int = 3
     # Echo runtime: delay per generated token, to mimic a model's pace.

@@ -22,7 +22,8 @@ The `Worker` wires the parts of inference/engine/ (each module states its contra
   intake.py   reads entries (XREADGROUP), reaps dead workers' entries, dead-letters,
               holds the backlog, looks up cancellations, hands entries back
   admission.py
-              which waiting requests start now (inference/scheduler.py, pure, decides)
+              which waiting requests start now, and which running ones give way to
+              tenants below their share (inference/scheduler.py, pure, decides)
   inputs.py   a job into the engine's sequence (prompt, sampling, grammar)
   engine.py   the runtime's sequences and steps, overlapped on the model thread
   output.py   tokens into events: detokenizing, stop strings, logprobs, finishes
@@ -50,7 +51,7 @@ from typing import Any
 import redis
 
 from inference import queue as q
-from inference.engine.admission import Admission
+from inference.engine.admission import Admission, running_share
 from inference.engine.engine import OVERLAP_MIN_STEP_S, Engine
 from inference.engine.entries import (
     Pending,
@@ -106,7 +107,9 @@ class Worker:
         self._gather = isinstance(self.runtime, EmbeddingRuntime)
         self.admission = Admission(self.intake, self.outbox, self.health,
                                    max_batch_size=spec.max_batch_size,
-                                   max_deliveries=spec.max_deliveries)
+                                   max_deliveries=spec.max_deliveries,
+                                   share=running_share(spec))
+        self.preempted = 0  # running requests paused for another tenant (tests, debugging)
 
     @property
     def active(self) -> dict[str, Row]:
@@ -178,6 +181,9 @@ class Worker:
         if cancelled is None:
             return
         for pending in cancelled.waiting:
+            if pending.req.rid in self.output.parked:
+                self.output.finish_parked(pending.req.rid, "cancelled")
+                continue
             self.outbox.final(pending, done_event(0, "cancelled", prompt_tokens=0,
                                                   completion_tokens=0))
         for rid in cancelled.running:
@@ -231,6 +237,10 @@ class Worker:
 
     # -- admission -----------------------------------------------------------------
     def _admit(self) -> None:
+        if self.inputs is not None:  # a chat runtime's rows can be paused
+            self._preempt(self.admission.preempt(self.active))
+            for rid in self.output.expired_parked(q.now_ms()):
+                self.intake.take([self.output.finish_parked(rid, "deadline")])
         chosen = self.admission.next(self.active)
         if not chosen:
             return
@@ -239,12 +249,31 @@ class Worker:
         else:
             self._start(chosen)
 
+    def _preempt(self, victims: list[str]) -> None:
+        """Pause `victims` (recompute preemption): the tokens the engine made for them
+        are handled first (a row may end on one), then they leave the runtime, and each
+        row still going is parked, its entry back in the backlog ahead of its tenant's
+        others. Re-admitted, it prefills its prompt and tokens and goes on."""
+        if not victims:
+            return
+        for tokens in self.engine.pause(victims):
+            self.output.handle(tokens)
+        self.engine.drop(victims)
+        for rid in victims:
+            if rid in self.output.rows:
+                self.intake.requeue(self.output.park(rid))
+                self.preempted += 1
+
     def _start(self, chosen: list[Pending]) -> None:
         """Start the chosen requests: prepared, resumed after what an earlier delivery
-        streamed, then added to the engine together (one prefill)."""
+        streamed (or, paused here, after what it had made), then added to the engine
+        together (one prefill)."""
         assert self.inputs is not None  # noqa: S101
         new: list[NewSequence] = []
         for pending in chosen:
+            if pending.req.rid in self.output.parked:
+                new.append(self.output.unpark(pending.req.rid))
+                continue
             try:
                 prepared = self.inputs.prepare(pending)
             except RequestError as exc:

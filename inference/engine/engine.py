@@ -8,6 +8,9 @@ Contract with the loop (the only caller; one thread):
   model failed on), in order, in up to three dicts; the caller handles each before it
   asks for the next, and `drop`s what finished meanwhile;
 - `drop(rids)` takes finished sequences out of the runtime;
+- `pause(rids)` is the barrier before a preemption: it returns the tokens those
+  sequences made and were not handed out yet (the caller handles them, then `drop`s
+  the sequences), so what the runtime computed for them is neither lost nor seen twice;
 - `settle()` ends a step still running when the batch has ended; `abandon()` forgets
   every sequence; `embed(texts)` is an embedding runtime's whole batch.
 
@@ -111,6 +114,18 @@ class Engine:
             self._dropping += rids
         elif rids:
             self.chat.drop(rids)
+
+    def pause(self, rids: Iterable[str]) -> list[Tokens]:
+        """Wait for the running step, then take out of what is not handed out yet the
+        tokens of `rids`, in order (the step's, then their first tokens): the caller
+        handles them before it drops the sequences."""
+        rids = list(rids)
+        self.collect()
+        out: list[Tokens] = []
+        for held in (self._stepped, self._firsts):
+            if held:
+                out.append({rid: held.pop(rid) for rid in rids if rid in held})
+        return out
 
     def collect(self) -> None:
         """The barrier: wait for the step running on the model thread, if any, keep its

@@ -133,6 +133,7 @@ class Health:
                                                "sluice.batch.number": self.batches})
         batch = BatchSpan(span, {p.req.rid for p in chosen})
         for pending in chosen:
+            self.served(pending.req.rid)  # a paused request leaves its earlier batch
             self._batch_of[pending.req.rid] = batch
 
     def served(self, rid: str) -> None:

@@ -9,6 +9,9 @@ the model's chat template, the oldest history dropped until the reply fits. A jo
 tools or a response format gets its grammar (inference/constraint.py). A `count_only`
 job is prepared for its prompt's token count alone.
 
+A text longer than the context could hold is cut before it is encoded (`_prompt`): the
+worker never encodes megabytes only to refuse them.
+
 Everything a request gets wrong is a `RequestError` with a 400 (malformed job, a prompt
 longer than the context, a token of logit_bias outside the vocabulary, tools or
 structured outputs on a model that cannot write them, a schema that cannot be enforced).
@@ -65,8 +68,7 @@ class InputProcessor:
                 presence_penalty=job.presence_penalty,
                 frequency_penalty=job.frequency_penalty,
                 logit_bias=tuple(job.logit_bias.items()), logprobs=job.logprobs)
-            prompt = (runtime.encode(job.prompt) if job.prompt is not None else
-                      conversation_prompt(runtime, job.messages, job.history, max_tokens))
+            prompt, cut = self._prompt(job, max_tokens)
         except (JobError, KeyError, TypeError, ValueError) as exc:
             raise malformed(exc) from None
         if job.count_only:
@@ -83,14 +85,42 @@ class InputProcessor:
                                    f"model's vocabulary (0 to {size - 1}).")
         room = runtime.max_context - len(prompt)
         if room <= 0:
+            count = f"more than {runtime.max_context}" if cut else str(len(prompt))
             raise RequestError(400, "context_length_exceeded",
-                               f"The prompt has {len(prompt)} tokens; this model's context is "
+                               f"The prompt has {count} tokens; this model's context is "
                                f"{runtime.max_context}.")
         budget = min(params.max_tokens, room)
         row = Row(pending, prompt_tokens=len(prompt), max_new=budget, stop=params.stop,
                   ignore_eos=params.ignore_eos, constraint=self.constraint(job, budget),
                   logprobs=params.logprobs is not None, streamed=job.stream)
         return Prepared(row, prompt, params)
+
+    def _prompt(self, job: ChatJob, max_tokens: int) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether a text was cut before encoding.
+
+        A text (the prompt, or one of this request's messages) longer than
+        (max_context + 1) x the runtime's longest token in characters makes more tokens
+        than the context holds: the prompt is refused either way, so only that much of
+        it is encoded (a prompt of megabytes costs the shared worker no more than one
+        that barely overflows). Should a cut prompt fit after all (a tokenizer whose
+        tokens outgrow that bound), it is encoded whole. A count_only job is never cut
+        (its count must be exact); neither is the history (it is trimmed to fit)."""
+        runtime = self.runtime
+        chars = runtime.token_chars()
+        limit = None if chars is None or job.count_only else (runtime.max_context + 1) * chars
+        if job.prompt is not None:
+            if limit is not None and len(job.prompt) > limit:
+                prompt = runtime.encode(job.prompt[:limit])
+                if len(prompt) > runtime.max_context:
+                    return prompt, True
+            return runtime.encode(job.prompt), False
+        messages = job.messages
+        if limit is not None and any(len(m["content"]) > limit for m in messages):
+            cut: list[Message] = [{**m, "content": m["content"][:limit]} for m in messages]
+            prompt = conversation_prompt(runtime, cut, job.history, max_tokens)
+            if len(prompt) > runtime.max_context:
+                return prompt, True
+        return conversation_prompt(runtime, messages, job.history, max_tokens), False
 
     def constraint(self, job: ChatJob, budget: int) -> Constraint | None:
         """The grammar of a request with tools or a response format (None without);

@@ -8,7 +8,13 @@ cannot hide another tenant's request. Idle, the worker blocks for the first requ
 only when its backlog cannot fill the free slots, at most every max_wait_ms, so that
 what arrives meanwhile joins the running batch together.
 
-Holding: the entries read and not yet admitted are the `backlog`. Every third of
+When that rule reads nothing (a full batch, or a backlog that fills it), every
+_IDLE_POLL_S it reads one entry from each stream of a tenant absent from the backlog,
+past the window if need be, so the scheduler sees every waiting tenant and can share
+the batch among them.
+
+Holding: the entries read and not yet admitted are the `backlog` (a paused request
+goes back to it, ahead of its tenant's others: `requeue`). Every third of
 `reclaim_after_ms` the worker refreshes the idle time of the entries it holds (so no
 reaper takes them), and takes over the entries idle longer than that (their worker is
 dead): to its backlog, or, past `max_deliveries`, to the dead-letter stream (the
@@ -83,6 +89,7 @@ class Intake:
         self._streams_seen: list[str] = []  # the deployment's streams, as last read
         self._streams_fresh_until = 0.0
         self._next_join_read = 0.0  # a running batch's next read for newcomers
+        self._next_absent_read = 0.0  # the next read for tenants absent from the backlog
 
     def key(self, suffix: str) -> str:
         return q.stream_key(self.spec.name, suffix)
@@ -121,6 +128,9 @@ class Intake:
                 self._streams_fresh_until = 0.0
                 return []
             raise
+        return self._entries(reply)
+
+    def _entries(self, reply: Any) -> list[Pending]:
         out = []
         prefix = len(self.key(""))
         for stream, entries in reply or []:
@@ -140,6 +150,10 @@ class Intake:
         backlog = self.backlog
         room = self.window - len(backlog) - running
         if room <= 0:
+            now = time.monotonic()
+            if in_rotation and now >= self._next_absent_read:
+                self._next_absent_read = now + _IDLE_POLL_S
+                backlog += self.read_absent()
             return
         if not in_rotation:
             room = min(room, max(1, self.spec.max_batch_size // 4) - running - len(backlog))
@@ -153,6 +167,9 @@ class Intake:
                     and now >= self._next_join_read:
                 self._next_join_read = now + self.spec.max_wait_ms / 1000
                 backlog += self.read(room, None)  # never block a running batch
+            elif now >= self._next_absent_read:
+                self._next_absent_read = now + _IDLE_POLL_S
+                backlog += self.read_absent()
             return
         got = self.read(room, block_ms)
         if not got:
@@ -169,6 +186,40 @@ class Intake:
             time.sleep(self.spec.max_wait_ms / 1000)
             got += self.read(room - len(got), None)
         backlog += got
+
+    def read_absent(self) -> list[Pending]:
+        """One entry from each stream whose tenant has nothing in the backlog (at most
+        max_batch_size of them), whatever the room: a full backlog of one tenant's
+        flood must not hide another tenant's request from the scheduler, which shares
+        the running slots only among the tenants it sees."""
+        present = {p.tenant for p in self.backlog}
+        now = time.monotonic()
+        if now >= self._streams_fresh_until:
+            self._streams_seen = self.streams()
+            self._streams_fresh_until = now + _IDLE_POLL_S
+        # A suffix is "<tenant>:<priority>" (queue.stream_suffix).
+        absent = [s for s in self._streams_seen if s.rpartition(":")[0] not in present]
+        absent = absent[:self.spec.max_batch_size]
+        if not absent:
+            return []
+        try:
+            reply = self.redis.xreadgroup(q.GROUP, self.worker_id,
+                                          {self.key(s): ">" for s in absent}, count=1)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                self._streams_fresh_until = 0.0
+                return []
+            raise
+        return self._entries(reply)
+
+    def requeue(self, pending: Pending) -> None:
+        """Put a paused request back in the backlog, ahead of its tenant's other
+        entries of its priority (it was admitted before them)."""
+        backlog = self.backlog
+        at = next((i for i, p in enumerate(backlog)
+                   if p.tenant == pending.tenant and p.priority == pending.priority),
+                  len(backlog))
+        backlog.insert(at, pending)
 
     def take(self, pendings: Iterable[Pending]) -> None:
         """Take entries out of the backlog (they run, or are answered)."""

@@ -17,6 +17,12 @@ a `DoneEvent` (finish, usage, tool calls, the stop string) or an `ErrorEvent`. E
 event goes to the `Outbox` (inference/engine/writer.py) with its sequence number; a
 final event with the entry's acknowledgement. `handle` returns the rows that ended, for
 the engine to drop.
+
+Preemption (recompute, as vLLM's): `park` sets a running row aside whole (its tokens,
+detokenizer, stop-string hold-back, grammar state, sequence numbers) once the engine has
+handed out every token made for it; `unpark` makes the sequence that continues it (its
+prompt and every token generated, prefilled again), so its stream only pauses. A parked
+row that is cancelled or expires meanwhile ends through `finish_parked`.
 """
 
 from __future__ import annotations
@@ -121,6 +127,9 @@ class OutputProcessor:
     def __init__(self, outbox: Outbox, runtime: ChatRuntime | EmbeddingRuntime) -> None:
         self.outbox = outbox
         self.rows: dict[str, Row] = {}  # the running requests, by request id
+        self.parked: dict[str, Row] = {}  # rows preempted, waiting to run again
+        # Each tracked row's prompt and sampling parameters (a parked row restarts).
+        self._inputs: dict[str, tuple[list[int], SamplingParams]] = {}
         self._runtime = runtime
         self._eos = runtime.eos_token_ids if isinstance(runtime, ChatRuntime) else frozenset()
         self._token_texts: TokenTexts | None = None  # made on first use
@@ -146,8 +155,36 @@ class OutputProcessor:
         if row.sent_args:  # resumed in the middle of its calls: their text is not content
             row.text = runtime.decode(row.ids)
         self.rows[row.req.rid] = row
+        self._inputs[row.req.rid] = (prompt, params)
         return NewSequence(row.req.rid, prompt + row.ids, replace(params, max_tokens=left),
                            generated=len(row.ids), constraint=constraint)
+
+    def park(self, rid: str) -> Pending:
+        """Set running row `rid` aside (preempted); returns its entry. Precondition:
+        every token made for it was handled, and it has left the engine."""
+        row = self.rows.pop(rid)
+        self.parked[rid] = row
+        return row.pending
+
+    def unpark(self, rid: str) -> NewSequence:
+        """Track parked row `rid` again and return the sequence that continues it."""
+        row = self.parked.pop(rid)
+        self.rows[rid] = row
+        prompt, params = self._inputs[rid]
+        return NewSequence(rid, prompt + row.ids,
+                           replace(params, max_tokens=row.max_new - len(row.ids)),
+                           generated=len(row.ids), constraint=row.constraint)
+
+    def finish_parked(self, rid: str, reason: str) -> Pending:
+        """End parked row `rid` (`reason` as for `finish`, or "deadline"); returns its
+        entry (the caller takes it out of the backlog)."""
+        row = self.parked.pop(rid)
+        self._finish(row, reason)
+        return row.pending
+
+    def expired_parked(self, now_ms: int) -> list[str]:
+        """The parked rows whose deadline is `now_ms` or earlier."""
+        return [rid for rid, row in self.parked.items() if row.req.deadline_ms <= now_ms]
 
     def handle(self, tokens: dict[str, int]) -> list[str]:
         """One step's tokens (request id -> token, FAILED for a model fault); returns
@@ -167,12 +204,15 @@ class OutputProcessor:
         """End a row that never ran (the engine refused it) with `exc`'s error event; its
         cost is what earlier deliveries generated, if any."""
         row = self.rows.pop(rid)
+        self._inputs.pop(rid, None)
         cost = (row.prompt_tokens, len(row.ids)) if row.ids else (0, 0)
         self.outbox.final(row.pending, error_event(exc, seq=row.seq, cost=cost))
 
     def clear(self) -> None:
-        """Forget every row (their entries were handed back)."""
+        """Forget every row, running or parked (their entries were handed back)."""
         self.rows.clear()
+        self.parked.clear()
+        self._inputs.clear()
 
     def embedded(self, pending: Pending, vectors: list[list[float]], prompt_tokens: int
                  ) -> None:
@@ -286,6 +326,7 @@ class OutputProcessor:
                 reason = "stop"
         self._emit_text(row, final=True)  # whatever was held back, if anything
         self.rows.pop(row.req.rid, None)
+        self._inputs.pop(row.req.rid, None)
         pending, cost = row.pending, (row.prompt_tokens, len(row.ids))
         if reason == "tool_calls" and row.constraint is not None:
             calls = self._calls(row)

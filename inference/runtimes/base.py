@@ -124,6 +124,12 @@ class ChatRuntime(ABC):
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))
 
+    def token_chars(self) -> int | None:
+        """No token covers more than this many characters of text (so n * this
+        characters make at least n tokens); None: unknown. Lets a caller cut an
+        over-long text before encoding it."""
+        return None
+
     @abstractmethod
     def add(self, seqs: Sequence[NewSequence]) -> dict[str, int]: ...
 
@@ -203,6 +209,15 @@ class TorchModel:
         self.device = device
         limit = getattr(model.config, "max_position_embeddings", max_context)
         self.max_context = min(max_context, int(limit))
+
+    _token_chars: int | None = None
+
+    def token_chars(self) -> int | None:
+        """The longest token of the vocabulary, in characters (byte-level vocabularies
+        spell one byte per character, so this bounds the text's characters too)."""
+        if self._token_chars is None:
+            self._token_chars = max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
+        return self._token_chars
 
     def memory(self) -> tuple[int, int]:
         return device_memory(self.device)

@@ -29,6 +29,9 @@ class EchoRuntime(ChatRuntime):
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
+    def token_chars(self) -> int:
+        return 1  # a token per UTF-8 byte: a character is one to four of them
+
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 

@@ -8,12 +8,16 @@ deployments). The delivery contract is inference/worker.py's, through the same p
   intake      (inference/engine/intake.py) reading, reaping dead workers' entries,
               dead letters, the backlog, cancel flags, what an earlier delivery streamed
   admission   (inference/engine/admission.py, over inference/scheduler.py) priorities,
-              tenant fairness, the last delivery alone, deadlines in the queue
+              tenant fairness, each tenant's share of the calls in flight while
+              others wait, the last delivery alone, deadlines in the queue
   writer      (inference/engine/writer.py) events before acks, each final once
   health      (inference/engine/health.py) heartbeats, the memory guard, batch spans
 and, in place of the model's parts, the calls (inference/upstream/calls.py): one task
 each on an asyncio event loop. The batch is the calls in flight: up to the upstream's
-`concurrency` (the spec's max_batch_size is not used).
+`concurrency` (the spec's max_batch_size is not used). A call in flight is never
+paused for another tenant (it could only be cancelled and continued, re-tokenized by
+the upstream); instead, beyond its share and not alone, a tenant leaves one slot free
+(`_RESERVE`) for a tenant that arrives later.
 
 One thread runs it all, on that event loop: per iteration, synchronously,
   heartbeat -> reap -> pull -> cancellations -> admit (start calls) -> write
@@ -58,7 +62,7 @@ import redis
 import uvloop
 
 from inference import queue as q
-from inference.engine.admission import Admission
+from inference.engine.admission import Admission, running_share
 from inference.engine.entries import (
     Pending,
     RequestError,
@@ -77,6 +81,7 @@ from inference.upstream.client import UpstreamClient
 
 logger = logging.getLogger("sluice.worker")
 _MAX_EVENT_WAIT_S = 0.05
+_RESERVE = 1  # calls kept free for a later tenant (no call is paused to make room)
 
 
 @dataclass
@@ -123,7 +128,9 @@ class UpstreamWorker:
         self._event_wait_s = min(_MAX_EVENT_WAIT_S, max(0.001, spec.max_wait_ms / 1000))
         self.admission = Admission(self.intake, self.outbox, self.health,
                                    max_batch_size=self.spec.max_batch_size,
-                                   max_deliveries=spec.max_deliveries)
+                                   max_deliveries=spec.max_deliveries,
+                                   share=running_share(spec),
+                                   reserve=min(_RESERVE, self.spec.max_batch_size - 1))
 
     @property
     def admitted(self) -> deque[list[str]]:

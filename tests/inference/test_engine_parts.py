@@ -391,7 +391,7 @@ class Waiting:
 def test_a_request_on_its_last_delivery_runs_alone() -> None:
     fresh, last = Waiting("fresh"), Waiting("last", tenant="b", deliveries=3)
     waiting = [fresh, last]
-    common = dict(max_batch_size=8, max_deliveries=3)
+    common: dict[str, Any] = {"max_batch_size": 8, "max_deliveries": 3}
     assert admit(waiting, running=0, **common) == ([last], True)
     assert admit(waiting, running=2, **common) == ([], False), "the batch ends first"
     assert admit([fresh], running=0, alone_running=True, **common) == ([], False)
