@@ -78,6 +78,9 @@ class Admission:
     quotas: list[Quota] = field(default_factory=list)
     policy: BreakerPolicy | None = None
     probe: bool = False
+    # The call's deadline is the caller's (shorter than the platform's timeout): its
+    # expiry is not the deployment's failure (set by the gateway at submission).
+    caller_deadline: bool = False
     max_tokens_cap: int | None = None
     started: float = field(default_factory=time.monotonic)
     trace_id: str = field(default_factory=lambda: telemetry.ids()[0])
@@ -162,7 +165,8 @@ class Governor:
         # Whether each deployment's breaker is closed: one shared read per TTL, however
         # many calls arrive when it expires (a read per concurrent call had been a
         # quarter of all script calls at 64 connections).
-        self._closed: AsyncTTLCache[str, bool] = AsyncTTLCache(max_entries=10_000)
+        self._closed: AsyncTTLCache[tuple[str, str], bool] = \
+            AsyncTTLCache(max_entries=10_000)
         self._audit_backlog: AsyncTTLCache[str, int] = AsyncTTLCache(max_entries=1)
         self._background: set[asyncio.Task[None]] = set()
         self.recorder = Recorder(redis, self._opened)
@@ -351,12 +355,15 @@ class Governor:
     async def _breaker(self, adm: Admission, policy: BreakerPolicy) -> None:
         name = adm.spec.name
         try:
-            if await self._closed.get(name, lambda: breaker.is_closed(self.redis, name),
+            tenant = adm.principal.tenant_slug
+            if await self._closed.get((name, tenant),
+                                      lambda: breaker.is_closed(self.redis, name, tenant),
                                       _CLOSED_TTL_S):
                 return
-            # Open or half open: this call's own verdict (it may become a probe).
-            verdict, retry_ms = await self._admit(keys=breaker.keys(name),
-                                                  args=breaker.admit_args(adm.id, policy))
+            # Open, half open or this tenant refused alone: the call's own verdict (it
+            # may become a probe).
+            verdict, retry_ms = await self._admit(
+                keys=breaker.keys(name), args=breaker.admit_args(adm.id, policy, tenant))
         except RedisError:
             return
         if verdict == 2:
@@ -404,9 +411,13 @@ class Governor:
         if not charge or replay:
             outcome = breaker.Outcome.IGNORED
         elif final is None:
-            # A deadline is the deployment's failure; a call we never saw end is not.
+            # The platform's deadline is the deployment's failure; the caller's own
+            # deadline and a call we never saw end are not.
             outcome = (breaker.Outcome.FAILURE if isinstance(error, DeadlineExceeded)
-                       else breaker.Outcome.IGNORED)
+                       and not adm.caller_deadline else breaker.Outcome.IGNORED)
+        elif adm.caller_deadline and final["t"] == "error" \
+                and final["code"] == "deadline_exceeded":
+            outcome = breaker.Outcome.IGNORED
         elif status >= 500:
             outcome = breaker.Outcome.FAILURE
         elif status >= 400 or (final["t"] == "done" and final["finish"] == "cancelled"):
@@ -429,14 +440,15 @@ class Governor:
         policy = adm.policy
         if policy is not None and adm.probe:
             rec.write(breaker.RECORD_LUA, breaker.keys(name),
-                      breaker.record_args(adm.id, [(outcome, latency_ms)], policy))
+                      breaker.record_args(adm.id, [(outcome, latency_ms, tenant)], policy))
         elif policy is not None and outcome != breaker.Outcome.IGNORED:
-            rec.outcome(name, policy, outcome, latency_ms)
+            rec.outcome(name, policy, outcome, latency_ms, tenant)
         if outcome != breaker.Outcome.IGNORED:
             rec.latency(name, latency_ms)
 
     def _opened(self, deployment: str) -> None:
-        self._closed.discard(deployment)
+        # Its state is cached per tenant; opening is rare: forget every state seen.
+        self._closed.clear()
 
     async def close(self, *, grace_s: float = 2.0) -> None:
         """Shutdown: give calls that are ending `grace_s` to settle, then write what is

@@ -84,8 +84,8 @@ class _Pending:
     # (flush number, deployment, metric) -> latency bucket -> calls
     latency: dict[tuple[int, str, str], dict[int, int]] = field(default_factory=dict)
     # (flush number, deployment) -> (its breaker policy, the calls' outcomes)
-    outcomes: dict[tuple[int, str], tuple[BreakerPolicy, list[tuple[breaker.Outcome, float]]]] \
-        = field(default_factory=dict)
+    outcomes: dict[tuple[int, str], tuple[BreakerPolicy, list[breaker.Call]]] = field(
+        default_factory=dict)
     audit: list[str] = field(default_factory=list)
     # (tenant, the quotas' keys) -> (the quotas, their calls' settlements)
     settlements: dict[tuple[str, tuple[str, ...]],
@@ -192,10 +192,12 @@ class Recorder:
         self._ensure_running()
 
     def outcome(self, deployment: str, policy: BreakerPolicy, outcome: breaker.Outcome,
-                ms: float) -> None:
+                ms: float, tenant: str = "") -> None:
+        """A call's outcome for the deployment's breaker, counted for `tenant` (one tenant
+        alone never opens it for everyone; "" is no one tenant's: breaker.py)."""
         pending = self._pending
         _, calls = pending.outcomes.setdefault((pending.number, deployment), (policy, []))
-        calls.append((outcome, ms))
+        calls.append((outcome, ms, tenant))
         self._ensure_running()
 
     # -- flushing ----------------------------------------------------------------------

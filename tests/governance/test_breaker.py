@@ -43,6 +43,19 @@ def snap(rds: redis.Redis, p: BreakerPolicy) -> Snapshot:
                                         *breaker.peek_args(p)))
 
 
+def admit_as(rds: redis.Redis, p: BreakerPolicy, tenant: str, probe_id: str = "x") -> int:
+    verdict, _ = rds.eval(breaker.ADMIT_LUA, 4, *breaker.keys(DEP),
+                          *breaker.admit_args(probe_id, p, tenant))
+    return int(verdict)
+
+
+def record_as(rds: redis.Redis, p: BreakerPolicy, calls: list[tuple[str, Outcome]],
+              probe_id: str = "") -> str:
+    state = rds.eval(breaker.RECORD_LUA, 4, *breaker.keys(DEP), *breaker.record_args(
+        probe_id, [(outcome, 10.0, tenant) for tenant, outcome in calls], p))
+    return state.decode()
+
+
 def test_min_volume_is_respected(rds: redis.Redis) -> None:
     p = policy()
     for _ in range(3):
@@ -153,3 +166,65 @@ def test_memory_guard_hysteresis(hold: float) -> None:
         assert g.observe(70, 100, 3.0)
     g.configure(high=0.5, low=0.6, hold_s=1)  # garbled (low > high): ignored
     assert (g.high, g.low) == (0.9, 0.8)
+
+
+# -- one tenant alone never opens it for everyone --------------------------------------
+@pytest.mark.parametrize("kind", ["count", "time"])
+def test_one_tenants_failures_among_others_successes_refuse_that_tenant_alone(
+        rds: redis.Redis, kind: str) -> None:
+    p = policy(window_kind=kind, window_size=10 if kind == "count" else 60, min_calls=6)
+    # given bob's calls succeed, when alice's fail (4 of 6 calls: over the 50 %)
+    calls = [("bob", Outcome.SUCCESS)] * 2 + [("alice", Outcome.FAILURE)] * 4
+    assert record_as(rds, p, calls) == "closed"
+    # then alice alone is refused, for open_wait_s; bob and everyone else still pass
+    assert admit_as(rds, p, "alice") == 0
+    assert admit_as(rds, p, "bob") == 1 and admit_as(rds, p, "carol") == 1
+    s = snap(rds, p)
+    assert s.state == State.CLOSED and s.tenants_open == ("alice",)
+    assert (s.calls, s.times_tenant_opened) == (0, 1)  # the window starts again
+    time.sleep(0.35)
+    assert admit_as(rds, p, "alice") == 1
+    assert snap(rds, p).tenants_open == ()
+
+
+def test_failures_from_two_tenants_open_it_for_everyone_as_fast_as_before(
+        rds: redis.Redis) -> None:
+    p = policy(min_calls=4)
+    assert record_as(rds, p, [("alice", Outcome.FAILURE), ("bob", Outcome.FAILURE),
+                              ("alice", Outcome.FAILURE)]) == "closed"
+    assert record_as(rds, p, [("bob", Outcome.FAILURE)]) == "open"  # the 4th call, as before
+    assert admit_as(rds, p, "carol") == 0
+    assert snap(rds, p).opened_by == ""
+
+
+def test_the_only_callers_failures_open_it_and_another_tenant_probes_it_at_once(
+        rds: redis.Redis) -> None:
+    p = policy(min_calls=4)
+    assert record_as(rds, p, [("alice", Outcome.FAILURE)] * 4) == "open"
+    assert snap(rds, p).opened_by == "alice"
+    assert admit_as(rds, p, "alice") == 0  # the deployment is protected from alice
+    # bob's calls probe it now, not after open_wait_s; theirs succeeding close it
+    assert admit_as(rds, p, "bob", "p1") == 2 and admit_as(rds, p, "bob", "p2") == 2
+    assert admit_as(rds, p, "bob", "p3") == 0  # two probes at a time, as half open
+    assert record_as(rds, p, [("bob", Outcome.SUCCESS)], probe_id="p1") == "open"
+    assert record_as(rds, p, [("bob", Outcome.SUCCESS)], probe_id="p2") == "closed"
+    assert admit_as(rds, p, "bob") == 1
+    assert admit_as(rds, p, "alice") == 0  # for the rest of its wait
+    assert snap(rds, p).tenants_open == ("alice",)
+    # a real outage: another tenant's probe failing opens it for everyone
+    rds.delete(*breaker.keys(DEP))
+    record_as(rds, p, [("alice", Outcome.FAILURE)] * 4)
+    assert admit_as(rds, p, "bob", "p1") == 2
+    assert record_as(rds, p, [("bob", Outcome.FAILURE)], probe_id="p1") == "open"
+    assert admit_as(rds, p, "bob") == 0 and admit_as(rds, p, "carol") == 0
+    assert snap(rds, p).opened_by == ""
+
+
+def test_a_stray_failure_of_another_tenant_does_not_let_one_tenant_open_it(
+        rds: redis.Redis) -> None:
+    p = policy(window_size=20, min_calls=10)
+    # bob: one failure in five calls (20 %, under the 50 %); alice: all of hers fail
+    calls = [("bob", Outcome.SUCCESS)] * 4 + [("bob", Outcome.FAILURE)] + \
+        [("alice", Outcome.FAILURE)] * 5
+    assert record_as(rds, p, calls) == "closed"
+    assert admit_as(rds, p, "alice") == 0 and admit_as(rds, p, "bob") == 1

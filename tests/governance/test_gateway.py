@@ -24,7 +24,7 @@ from governance.services import publish_guard
 from inference.client import InferenceClient
 from inference.models import Deployment
 from inference.spec import DeploymentSpec
-from sluice.errors import Unavailable
+from sluice.errors import DeadlineExceeded, Unavailable
 from sluice.localinfra import free_port
 from sluice.redis import sync_client
 from tenants.models import ApiKey
@@ -322,7 +322,7 @@ def test_concurrent_calls_share_one_read_of_a_closed_breaker(live: Live, org: Or
 
         try:
             closed = await asyncio.gather(*[admit() for _ in range(50)])
-            reads = relay.commands(b"HGET")
+            reads = relay.commands(b"HMGET")
             admits = relay.commands(b"EVALSHA") + relay.commands(b"EVAL")
             r.eval(breaker.RECORD_LUA, 4, *breaker.keys(spec.name),
                    *breaker.record_args("", [(Outcome.FAILURE, 10)],
@@ -342,6 +342,66 @@ def test_concurrent_calls_share_one_read_of_a_closed_breaker(live: Live, org: Or
     assert (reads, admits) == (1, 0), "50 concurrent calls share one read of the state"
     assert outcomes[50:] == ["circuit_open"] * 20
     assert open_verdicts == 20, "an open breaker gives each call its own verdict"
+
+
+def test_caller_deadlines_never_count_and_one_tenant_cannot_open_it_for_others(
+        live: Live, org: Org) -> None:
+    """A deadline the caller chose expiring (gateway- or worker-side) is not the
+    deployment's failure; the platform's is. Failures of one tenant alone, while another
+    tenant's calls succeed, refuse that tenant only."""
+    from governance import breaker
+    from inference.spec import RuntimeName
+    spec = DeploymentSpec(f"deadline-{time.monotonic_ns()}", RuntimeName.ECHO)
+    alice = principal_for(org.members[Role.DEVELOPER])
+    bob = principal_for(make_org("bob", [Role.DEVELOPER]).members[Role.DEVELOPER])
+    r = sync_client(settings.REDIS_URL)
+    policy = breaker.default_policy(0)
+    worker_504: Any = {"t": "error", "seq": 0, "status": 504, "code": "deadline_exceeded",
+                       "message": "The request's deadline passed while it was queued.",
+                       "usage": {"prompt_tokens": 0, "completion_tokens": 0}}
+
+    def peek() -> breaker.Snapshot:
+        return breaker.Snapshot.from_reply(r.eval(breaker.PEEK_LUA, 4, *breaker.keys(spec.name),
+                                                  *breaker.peek_args(policy)))
+
+    async def scenario() -> None:
+        client = InferenceClient(settings.REDIS_URL)
+        governor = Governor(client)
+
+        async def call(who: Any, *, caller_deadline: bool, **finish: Any) -> bool:
+            adm = await governor.admit(who, spec, tokens=10)
+            adm.caller_deadline = caller_deadline
+            await adm.finish(None, **finish) if "error" in finish else \
+                await adm.finish(finish["final"])
+            return adm.probe
+
+        try:
+            # 60 of alice's calls end at her own short deadline, at the gateway or the worker
+            for i in range(60):
+                await call(alice, caller_deadline=True,
+                           **({"error": DeadlineExceeded("deadline")} if i % 2
+                              else {"final": worker_504}))
+            await governor.recorder.flush()
+            assert (peek().state, peek().calls) == (breaker.State.CLOSED, 0)
+            assert not await call(bob, caller_deadline=False, final=worker_504 | {
+                "t": "done", "status": 200, "finish": "stop"})
+            # the platform's deadline is the deployment's failure: alice's refuse her alone
+            for _ in range(policy.min_calls):
+                await call(alice, caller_deadline=False, error=DeadlineExceeded("deadline"))
+            await governor.recorder.flush()
+            snap = peek()
+            assert (snap.state, snap.tenants_open) == (breaker.State.CLOSED, ("alice",))
+            await asyncio.sleep(0.25)  # the closed state the gateway saw expires
+            with pytest.raises(Unavailable) as refused:
+                await call(alice, caller_deadline=False, final=worker_504)
+            assert refused.value.code == "circuit_open"
+            assert not await call(bob, caller_deadline=False, error=Unavailable("x"))
+        finally:
+            await governor.close()
+            await client.close()
+            r.delete(*breaker.keys(spec.name))
+
+    asyncio.run(scenario())
 
 
 def _rotation(name: str) -> list[bool]:
