@@ -28,6 +28,7 @@ from governance.admission import Admission, Governor
 from governance.privacy import stored_messages
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
+from inference.grammar_check import GrammarChecker
 from inference.jobs import (
     ChatJob,
     EmbedJob,
@@ -57,14 +58,16 @@ from streaming.prompting import (
     native_message,
     native_messages,
     prompt_bound,
+    refuse_unfitting,
     rendered,
 )
-from streaming.routed import Attempt, Routed, call_bound
+from streaming.routed import Attempt, Routed, RoutedAdmission, call_bound
 from streaming.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     EmbeddingRequest,
 )
+from streaming.structured import check_grammar
 from streaming.submitted import Submitted
 from tenants.cache import authenticate_cached
 from tenants.conversations import conversation_append, conversation_history
@@ -101,15 +104,18 @@ class Gateway:
         # once (a test's loop beside a server thread's, a restarted server) gets one set
         # each, instead of one loop's calls replacing another's client under it.
         self._per_loop: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[InferenceClient, Governor]] = \
+            asyncio.AbstractEventLoop, tuple[InferenceClient, Governor, GrammarChecker]] = \
             weakref.WeakKeyDictionary()
 
-    def _state(self) -> tuple[InferenceClient, Governor]:
+    def _state(self) -> tuple[InferenceClient, Governor, GrammarChecker]:
         loop = asyncio.get_running_loop()
         state = self._per_loop.get(loop)
         if state is None:
             client = InferenceClient(settings.REDIS_URL)
-            state = self._per_loop[loop] = (client, Governor(client))
+            state = self._per_loop[loop] = (client, Governor(client), GrammarChecker(
+                processes=settings.SLUICE_GRAMMAR_CHECK_PROCESSES,
+                budget_s=settings.SLUICE_GRAMMAR_CHECK_BUDGET_S,
+                memory_mb=settings.SLUICE_GRAMMAR_CHECK_MEMORY_MB))
         return state
 
     @property
@@ -120,14 +126,20 @@ class Gateway:
     def governor(self) -> Governor:
         return self._state()[1]
 
+    @property
+    def grammars(self) -> GrammarChecker:
+        return self._state()[2]
+
     async def close(self) -> None:
-        """Settle and write what this loop's calls reported, and close its client."""
+        """Settle and write what this loop's calls reported, and close its client and
+        its grammar checker's processes."""
         state = self._per_loop.pop(asyncio.get_running_loop(), None)
         if state is not None:
-            client, governor = state
+            client, governor, grammars = state
             await choices.close()
             await governor.close()
             await client.close()
+            await grammars.close()
 
     async def _submit(self, principal: Principal, spec: DeploymentSpec,
                       entries: Sequence[Job], admission: Admission,
@@ -139,6 +151,12 @@ class Gateway:
             if timeout_s <= 0:
                 await admission.release()
                 raise DeadlineExceeded("The request's deadline passed before it was queued.")
+            # A deadline the caller chose is not the deployment's failure (its breaker).
+            # An alias call's attempt gets what is left of the call's deadline, whoever
+            # chose it: counted as the platform's, as the tenant alone cannot open a
+            # breaker for others anyway (governance/breaker.py).
+            admission.caller_deadline = timeout_s < limit and \
+                not isinstance(admission, RoutedAdmission)
             limit = min(limit, timeout_s)
         try:
             with telemetry.stage("sluice.enqueue", **{"sluice.deployment": spec.name}) as span:
@@ -262,6 +280,7 @@ class Gateway:
             attempt = msgspec.structs.replace(job, messages=native_messages(req)) \
                 if spec.runtime == RuntimeName.OPENAI_UPSTREAM else job
             max_tokens = asked or default_max_tokens(spec.max_context)
+            refuse_unfitting([m["content"] for m in attempt.messages], spec)
             texts = [m["content"] for m in attempt.messages] + \
                 [m.get("content", "") for m in history]
             # One admission for every choice: one request, n times the tokens.
@@ -312,6 +331,7 @@ class Gateway:
         job, _turn = chat_job(req)
 
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
+            refuse_unfitting([m["content"] for m in job.messages], spec)
             admission = await self._admit(principal, spec, action, protocol, job, tokens=0,
                                           routed=routed)
             # max_tokens 1: a worker that predates count_only still reports the exact
@@ -330,7 +350,15 @@ class Gateway:
     async def _admit(self, principal: Principal, spec: DeploymentSpec, action: str,
                      protocol: str, job: ChatJob, *, tokens: int,
                      routed: Routed | None = None) -> Admission:
+        """The call admitted (limits, quotas, shedding, breaker), then its grammar
+        compiled: a caller's schema costs nothing before its call is admitted, and a
+        refused one is a refused call (its admission released)."""
         admission = await self.governor.admit(principal, spec, tokens=tokens)
+        try:
+            await check_grammar(job, checker=self.grammars, tenant=principal.tenant_slug)
+        except BaseException:
+            await admission.release()
+            raise
         if routed is not None:
             admission = routed.admission(admission)
         admission.action, admission.protocol = action, protocol

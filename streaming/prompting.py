@@ -2,7 +2,7 @@
 written the way the tool prompt teaches the model) after the tool prompt; for an
 upstream server the caller's messages with their tool traffic native (inference/jobs.py
 Message); the sampling parameters; an upper bound of its tokens without the model's
-tokenizer."""
+tokenizer, and a lower one (a prompt no tokenizer could fit is refused untokenized)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from streaming.schemas import ChatCompletionRequest
 from streaming.structured import structured_body, tool_prompt
 
 _MESSAGE_OVERHEAD = 8  # chat-template tokens around one message, generously
+LONGEST_TOKEN_BYTES = 256  # prompt_floor's bound, with room for vocabularies we lack
 
 
 def prompt_bound(texts: list[str], spec: DeploymentSpec) -> int:
@@ -26,6 +27,22 @@ def prompt_bound(texts: list[str], spec: DeploymentSpec) -> int:
     BPE makes at most one token per UTF-8 byte, plus the template's own tokens."""
     bound = sum(len(t.encode()) + _MESSAGE_OVERHEAD for t in texts) + 2 * _MESSAGE_OVERHEAD
     return min(bound, spec.max_context)
+
+
+def prompt_floor(texts: list[str]) -> int:
+    """A lower bound of the prompt's tokens without the model's tokenizer: no token of
+    any vocabulary we serve encodes more than LONGEST_TOKEN_BYTES bytes (SmolLM2's
+    longest, a run of spaces, is 81)."""
+    return -(-sum(len(t.encode()) for t in texts) // LONGEST_TOKEN_BYTES)
+
+
+def refuse_unfitting(texts: list[str], spec: DeploymentSpec) -> None:
+    """A 400 `context_length_exceeded` for a prompt that cannot fit `spec`'s context
+    whatever its tokenizer, before anything tokenizes it."""
+    if prompt_floor(texts) > spec.max_context:
+        raise BadRequest(f"The prompt has more than {spec.max_context} tokens; this model's "
+                         f"context is {spec.max_context}.", code="context_length_exceeded",
+                         param="messages")
 
 
 def message_text(content: Any) -> str:

@@ -1,16 +1,28 @@
 """Tools and response formats of a chat request, checked at the gateway: what the worker
 gets to build the reply's grammar (inference/grammar.py), and the system prompt that
-tells the model how to write a call."""
+tells the model how to write a call. `structured_body` takes the request's structure
+(cheap checks only, the structural pre-check of its schemas included);
+`check_grammar`, after the call's admission, compiles its grammar
+in a bounded child process (inference/grammar_check.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from inference import grammar
 from inference.grammar import TOOL_MARKER
+from inference.grammar_check import (
+    GrammarChecker,
+    GrammarUnavailable,
+    PlanRequest,
+    TooComplex,
+    precheck,
+)
 from inference.jobs import ChatJob, ResponseFormat, ToolSpec
-from sluice.errors import BadRequest
+from sluice.errors import BadRequest, Unavailable
 from streaming.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
 
 
@@ -57,9 +69,8 @@ def _example_arguments(schema: dict[str, Any]) -> dict[str, Any]:
 
 def structured_body(req: ChatCompletionRequest) -> ChatJob:
     """A job with the request's validated tools, tool_choice, parallel_tool_calls and
-    response_format (all defaults for a free-text reply). Every schema is compiled
-    here, without a tokenizer, so a schema the engine cannot enforce is a 400 naming it
-    before anything is queued."""
+    response_format (all defaults for a free-text reply); its grammar is not compiled
+    yet (`check_grammar`)."""
     choice, fmt = req.tool_choice, req.response_format
     response_format = None
     if fmt is not None and fmt.type == "json_object":
@@ -91,17 +102,39 @@ def structured_body(req: ChatCompletionRequest) -> ChatJob:
             for t in req.tools], tool_choice=wanted,
             parallel_tool_calls=req.parallel_tool_calls is not False)
     if job.constrained:
-        _check_grammar(job)
+        with _refused():
+            precheck(PlanRequest.of(job))
     return job
 
 
-def _check_grammar(job: ChatJob) -> None:
-    """Compile the job's grammar as the worker will (a 400 naming what cannot be
-    enforced)."""
+async def check_grammar(job: ChatJob, *, checker: GrammarChecker, tenant: str) -> None:
+    """Compile the job's grammar as the worker will, off the event loop and bounded: a
+    400 naming what cannot be enforced (`schema_too_complex` when deciding it would cost
+    more than the checker's budget), a retriable 503 when no checker could start."""
+    if not job.constrained:
+        return
+    with _refused():
+        await checker.check(PlanRequest.of(job), tenant=tenant)
+
+
+@contextlib.contextmanager
+def _refused() -> Iterator[None]:
+    """A grammar's refusal as the caller's 400 naming where (or a retriable 503)."""
     try:
-        grammar.job_plan(job)
+        yield
+    except TooComplex as exc:
+        raise BadRequest(f"Schema too complex: {exc}", param=_where(exc),
+                         code="schema_too_complex") from None
     except grammar.GrammarError as exc:
-        where = str(exc).split(":")[0]
+        where = _where(exc)
         raise BadRequest(f"Invalid schema: {exc}", param=where,
                          code="invalid_function_parameters" if where.startswith("tools")
                          else "invalid_response_format") from None
+    except GrammarUnavailable:
+        raise Unavailable("The schema checker is unavailable; try again shortly.",
+                          code="schema_checker_unavailable",
+                          headers={"Retry-After": "1"}) from None
+
+
+def _where(exc: grammar.GrammarError) -> str:
+    return str(exc).split(":")[0]
