@@ -408,22 +408,9 @@ class Governor:
         prompt, completion = ((final["usage"]["prompt_tokens"],
                                final["usage"]["completion_tokens"]) if final is not None
                               else (0, 0))
-        if not charge or replay:
-            outcome = breaker.Outcome.IGNORED
-        elif final is None:
-            # The platform's deadline is the deployment's failure; the caller's own
-            # deadline and a call we never saw end are not.
-            outcome = (breaker.Outcome.FAILURE if isinstance(error, DeadlineExceeded)
-                       and not adm.caller_deadline else breaker.Outcome.IGNORED)
-        elif adm.caller_deadline and final["t"] == "error" \
-                and final["code"] == "deadline_exceeded":
-            outcome = breaker.Outcome.IGNORED
-        elif status >= 500:
-            outcome = breaker.Outcome.FAILURE
-        elif status >= 400 or (final["t"] == "done" and final["finish"] == "cancelled"):
-            outcome = breaker.Outcome.IGNORED
-        else:
-            outcome = breaker.Outcome.SUCCESS
+        outcome = (breaker.Outcome.IGNORED if not charge or replay else
+                   breaker.outcome_of(final, status, error=error,
+                                      caller_deadline=adm.caller_deadline))
         # The tenant pays for what was made, except when the platform failed.
         billable = charge and final is not None and status < 500
         tokens = prompt + completion if billable else 0

@@ -37,7 +37,9 @@ from enum import StrEnum
 from typing import Any
 
 from governance.models import BreakerPolicy
+from inference.jobs import FinalEvent
 from inference.queue import deployment_key
+from sluice.errors import DeadlineExceeded
 
 
 class State(StrEnum):
@@ -50,6 +52,24 @@ class Outcome(StrEnum):
     SUCCESS = "ok"
     FAILURE = "fail"
     IGNORED = "ignore"  # the caller's 4xx, a client cancel: a probe slot is freed only
+
+
+def outcome_of(final: FinalEvent | None, status: int, *, error: BaseException | None,
+               caller_deadline: bool) -> Outcome:
+    """What a call that ended with `final` (None: never seen to end, `error` why) and
+    `status` says of its deployment. The platform's deadline and a 5xx are failures;
+    the caller's own deadline (`caller_deadline`: shorter than the platform's), its
+    4xx, a cancellation and a call we never saw end are not."""
+    if final is None:
+        return (Outcome.FAILURE if isinstance(error, DeadlineExceeded) and not caller_deadline
+                else Outcome.IGNORED)
+    if caller_deadline and final["t"] == "error" and final["code"] == "deadline_exceeded":
+        return Outcome.IGNORED
+    if status >= 500:
+        return Outcome.FAILURE
+    if status >= 400 or (final["t"] == "done" and final["finish"] == "cancelled"):
+        return Outcome.IGNORED
+    return Outcome.SUCCESS
 
 
 # Calls, failures and slow calls of a time window (KEYS[3]: per-second counters "c:<s>",

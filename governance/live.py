@@ -39,7 +39,9 @@ def breaker_state(row: BreakerPolicy) -> dict[str, Any]:
     return {
         "state": snap.state, "calls": snap.calls, "failures": snap.failures,
         "slow_calls": snap.slow, "opened_at": snap.opened_at, "reason": snap.reason or None,
-        "times_opened": snap.times_opened, "workers": len(live),
+        "times_opened": snap.times_opened, "opened_by": snap.opened_by or None,
+        "tenants_refused": list(snap.tenants_open),
+        "times_tenant_opened": snap.times_tenant_opened, "workers": len(live),
         "workers_in_rotation": sum(1 for b in live if b.get("in_rotation", True)),
         "memory": [round(b["mem_used"] / b["mem_total"], 4) for b in live
                    if b.get("mem_total")],
