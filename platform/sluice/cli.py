@@ -144,12 +144,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         # The responses writer: stored responses (Responses API) from Redis into the database.
         group.start("responseswriter", [sys.executable, str(REPO / "manage.py"),
                                         "responseswriter"])
-        # Celery: periodic jobs (usage rollup, audit retention), exports, batches.
+        # Celery, one worker per queue so that batches never hold up exports and the
+        # periodic jobs. The prefork pool: its children are where task time limits are
+        # enforced (the solo and thread pools cannot stop a task); two children for
+        # batch chunks (two tenants at once), one for maintenance, which also runs beat.
+        celery = [sys.executable, "-m", "celery", "-A", "sluice.celery", "worker",
+                  "--pool", "prefork", "--loglevel", "WARNING"]
         group.start("celery", [
-            sys.executable, "-m", "celery", "-A", "sluice.celery", "worker", "--beat",
-            "--pool", "solo", "--loglevel", "WARNING",
+            *celery, "--queues", "maintenance", "--concurrency", "1", "--hostname",
+            "maintenance@%h", "--beat",
             "--schedule", str(Path(settings.STATE_DIR) / "celerybeat-schedule"),
         ])
+        group.start("celery-batches", [*celery, "--queues", "batches", "--concurrency", "2",
+                                       "--hostname", "batches@%h"])
         # Model workers: the autoscaler runs them as its children, as many as demand
         # asks for within each deployment's min/max replicas, and replaces dead ones.
         group.start("autoscaler", [sys.executable, str(REPO / "manage.py"), "autoscale"])
@@ -203,8 +210,8 @@ Sluice is running.
   Redis                       {redis_url}{redis_note}
   Model workers               {", ".join(models) or "none"} (autoscaled; the first
                               start converts the chat model's weights once: ~30 s)
-  Celery                      worker + beat (usage rollup, audit retention, exports,
-                              batches); audit writer; responses writer
+  Celery                      batches worker; maintenance worker + beat (usage
+                              rollup, retention, exports); audit writer; responses writer
 
   Login     {user} / {password}   (tenant {tenant}, platform admin)
   API key   {key}   (developer)

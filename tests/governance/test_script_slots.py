@@ -24,7 +24,8 @@ from governance.models import Quota, RateLimitPolicy, RateLimitScope
 from governance.recorder import deployment_mark
 from inference import autoscaler
 from inference import queue as q
-from streaming import responses_copy
+from streaming import batch_runner, responses_copy
+from streaming.models import Batch
 from tenants import throttle
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,6 +116,9 @@ SITES: dict[tuple[str, str], Callable[[], Iterator[list[str]]]] = {
     ("streaming/responses_copy.py", "q.KEEP_LUA"): lambda: (
         [responses_copy.copy_key(t, r), responses_copy.forget_key(t, r)]
         for t, r in itertools.product((1, 42, 10**9), ("resp_a", "resp_" + "f" * 48))),
+    # (its _RENEW, sent through asyncio.to_thread, takes the same key)
+    ("streaming/batch_runner.py", "_RELEASE"): lambda: _per_tenant(
+        lambda t: [batch_runner._lock_key(Batch(principal={"tenant_slug": t}))]),
     ("streaming/responses_copy.py", "q.KEEP_QUEUE_LUA"): lambda: iter(
         [[responses_copy.STREAM]]),
     ("inference/engine/writer.py", "q.KEEP_LUA"): lambda: (

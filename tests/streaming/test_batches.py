@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -24,9 +28,10 @@ from sluice.errors import (
     audit_unavailable,
     database_unavailable,
 )
-from streaming.batches import retry_in
+from streaming.batch_lines import retry_in
 from tenants.roles import Role
-from tests.conftest import make_org
+from tenants.services import apikey_revoke
+from tests.conftest import REPO, eventually, make_org, process_env
 from tests.streaming.conftest import Live
 
 pytestmark = pytest.mark.slow
@@ -58,6 +63,27 @@ def results(client: openai.OpenAI, file_id: str | None) -> dict[str, Any]:
         return {}
     rows = [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
     return {row["custom_id"]: row for row in rows}
+
+
+CHUNK_LINES = 4
+
+
+@pytest.fixture
+def celery_worker(transactional_db: None, tmp_path: Path) -> Iterator[None]:
+    """A real Celery worker process (solo pool, as tests/conftest.py's) running batches
+    in chunks of CHUNK_LINES; its log is printed when the test ends (shown on failure)."""
+    log = tmp_path / "worker.log"
+    env = process_env(SLUICE_STATE_DIR=str(tmp_path),
+                      SLUICE_BATCH_CHUNK_LINES=str(CHUNK_LINES))
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sluice.celery",
+                                 "worker", "--pool", "solo", "--loglevel", "WARNING",
+                                 "--without-gossip", "--without-mingle"], cwd=REPO, env=env,
+                                stdout=sink, stderr=subprocess.STDOUT)
+    yield
+    proc.terminate()
+    proc.wait(20)
+    print(log.read_text(errors="replace")[-6000:])
 
 
 @pytest.fixture
@@ -185,3 +211,138 @@ def test_cancel_keeps_what_finished(client: openai.OpenAI, celery_worker: None) 
     done = wait(client, batch.id, ("cancelled", "completed"))
     assert done.status == "cancelled"
     assert done.request_counts is not None and done.request_counts.completed < 24
+
+
+# -- chunks, revocation, the worker never held ----------------------------------------
+def batch_row(batch_id: str) -> Any:
+    from streaming.models import Batch
+    return Batch.objects.select_related("output_file", "error_file").get(public_id=batch_id)
+
+
+def rows_of(stored: Any) -> list[dict[str, Any]]:
+    if stored is None:
+        return []
+    return [json.loads(line) for line in Path(stored.path).read_text().splitlines()]
+
+
+def paced_batch(base_url: str, org: Any, count: int, *,
+                requests_per_minute: int) -> tuple[openai.OpenAI, str]:
+    """A batch of `count` echo lines by `org`'s developer, under a tenant rate limit of
+    `requests_per_minute` with a burst of one."""
+    RateLimitPolicy.objects.create(scope="tenant", tenant=org.tenant,
+                                   requests_per_minute=requests_per_minute, burst_requests=1)
+    policy_cache.clear()
+    sdk = openai.OpenAI(base_url=base_url, api_key=org.keys[Role.DEVELOPER], max_retries=0)
+    uploaded = sdk.files.create(
+        file=jsonl([chat_line(f"p-{i}", f"paced {i}") for i in range(count)]), purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    return sdk, batch.id
+
+
+def ended(batch_id: str) -> Any:
+    row = batch_row(batch_id)
+    return row if row.status in ("failed", "completed", "cancelled") else None
+
+
+@pytest.mark.parametrize("revoke", ["key", "member"])
+def test_a_revoked_identity_ends_the_batch_before_its_next_chunk(
+        live: Live, celery_worker: None, revoke: str) -> None:
+    """Given a batch paced at a line a second (a chunk each), when the creator's key is
+    revoked (or the member deactivated) after the first line ran, then the batch ends
+    `failed` with credential_revoked and the remaining lines never run."""
+    from tenants.services import member_update
+    from tests.conftest import principal_for
+
+    org = make_org(f"revoked-{revoke}", [Role.TENANT_ADMIN, Role.DEVELOPER])
+    _, batch_id = paced_batch(live.base_url, org, 12, requests_per_minute=60)
+    eventually(lambda: batch_row(batch_id).completed >= 1, 60, what="the first line")
+    admin = principal_for(org.members[Role.TENANT_ADMIN])
+    if revoke == "key":
+        apikey_revoke(actor=admin, key_id=org.key_rows[Role.DEVELOPER].pk)
+    else:
+        member_update(actor=admin, member_id=org.members[Role.DEVELOPER].pk, is_active=False)
+    done = eventually(lambda: ended(batch_id), 60, what="the batch to end")
+    assert done.status == "failed"
+    assert [e["code"] for e in done.errors["data"]] == ["credential_revoked"]
+    ran = rows_of(done.output_file) + rows_of(done.error_file)
+    assert 1 <= len(ran) < 12 and done.completed == len(rows_of(done.output_file))
+
+
+def test_a_rate_limited_chunk_is_rescheduled_and_frees_the_worker(
+        live: Live, celery_worker: None) -> None:
+    """Given one tenant's batch under 2 requests a minute (its second line is told to
+    come back in ~30 s), then its next chunk waits as a scheduled task, not in the
+    worker: another tenant's batch completes meanwhile on the same solo worker; and a
+    cancel ends the waiting batch at once."""
+    from sluice.celery import app
+
+    slow = make_org("slowpoke", [Role.DEVELOPER])
+    sdk, batch_id = paced_batch(live.base_url, slow, 3, requests_per_minute=2)
+    eventually(lambda: batch_row(batch_id).completed >= 1, 60, what="the first line")
+
+    def scheduled() -> list[dict[str, Any]]:
+        replies = app.control.inspect(timeout=2).scheduled() or {}
+        return [entry for entries in replies.values() for entry in entries
+                if entry["request"]["name"] == "streaming.tasks.run_batch"]
+
+    [entry] = eventually(scheduled, 30, what="the rescheduled chunk")
+    assert str(batch_row(batch_id).pk) in str(entry["request"]["args"])
+
+    other = make_org("quick", [Role.DEVELOPER]).keys[Role.DEVELOPER]
+    quick = openai.OpenAI(base_url=live.base_url, api_key=other, max_retries=0)
+    uploaded = quick.files.create(file=jsonl([chat_line(f"q-{i}", "hi") for i in range(6)]),
+                                  purpose="batch")
+    theirs = quick.batches.create(input_file_id=uploaded.id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait(quick, theirs.id, ("completed", "failed"), timeout=25)
+    assert done.status == "completed" and done.request_counts is not None
+    assert done.request_counts.completed == 6
+    assert batch_row(batch_id).status == "in_progress", "still waiting for its rate limit"
+
+    assert sdk.batches.cancel(batch_id).status == "cancelled"
+    assert batch_row(batch_id).completed < 3
+
+
+def test_a_line_nested_thousands_deep_fails_alone(client: openai.OpenAI,
+                                                  celery_worker: None) -> None:
+    deep = ('{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", '
+            '"body": {"model": "echo", "messages": ' + "[" * 5000 + "]" * 5000 + "}}")
+    nested = {"custom_id": "nested", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "echo", "messages": [], "metadata": {}}}
+    inner: Any = nested["body"]
+    for _ in range(100):  # readable JSON, past what a request may nest
+        inner["x"] = {}
+        inner = inner["x"]
+    data = io.BytesIO("\n".join([json.dumps(chat_line("ok-0", "a")), deep, json.dumps(nested),
+                                 json.dumps(chat_line("ok-1", "b"))]).encode())
+    data.name = "deep.jsonl"
+    uploaded = client.files.create(file=data, purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = wait(client, batch.id, ("completed", "failed"))
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (4, 2, 2)
+    assert set(results(client, done.output_file_id)) == {"ok-0", "ok-1"}
+    errors = [json.loads(line) for line in
+              client.files.content(done.error_file_id or "").text.splitlines()]
+    assert sorted((e["custom_id"], e["error"]["code"], e["error"]["line"]) for e in errors) \
+        == [(None, "json_too_deep", 2), (None, "json_too_deep", 3)]
+
+
+@pytest.mark.parametrize("stuck", ["validating", "cancelling"])
+def test_cancel_ends_a_batch_that_no_chunk_runs(client: openai.OpenAI, stuck: str) -> None:
+    """No worker runs here: a batch left `validating` (or `cancelling`, as a runner that
+    died leaves it) ends `cancelled` on cancel, and its input file can then be deleted."""
+    from streaming.models import Batch
+
+    uploaded = client.files.create(file=jsonl([chat_line("a", "x")]), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    Batch.objects.filter(public_id=batch.id).update(status=stuck)
+    assert client.batches.cancel(batch.id).status == "cancelled"
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
