@@ -5,12 +5,17 @@ make an ambiguous one personal data.
 - `luhn`, `card_issuer`: payment cards (Luhn, the issuer's prefix and lengths).
 - `IBAN_LENGTHS`, `iban_valid`: IBANs (the country's exact length, mod-97).
 - `ssn_valid`: a US SSN's area, group and serial are ones the SSA issues.
+- `nanp_shape`: ten digits (or eleven after a 1) shaped like a North American number.
 - `ssn_context(text, start, end)`: the number at text[start:end] is said to be an SSN,
   by a label just before it ("SSN", "SSN#", "social security no.", "ssn_",
   `"ssn": "`, "SocialSecurityNumber=") or just after it ("... is my SSN", "(SSN)").
 - `phone_context(text, start, end)`: the number at text[start:end] follows a phone word
   ("phone", "tel", "mobile", "fax", "call me at", "reach me on", ...) or is followed
   by a phone noun ("(mobile)", "is my cell").
+- `quoted_alone(text, start, end)`: text[start:end] is the whole of a quoted string
+  that is neither a key nor a key's value: "The model '536427151' does not exist" says
+  nothing about the number but that someone typed it on its own, while
+  `"customer_id": "536427151"` names what it is.
 
 A label counts only when nothing but punctuation, spaces and a few linking words
 ("number", "no.", "is", "my", "at", ...) stand between it and the number: "SSN on
@@ -89,6 +94,15 @@ def ssn_valid(area: str, group: str, serial: str) -> bool:
             and serial != "0000")
 
 
+def nanp_shape(digits: str) -> bool:
+    """Ten digits (or eleven after the country code 1) whose area code starts with 2-9,
+    as NANP's plan has it. The exchange is not checked, nor is the area code assigned
+    (`phonenumbers` checks both): people write the fictional 555-123-4567 too."""
+    if len(digits) == 11 and digits[0] == "1":
+        digits = digits[1:]
+    return len(digits) == 10 and digits.isdigit() and digits[0] not in "01"
+
+
 # -- context labels --------------------------------------------------------------------
 _WINDOW = 48  # characters searched beside a number for its label
 
@@ -119,6 +133,23 @@ _PHONE_LINK = _link(r"is|me|us|him|her|them|at|on|my|our|his|their|your|the|home
                     r"|office|mobile|cell")
 _PHONE_BEFORE = re.compile(rf"(?i){_PHONE_WORD}{_PHONE_LINK}{{0,16}}$")
 _PHONE_AFTER = re.compile(_after(rf"(?<![a-z\[\]])(?:{_PHONE_NOUN})"))
+
+
+# Opening quote -> its closing one.
+_QUOTES = {"'": "'", '"': '"', "`": "`", "\u2018": "\u2019", "\u201c": "\u201d",
+           "\u00ab": "\u00bb"}
+_KEY_BEFORE = re.compile(r"[:=][^\S\n]{0,3}$")  # the value of `"key": "..."`, `key='...'`
+_KEY_AFTER = re.compile(r"[^\S\n]{0,3}[:=]")  # itself a key
+
+
+def quoted_alone(text: str, start: int, end: int) -> bool:
+    """Is text[start:end] the whole of a quoted string, neither a key nor a key's value?"""
+    if start == 0 or end >= len(text):
+        return False
+    close = _QUOTES.get(text[start - 1])
+    return (close is not None and text[end] == close
+            and _KEY_BEFORE.search(text, max(0, start - 5), start - 1) is None
+            and _KEY_AFTER.match(text, end + 1) is None)
 
 
 def ssn_context(text: str, start: int, end: int) -> bool:

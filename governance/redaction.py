@@ -13,7 +13,9 @@ labels are in governance/pii_patterns.py):
 
 - US SSN: AAA-GG-SSSS (or spaces), letters may touch it ("ssn-536-42-7151"), digits may
   not. Valid: area not 000, 666 or 9xx; group not 00; serial not 0000. Invalid ones and
-  bare nine-digit runs are redacted only where the text says SSN beside them.
+  bare nine-digit runs are redacted only where the text says SSN beside them, and a
+  valid bare run also where it is a quoted string on its own ("The model '536427151'
+  does not exist"; not `"customer_id": "536427151"`).
 - IBAN: country code, the country's exact length, mod-97 check; spaces allowed.
 - Payment cards: 12-19 digits, compact or in groups of 3-6 digits separated by spaces,
   dashes or dots (one kind), Luhn, and a known issuer prefix (Visa, Mastercard, Amex,
@@ -22,8 +24,12 @@ labels are in governance/pii_patterns.py):
   regions (SLUICE_PHONE_REGIONS, default US,GB: regions with variable-length numbering
   such as DE make almost any digit run "valid"), validated by `phonenumbers`. A bare
   digit run (no +, no separators) is a phone number only after a phone word ("tel",
-  "call me at"): "max_tokens is 2147483647" is not one.
-- Emails, IPv4 (octets <= 255) and IPv6 (`ipaddress`), JWTs (eyJ...eyJ...), API keys
+  "call me at") or as a quoted string on its own: "max_tokens is 2147483647" is not
+  one. There a US-shaped number needs only NANP's shape (area code 2-9..), not an
+  assigned area code: "call me at 5551234567" is redacted.
+- Emails, also written "jane(at)example.com", "jane [at] example.com" or, with a dot,
+  dash, underscore, plus or percent in the name, "jane.doe at example.com".
+- IPv4 (octets <= 255) and IPv6 (`ipaddress`), JWTs (eyJ...eyJ...), API keys
   (sk-/pk-/rk- keys incl. Sluice's, AWS access keys, GitHub and Slack tokens) and bearer
   tokens.
 """
@@ -48,7 +54,9 @@ from governance.pii_patterns import (
     card_issuer,
     iban_valid,
     luhn,
+    nanp_shape,
     phone_context,
+    quoted_alone,
     ssn_context,
     ssn_valid,
 )
@@ -72,6 +80,10 @@ _CARD = re.compile(rf"{_NUM_START}\d(?:[ .-]?\d){{11,18}}(?!\d)")
 _IBAN = re.compile(r"(?<![A-Za-z0-9])[A-Za-z]{2}\d{2}(?: ?[A-Za-z0-9]){11,30}+")
 _EMAIL = re.compile(r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}+@"
                     r"[A-Za-z0-9-]{1,63}+(?:\.[A-Za-z0-9-]{1,63}+){1,8}+")
+# "@" written out: "(at)", "[at]", "{at}" (spaces allowed), or " at " (group 2).
+_EMAIL_AT = re.compile(r"(?<![A-Za-z0-9._%+-])([A-Za-z0-9._%+-]{1,64}+)"
+                       r"(?:[^\S\n]{0,2}+[(\[{][^\S\n]{0,2}+(?i:at)[^\S\n]{0,2}+[)\]}]"
+                       r"[^\S\n]{0,2}+|[^\S\n]{1,3}+((?i:at))[^\S\n]{1,3}+)(?=[A-Za-z0-9])")
 _IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?!\d)(?!\.\d)")
 _IPV6 = re.compile(r"(?<![0-9A-Fa-f:.])[0-9A-Fa-f:.]{2,45}+")
 _PHONE = re.compile(r"(?<![\w+])(?:\+|\(\d|\d)[\d ().-]{5,22}+")
@@ -125,7 +137,9 @@ def _scan(pattern: re.Pattern[str], text: str, free: Free,
 def _ssn(text: str, free: Free) -> Iterable[Span]:
     def check(m: re.Match[str]) -> Span | None:
         area, sep, group, serial = m.groups()
-        if (sep and ssn_valid(area, group, serial)) or ssn_context(text, m.start(), m.end()):
+        shaped = ssn_valid(area, group, serial) and (
+            bool(sep) or quoted_alone(text, m.start(), m.end()))
+        if shaped or ssn_context(text, m.start(), m.end()):
             return Span(m.start(), m.end(), "SSN")
         return None
     return _scan(_SSN, text, free, check)
@@ -185,7 +199,19 @@ def _emails(text: str, free: Free) -> Iterable[Span]:
         if local.strip(".") and domain:
             return Span(m.start(), m.start() + len(local) + 1 + domain.end(), "EMAIL")
         return None
-    return _scan(_EMAIL, text, free, check)
+
+    def spelled(m: re.Match[str]) -> Span | None:
+        local, plain = m.group(1), m.group(2) is not None
+        domain = _DOMAIN.match(text, m.end())
+        # " at " is prose ("look at example.com", "e.g. at example.com", "3.12 at
+        # python.org") unless the name holds a letter and what names hold and words do
+        # not; and a local part has no dot at either end.
+        named = any(ch in "._%+-" for ch in local) and any(ch.isalpha() for ch in local)
+        if domain is None or local[0] == "." or local[-1] == "." or (plain and not named):
+            return None
+        return Span(m.start(), domain.end(), "EMAIL")
+    yield from _scan(_EMAIL, text, free, check)
+    yield from _scan(_EMAIL_AT, text, free, spelled)
 
 
 def _ipv4(m: re.Match[str]) -> Span | None:
@@ -237,6 +263,12 @@ def _phone_regions(raw: str, sizes: list[int]) -> tuple[str | None, ...]:
     return tuple(out)
 
 
+def _said(text: str, span: Span) -> bool:
+    """Does the text say the number at `span` is one to reach someone on?"""
+    return (phone_context(text, span.start, span.end)
+            or quoted_alone(text, span.start, span.end))
+
+
 def _phones(text: str, free: Free) -> Iterable[Span]:
     def check(m: re.Match[str]) -> Span | None:
         raw = m.group()
@@ -252,16 +284,18 @@ def _phones(text: str, free: Free) -> Iterable[Span]:
             head = raw[:groups[k - 1].end()]
             if head.count("(") != head.count(")") and not head.startswith("("):
                 continue
-            if k == 1 and head.isdigit() and not phone_context(
-                    text, m.start(), m.start() + len(head)):
+            span = Span(m.start(), m.start() + len(head), "PHONE")
+            if k == 1 and head.isdigit() and not _said(text, span):
                 continue  # a bare digit run is a phone number only where one is said
             for region in _phone_regions(head, sizes[:k]):
                 try:
                     number = phonenumbers.parse(head, region)
                 except phonenumbers.NumberParseException:
                     continue
-                span = Span(m.start(), m.start() + len(head), "PHONE")
-                if phonenumbers.is_valid_number(number) and free(span):
+                valid = phonenumbers.is_valid_number(number) or (
+                    region == "US" and nanp_shape("".join(g.group() for g in groups[:k]))
+                    and _said(text, span))
+                if valid and free(span):
                     return span
         return None
     return _scan(_PHONE, text, free, check)
@@ -304,9 +338,12 @@ RECOGNIZERS: list[tuple[str, Recognizer]] = [
 
 
 # Every built-in recognizer needs one of these to match at all: digits (SSN, cards,
-# phones, IBANs, IPv4), "@" (emails), ":" (IPv6), or a secret's fixed prefix. Text with
-# none of them (most prose) skips the recognizers in one C-speed scan.
-_TRIGGER = re.compile(r"[0-9@:]|eyJ|[spr]k-|AKIA|gh[pousr]_|xox[abprs]-|(?i:bearer)")
+# phones, IBANs, IPv4), "@" or a spelled-out one before a domain (emails), ":" (IPv6), or
+# a secret's fixed prefix. Text with none of them (most prose) skips the recognizers in
+# one C-speed scan.
+_TRIGGER = re.compile(r"[0-9@:]|eyJ|[spr]k-|AKIA|gh[pousr]_|xox[abprs]-|(?i:bearer)"
+                      r"|(?i:[(\[{][^\S\n]{0,2}at[^\S\n]{0,2}[)\]}]"
+                      r"|[^\S\n]at[^\S\n]{1,3}[a-z0-9-]{1,63}\.[a-z])")
 
 
 def find(text: str, extra: Iterable[tuple[str, re.Pattern[str]]] = ()) -> list[Span]:

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any
 
+from django.db.models import QuerySet
 from django.http import HttpRequest
 from ninja import Field, Router, Status
 from ninja.pagination import paginate
 
 from inference import selectors, services
+from inference.models import Deployment
 from inference.schemas import (
     AliasCreateIn,
     AliasOut,
     AliasUpdateIn,
     DeploymentCreateIn,
     DeploymentOut,
+    DeploymentSummaryOut,
     DeploymentUpdateIn,
+    DeploymentView,
     ModelListOut,
     ModelOut,
     ScalingOut,
@@ -23,6 +28,8 @@ from inference.schemas import (
 from sluice.errors import NotFound
 from sluice.pagination import Pagination
 from tenants.api import actor_of
+from tenants.principal import Principal
+from tenants.roles import Action
 
 router = Router(tags=["deployments"])
 models_router = Router(tags=["models"])
@@ -34,10 +41,22 @@ def _secret(fields: dict[str, Any]) -> str | None:
     return None if value is None else value.get_secret_value()
 
 
-@router.get("/deployments", response=list[DeploymentOut])
+def _shown(actor: Principal, rows: QuerySet[Deployment]) -> Iterable[Any]:
+    """The rows as `actor` may read them: in full for those who manage deployments,
+    else as summaries (a tenant learns what it can call, not where calls go). A list
+    of summaries holds the whole registry, which only operators grow."""
+    if actor.can(Action.DEPLOYMENT_MANAGE):
+        return rows
+    return [DeploymentSummaryOut.of(row) for row in rows]
+
+
+@router.get("/deployments", response=list[DeploymentView])
 @paginate(Pagination)
 def deployment_list(request: HttpRequest):
-    return selectors.deployment_list(actor=actor_of(request))
+    """The deployments: in full for platform admins, as summaries (name, kind,
+    description, context length) for everyone else."""
+    actor = actor_of(request)
+    return _shown(actor, selectors.deployment_list(actor=actor))
 
 
 @router.post("/deployments", response={201: DeploymentOut})
@@ -51,9 +70,12 @@ def deployment_create(request: HttpRequest, data: DeploymentCreateIn):
                                                   upstream_api_key=_secret(fields), **fields))
 
 
-@router.get("/deployments/{name}", response=DeploymentOut)
+@router.get("/deployments/{name}", response=DeploymentView)
 def deployment_get(request: HttpRequest, name: str):
-    return selectors.deployment_get(actor=actor_of(request), name=name)
+    """One deployment, shown as in the list."""
+    actor = actor_of(request)
+    row = selectors.deployment_get(actor=actor, name=name)
+    return row if actor.can(Action.DEPLOYMENT_MANAGE) else DeploymentSummaryOut.of(row)
 
 
 @router.patch("/deployments/{name}", response=DeploymentOut)

@@ -6,14 +6,16 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from ninja import Schema
-from pydantic import Field, SecretStr, StringConstraints
+from pydantic import ConfigDict, Discriminator, Field, RootModel, SecretStr, StringConstraints, Tag
 
-from inference.models import ALIAS_PATTERN, NAME_PATTERN, ModelAlias
+from inference.models import ALIAS_PATTERN, NAME_PATTERN, Deployment, ModelAlias
 from inference.spec import Dialect, RuntimeName
 from sluice.schemas import Line, StrictSchema, Text
 
 
 class DeploymentOut(Schema):
+    """A deployment as its operators see it: where and how it runs (platform admins)."""
+
     name: str
     runtime: RuntimeName
     kind: str
@@ -58,6 +60,40 @@ class DeploymentOut(Schema):
     @staticmethod
     def resolve_upstream_api_key_hint(obj: object) -> str:
         return str(obj.upstream_secret_hint)  # type: ignore[attr-defined]
+
+
+class DeploymentSummaryOut(Schema):
+    """A deployment as a tenant sees it: what it serves, nothing of where or how it runs
+    (no upstream URL, model or key hint, runtime, weights, device, batching, queue or
+    scaling settings: they name the operator's infrastructure and size its capacity)."""
+
+    # No other field: a full view is then never also a summary (OpenAPI's oneOf).
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    kind: str
+    description: str
+    max_context: int
+    enabled: bool
+    created_at: datetime
+
+    @staticmethod
+    def of(row: Deployment) -> dict[str, object]:
+        """`row`'s summary, as the reply's data (see `DeploymentView`)."""
+        return {"name": row.name, "kind": row.to_spec().kind.value,
+                "description": row.description, "max_context": row.max_context,
+                "enabled": row.enabled, "created_at": row.created_at}
+
+
+def _view(value: object) -> str:
+    return "summary" if isinstance(value, dict | DeploymentSummaryOut) else "operator"
+
+
+class DeploymentView(RootModel[Annotated[Annotated[DeploymentOut, Tag("operator")]
+                                         | Annotated[DeploymentSummaryOut, Tag("summary")],
+                                         Discriminator(_view)]]):
+    """What GET /deployments answers: a row is read in full, a row's
+    `DeploymentSummaryOut.of` (a dict) as its summary; each is serialized as read."""
 
 
 class DeploymentUpdateIn(StrictSchema):

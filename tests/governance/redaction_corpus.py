@@ -202,12 +202,59 @@ def _missed_forms() -> list[Sample]:
                               "phone bare, beside a phone word"))
     for value in ["07911123456", "02079460958"]:
         out.append(Sample(f"mobile {value}", value, "PHONE", "phone bare, beside a phone word"))
+    return out + _standalone_forms()
+
+
+# How a bare number is said to be typed on its own: the whole of a quoted string.
+_QUOTED = ["The model '{v}' does not exist or you do not have access to it.",
+           "The model '{v}' does not exist.", 'unknown value "{v}"', "got `{v}`",
+           "\u201c{v}\u201d he wrote", "['{v}']", "search for '{v}', no results"]
+_SPELLED_AT = ["{l}(at){d}", "{l} [at] {d}", "{l} (AT) {d}", "{l}{{at}}{d}", "{l}[at]{d}",
+               "{l} at {d}", "{l} AT {d}"]
+
+
+def _nanp() -> str:
+    return (f"{_RNG.randint(2, 9)}{_RNG.randint(0, 99):02d}{_RNG.randint(2, 9)}"
+            f"{_RNG.randint(0, 99):02d}{_RNG.randint(0, 9999):04d}")
+
+
+def _standalone_forms() -> list[Sample]:
+    """Issue #41's forms: a bare SSN or NANP number quoted on its own, a phone word
+    before an unassigned area code (555), and e-mail with "@" spelled out."""
+    out = [Sample("The model '123456789' does not exist or you do not have access to it.",
+                  "123456789", "SSN", "ssn bare, quoted alone"),
+           Sample("The model '5551234567' does not exist.", "5551234567", "PHONE",
+                  "phone bare, quoted alone")]
+    for template in _QUOTED:
+        for _ in range(2):
+            value = _ssn_value("")
+            out.append(Sample(template.format(v=value), value, "SSN", "ssn bare, quoted alone"))
+            value = _RNG.choice(["", "1"]) + _nanp()
+            out.append(Sample(template.format(v=value), value, "PHONE",
+                              "phone bare, quoted alone"))
+    for template in ["call me at {v}", "phone: {v}", "{v} (mobile)", "tel {v}"]:
+        for value in ["5551234567", "555-123-4567", "(555) 123-4567", "1" + _nanp()]:
+            out.append(Sample(template.format(v=value), value, "PHONE",
+                              "phone bare, beside a phone word"))
+    for template in _SPELLED_AT:
+        for _ in range(2):
+            local = _RNG.choice(["jane.doe", "j_smith+tag", "first.last-99", "ops%team"])
+            if " at " not in template.lower():  # a bracketed "at" needs no such name
+                local = _RNG.choice([local, "jane", "x", "jdoe42"])
+            domain = _RNG.choice(["example.com", "mail.example.co.uk", "corp-mail.io",
+                                  "sub.domain.example.org"])
+            value = template.format(l=local, d=domain)
+            out.append(Sample(f"write to {value} please", value, "EMAIL",
+                              "email with a spelled-out at"))
     return out
 
 
 # Hand-picked numbers and near misses, by category: each must stay exactly as it is.
 HAND_PICKED: dict[str, list[str]] = {
     "ssn near misses": [
+        "'000123456'", "'666123456'", "'912345678'", "'123004567'", "'536420000'",
+        "'53642715'", "'536427151x'", "'536427151\"", '"customer_id": "536427151"',
+        "customer_id='536427151'", "{'536427151': 3}", "ref '1536427151 '",
         "000-12-3456", "666-45-6789", "900-12-3456", "123-00-4567", "123-45-0000",
         "1234-56-789", "12-345-6789", "order 123456789 shipped", "2026-12-03",
         "SSN verified, order 123456789 shipped", "assn 123456789", "1-536-42-7151",
@@ -221,10 +268,15 @@ HAND_PICKED: dict[str, list[str]] = {
         "4 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1", "4111.1111-1111 1111", "1.4111.1111.1111.1111"],
     "email near misses": [
         "user@localhost", "user@@example.com", "@example.com", "name at example dot com",
-        "user@example.", "see @mentions", "a@b.c"],
+        "user@example.", "see @mentions", "a@b.c", "look at example.com",
+        "e.g. at example.com", "see i.e. at github.com/x", "jane at example",
+        "user (at) localhost", "Python 3.12 at python.org", "stay at home.today",
+        "jane.doe at example. com", "meet.me at noon", "spec (at) v2"],
     "phone near misses": [
         "12345", "1 2 3 4 5 6 7", "call 555-2671", "123-456-7890", "version 1.2.3",
-        "ISBN 978", "12:30 pm", "room 101"],
+        "ISBN 978", "12:30 pm", "room 101", "'1234567890'", "'1120550199'", "'0123456789'",
+        "'41555526712'", '"seed": "4155552671"', "ts='1733212800'", "'4155552671': 2",
+        "order 5551234567 shipped", "555-123-4567", "phone: 123-456-7890"],
     "ip near misses": ["256.1.1.1", "1.2.3", "1.2.3.4.5", "a:b", "2001:db8:::1", "cafe",
                        "deadbeef"],
     "secret near misses": [
@@ -302,6 +354,10 @@ def _generated_negatives(rng: random.Random) -> dict[str, list[str]]:
                           + [f"PO 45{digits(8, '0123456789')}" for _ in range(20)]
                           + [f"INV-{digits(9)}" for _ in range(20)]),
     }
+    # Quoted, but as a key's value: the key says what the number is.
+    out["ids"] += ([f'{{"user_id": "{digits(10)}"}}' for _ in range(20)]
+                   + [f"{{'customer_id': '{digits(9)}'}}" for _ in range(20)]
+                   + [f"request_id='{digits(rng.choice([9, 10]))}'" for _ in range(20)])
     return out
 
 
