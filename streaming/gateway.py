@@ -275,11 +275,17 @@ class Gateway:
                 raise BadRequest(f"max_tokens is {asked}; this model's context is "
                                  f"{spec.max_context} tokens.", param="max_tokens",
                                  code="max_tokens_too_large")
+            ceiling = spec.max_output_tokens
+            if asked is not None and ceiling is not None and asked > ceiling:
+                raise BadRequest(f"max_tokens is {asked}; this model writes at most "
+                                 f"{ceiling} tokens a reply.", param="max_tokens",
+                                 code="max_tokens_too_large")
             # An upstream server gets the caller's messages and its tools natively (the
             # tool prompt is for Sluice's own models).
             attempt = msgspec.structs.replace(job, messages=native_messages(req)) \
                 if spec.runtime == RuntimeName.OPENAI_UPSTREAM else job
-            max_tokens = asked or default_max_tokens(spec.max_context)
+            max_tokens = asked or min(default_max_tokens(spec.max_context),
+                                      ceiling or spec.max_context)
             refuse_unfitting([m["content"] for m in attempt.messages], spec)
             texts = [m["content"] for m in attempt.messages] + \
                 [m.get("content", "") for m in history]

@@ -20,6 +20,8 @@ from google.protobuf.struct_pb2 import Struct
 
 from governance import audit
 from governance.models import AuditEvent
+from inference import cache as registry_cache
+from inference.models import Deployment
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
@@ -148,3 +150,17 @@ def test_a_prompt_no_tokenizer_could_fit_is_refused_untokenized(
     assert counted.status_code == 400, counted.text
     assert "context" in counted.json()["error"]["message"]
     neighbour_answered(live, neighbour)
+
+
+def test_a_deployments_output_ceiling_refuses_longer_replies(live: Live,
+                                                             keys: tuple[str, str]) -> None:
+    abuser, _neighbour = keys
+    Deployment.objects.filter(name="echo").update(max_output_tokens=64)
+    registry_cache.clear()
+    oa = openai.OpenAI(base_url=live.base_url, api_key=abuser, max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as caught:
+        oa.chat.completions.create(model="echo", messages=ASK, max_tokens=1500)
+    assert caught.value.code == "max_tokens_too_large"
+    assert "at most 64 tokens" in caught.value.message
+    reply = oa.chat.completions.create(model="echo", messages=ASK, max_tokens=64)
+    assert reply.choices[0].message.content == "hi"
