@@ -27,6 +27,14 @@ class Deployment(models.Model):
     max_wait_ms = models.PositiveIntegerField(default=10, validators=[MaxValueValidator(10_000)])
     max_context = models.PositiveIntegerField(
         default=2048, validators=[MinValueValidator(16), MaxValueValidator(1_048_576)])
+    max_output_tokens = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(1_048_576)],
+        help_text="The most tokens one reply may ask for (max_tokens): more is a 400. "
+                  "Empty: what the context leaves.")
+    tenant_running_share = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
+        help_text="While other tenants wait, the share of the batch one tenant's "
+                  "sequences may hold (empty: SLUICE_TENANT_RUNNING_SHARE).")
     max_queue_depth = models.PositiveIntegerField(
         default=256, validators=[MinValueValidator(1), MaxValueValidator(1_000_000)])
     tenant_queue_share = models.FloatField(
@@ -94,6 +102,8 @@ class Deployment(models.Model):
             device=self.device, max_batch_size=self.max_batch_size, max_wait_ms=self.max_wait_ms,
             max_context=self.max_context, max_queue_depth=self.max_queue_depth,
             tenant_queue_share=self.tenant_queue_share, max_deliveries=self.max_deliveries,
+            max_output_tokens=self.max_output_tokens,
+            tenant_running_share=self.tenant_running_share,
             echo_token_delay_ms=self.echo_token_delay_ms,
             upstream=UpstreamSpec(
                 base_url=self.upstream_url, model=self.upstream_model,

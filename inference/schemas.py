@@ -26,7 +26,9 @@ class DeploymentOut(Schema):
     max_wait_ms: int
     max_context: int
     max_queue_depth: int
+    max_output_tokens: int | None
     tenant_queue_share: float
+    tenant_running_share: float | None
     max_deliveries: int
     echo_token_delay_ms: float
     enabled: bool
@@ -106,6 +108,8 @@ class DeploymentUpdateIn(StrictSchema):
     max_context: Annotated[int, Field(ge=16, le=1_048_576)] | None = None
     max_queue_depth: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     tenant_queue_share: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=1_048_576)] | None = None
+    tenant_running_share: Annotated[float, Field(ge=0.01, le=1.0)] | None = None
     max_deliveries: Annotated[int, Field(ge=1, le=100)] | None = None
     echo_token_delay_ms: Annotated[float, Field(ge=0.0, le=60_000)] | None = None
     enabled: bool | None = None

@@ -23,6 +23,7 @@ from tenants.selectors import require
 
 EDITABLE = ("runtime", "weights", "device", "description", "max_batch_size", "max_wait_ms",
             "max_context", "max_queue_depth", "tenant_queue_share", "max_deliveries",
+            "max_output_tokens", "tenant_running_share",
             "echo_token_delay_ms", "enabled", "min_replicas", "max_replicas",
             "target_inflight", "scale_up_delay_s", "scale_down_delay_s",
             "scale_to_zero_delay_s", "max_queue_age_s", "upstream_url", "upstream_model",

@@ -76,6 +76,8 @@ class DeploymentSpec:
     # While another tenant waits, a tenant runs at most this share of max_batch_size
     # (or of an upstream's concurrency); None: the SLUICE_TENANT_RUNNING_SHARE setting.
     tenant_running_share: float | None = None
+    # The most tokens a reply may ask for (max_tokens); None: what the context leaves.
+    max_output_tokens: int | None = None
     # A request delivered more often than this goes to the dead-letter stream.
     max_deliveries: int = 3
     # Echo runtime: delay per generated token, to mimic a model's pace.

@@ -55,6 +55,7 @@ from sluice.errors import (
 from streaming import choices, replay
 from streaming.prompting import (
     chat_job,
+    message_text,
     native_message,
     native_messages,
     prompt_bound,
@@ -251,6 +252,8 @@ class Gateway:
         reply with its final event (inference/jobs.py Keep; not a continuation's, whose
         reply starts on another deployment)."""
         target = await self._model(principal, req.model, Kind.CHAT)
+        if isinstance(target, DeploymentSpec):  # before the request is copied into a job
+            refuse_unfitting([message_text(m.content) for m in req.messages], target)
         conversation_id = req.conversation_id or conversation_id
         n = req.n or 1
         choices.check(n, idempotency_key=idempotency_key, conversation_id=conversation_id)
@@ -275,12 +278,19 @@ class Gateway:
                 raise BadRequest(f"max_tokens is {asked}; this model's context is "
                                  f"{spec.max_context} tokens.", param="max_tokens",
                                  code="max_tokens_too_large")
+            ceiling = spec.max_output_tokens
+            if asked is not None and ceiling is not None and asked > ceiling:
+                raise BadRequest(f"max_tokens is {asked}; this model writes at most "
+                                 f"{ceiling} tokens a reply.", param="max_tokens",
+                                 code="max_tokens_too_large")
             # An upstream server gets the caller's messages and its tools natively (the
             # tool prompt is for Sluice's own models).
             attempt = msgspec.structs.replace(job, messages=native_messages(req)) \
                 if spec.runtime == RuntimeName.OPENAI_UPSTREAM else job
-            max_tokens = asked or default_max_tokens(spec.max_context)
-            refuse_unfitting([m["content"] for m in attempt.messages], spec)
+            max_tokens = asked or min(default_max_tokens(spec.max_context),
+                                      ceiling or spec.max_context)
+            if routed is not None:  # a direct call's was refused before its job
+                refuse_unfitting([m["content"] for m in attempt.messages], spec)
             texts = [m["content"] for m in attempt.messages] + \
                 [m.get("content", "") for m in history]
             # One admission for every choice: one request, n times the tokens.
@@ -328,10 +338,13 @@ class Gateway:
         event's usage has the count. Admitted as a call (role, model access, limits,
         shedding) and settled without charge."""
         target = await self._model(principal, req.model, Kind.CHAT)
+        if isinstance(target, DeploymentSpec):
+            refuse_unfitting([message_text(m.content) for m in req.messages], target)
         job, _turn = chat_job(req)
 
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
-            refuse_unfitting([m["content"] for m in job.messages], spec)
+            if routed is not None:
+                refuse_unfitting([m["content"] for m in job.messages], spec)
             admission = await self._admit(principal, spec, action, protocol, job, tokens=0,
                                           routed=routed)
             # max_tokens 1: a worker that predates count_only still reports the exact

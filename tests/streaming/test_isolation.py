@@ -19,7 +19,11 @@ import websockets
 from google.protobuf.struct_pb2 import Struct
 
 from governance import audit
-from governance.models import AuditEvent
+from governance import cache as policy_cache
+from governance import live as live_state
+from governance.models import AuditEvent, BreakerPolicy
+from inference import cache as registry_cache
+from inference.models import Deployment
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
@@ -148,3 +152,59 @@ def test_a_prompt_no_tokenizer_could_fit_is_refused_untokenized(
     assert counted.status_code == 400, counted.text
     assert "context" in counted.json()["error"]["message"]
     neighbour_answered(live, neighbour)
+
+
+def test_a_deployments_output_ceiling_refuses_longer_replies(live: Live,
+                                                             keys: tuple[str, str]) -> None:
+    abuser, _neighbour = keys
+    Deployment.objects.filter(name="echo").update(max_output_tokens=64)
+    registry_cache.clear()
+    oa = openai.OpenAI(base_url=live.base_url, api_key=abuser, max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as caught:
+        oa.chat.completions.create(model="echo", messages=ASK, max_tokens=1500)
+    assert caught.value.code == "max_tokens_too_large"
+    assert "at most 64 tokens" in caught.value.message
+    reply = oa.chat.completions.create(model="echo", messages=ASK, max_tokens=64)
+    assert reply.choices[0].message.content == "hi"
+
+
+def test_short_grpc_deadlines_of_one_tenant_open_no_breaker(
+        live: Live, grpc_target: str, keys: tuple[str, str]) -> None:
+    """The probe's second abuse: gRPC calls whose client deadline ends mid-reply, on a
+    breaker that opens after 5 failures in 10 calls. The caller's deadline is not the
+    deployment's failure: the breaker stays closed and the neighbour is served."""
+    abuser, neighbour = keys
+    dep = Deployment.objects.get(name="slow-echo")
+    policy, _ = BreakerPolicy.objects.update_or_create(deployment=dep, defaults={
+        "min_calls": 5, "window_size": 10, "failure_rate": 0.5, "open_wait_s": 30})
+    policy_cache.clear()
+
+    async def deadlines() -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(grpc_target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+
+            async def one() -> grpc.StatusCode:
+                try:  # 50 ms a token: 200 tokens outlive a 0.3 s deadline
+                    await stub.Chat(pb.ChatRequest(
+                        model="slow-echo", max_tokens=200,
+                        messages=[pb.ChatMessage(role="user", content="word " * 200)]),
+                        metadata=(("authorization", f"Bearer {abuser}"),), timeout=0.3)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+            return list(await asyncio.gather(*(one() for _ in range(20))))
+
+    codes = asyncio.run(deadlines())
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) >= 10, codes
+
+    def settled() -> bool:  # the calls' settlements (breaker outcomes, audit) written
+        audit.drain(settle_s=0.1)
+        return AuditEvent.objects.filter(tenant__slug="alice", model="slow-echo").count() >= 20
+    assert eventually(settled, 30)
+    snap = live_state.breaker_state(policy)
+    assert snap["state"] == "closed" and snap["failures"] == 0, snap
+    reply = openai.OpenAI(base_url=live.base_url, api_key=neighbour, max_retries=0,
+                          timeout=60).chat.completions.create(
+        model="slow-echo", messages=ASK, max_tokens=2)
+    assert reply.choices[0].message.content
+    assert live_state.breaker_state(policy)["state"] == "closed"
