@@ -100,6 +100,7 @@ class BreakerForm(forms.ModelForm):
 
 DEPLOYMENT_FIELDS = ("enabled", "max_batch_size", "max_wait_ms", "max_queue_depth",
                      "tenant_queue_share", "tenant_running_share", "max_output_tokens",
+                     "max_tokens_policy",
                      "min_replicas", "max_replicas", "target_inflight",
                      "scale_up_delay_s", "scale_down_delay_s", "scale_to_zero_delay_s",
                      "max_queue_age_s")

@@ -25,6 +25,7 @@ from inference.schemas import (
     ModelOut,
     ScalingOut,
 )
+from inference.spec import MaxTokensPolicy
 from sluice.errors import NotFound
 from sluice.pagination import Pagination
 from tenants.api import actor_of
@@ -108,7 +109,9 @@ def alias_create(request: HttpRequest, data: AliasCreateIn):
     alias = services.alias_create(actor=actor_of(request), name=data.name,
                                   targets=[(t.deployment, t.weight) for t in data.targets],
                                   fallbacks=data.fallbacks, description=data.description or "",
-                                  enabled=data.enabled is not False)
+                                  enabled=data.enabled is not False,
+                                  max_tokens_policy=data.max_tokens_policy
+                                  or MaxTokensPolicy.REFUSE)
     return Status(201, selectors.alias_get(actor=actor_of(request), name=alias.name))
 
 
@@ -122,7 +125,7 @@ def alias_update(request: HttpRequest, name: str, data: AliasUpdateIn):
     targets, fallbacks = data.routes()
     services.alias_update(actor=actor_of(request), name=name, targets=targets,
                           fallbacks=fallbacks, description=data.description,
-                          enabled=data.enabled)
+                          enabled=data.enabled, max_tokens_policy=data.max_tokens_policy)
     return selectors.alias_get(actor=actor_of(request), name=name)
 
 
@@ -133,15 +136,10 @@ def alias_delete(request: HttpRequest, name: str):
 
 
 def _usable(request: HttpRequest) -> dict[str, ModelOut]:
-    """The models the caller may call, by id: the enabled deployments and model aliases
-    its key allows (a name that is both is the deployment, as a call reads it)."""
-    actor = actor_of(request)
-    usable = {d.name: ModelOut(id=d.name, created=int(d.created_at.timestamp()))
-              for d in selectors.models_for(actor=actor)}
-    for alias in selectors.aliases_for(actor=actor):
-        usable.setdefault(alias.name, ModelOut(id=alias.name,
-                                               created=int(alias.created_at.timestamp())))
-    return usable
+    """The models the caller may call, by id, with their limits."""
+    return {name: ModelOut(id=m.id, created=m.created, context_window=m.context_window,
+                           max_output_tokens=m.max_output_tokens)
+            for name, m in selectors.usable_models(actor=actor_of(request)).items()}
 
 
 @models_router.get("/models", response=ModelListOut)

@@ -7,7 +7,12 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
-from inference.spec import DeploymentSpec, Dialect, RuntimeName, UpstreamSpec
+from inference.spec import DeploymentSpec, Dialect, MaxTokensPolicy, RuntimeName, UpstreamSpec
+
+POLICY_CHOICES = [(p.value, p.value) for p in MaxTokensPolicy]
+_POLICY_HELP = ("A max_tokens beyond what the model can produce: refuse (a 400) or clamp "
+                "(lowered to what it can produce; the reply's x-sluice-max-tokens-clamped "
+                "header says to what).")
 
 # Names end up inside Redis hash tags ({name}): no braces, no spaces.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
@@ -31,6 +36,9 @@ class Deployment(models.Model):
         null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(1_048_576)],
         help_text="The most tokens one reply may ask for (max_tokens): more is a 400. "
                   "Empty: what the context leaves.")
+    max_tokens_policy = models.CharField(max_length=8, choices=POLICY_CHOICES,
+                                         default=MaxTokensPolicy.REFUSE.value,
+                                         help_text=_POLICY_HELP)
     tenant_running_share = models.FloatField(
         null=True, blank=True, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
         help_text="While other tenants wait, the share of the batch one tenant's "
@@ -103,6 +111,7 @@ class Deployment(models.Model):
             max_context=self.max_context, max_queue_depth=self.max_queue_depth,
             tenant_queue_share=self.tenant_queue_share, max_deliveries=self.max_deliveries,
             max_output_tokens=self.max_output_tokens,
+            max_tokens_policy=MaxTokensPolicy(self.max_tokens_policy),
             tenant_running_share=self.tenant_running_share,
             echo_token_delay_ms=self.echo_token_delay_ms,
             upstream=UpstreamSpec(
@@ -122,6 +131,11 @@ class ModelAlias(models.Model):
                             validators=[RegexValidator(ALIAS_PATTERN)])
     description = models.CharField(max_length=300, blank=True, default="")
     enabled = models.BooleanField(default=True)
+    # clamp: a call through the alias is clamped on whichever deployment serves it (a
+    # deployment's own clamp applies however it is called).
+    max_tokens_policy = models.CharField(max_length=8, choices=POLICY_CHOICES,
+                                         default=MaxTokensPolicy.REFUSE.value,
+                                         help_text=_POLICY_HELP)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -11,7 +11,9 @@ An alias (inference/models.py ModelAlias) has weighted targets and ordered fallb
 A deployment is unavailable, and skipped with its reason, when it is disabled, when the
 caller says so (its breaker open: `unavailable`) or when its context cannot hold the call
 (`prompt_bound`: the prompt's tokens plus the reply's maximum, a bound the caller
-computes). A deployment listed both as a target and as a fallback is tried once.
+computes; for a deployment that clamps the reply's maximum, `clamps`, the prompt's
+alone, which must leave it room for one token: `reply` is the part of `prompt_bound`
+that is the reply's). A deployment listed both as a target and as a fallback is tried once.
 
 `backoff_s` is the pause before the next attempt after a retriable failure: capped
 exponential with full jitter (AWS's "exponential backoff and jitter"), so callers that
@@ -40,6 +42,7 @@ class Target:
     weight: int = 1  # fallbacks: unused
     max_context: int = 0  # 0: unknown, never skipped for context
     enabled: bool = True
+    clamps: bool = False  # a call's max_tokens is lowered to fit, not refused
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Route:
     alias: str
     targets: tuple[Target, ...]
     fallbacks: tuple[Target, ...] = ()
+    clamps: bool = False  # the alias's own max_tokens policy is clamp
 
 
 @dataclass(frozen=True)
@@ -68,10 +72,12 @@ class Plan:
 
 
 def plan(route: Route, *, rng: random.Random,
-         unavailable: Mapping[str, Skip] | None = None, prompt_bound: int = 0) -> Plan:
+         unavailable: Mapping[str, Skip] | None = None, prompt_bound: int = 0,
+         reply: int = 0) -> Plan:
     """The order in which one call tries `route`'s deployments (see the module's
     docstring). `rng` draws the weighted order; `unavailable` names deployments that
-    must not be tried now and why; `prompt_bound` is the call's tokens at most."""
+    must not be tried now and why; `prompt_bound` is the call's tokens at most, `reply`
+    the part of it a clamping deployment lowers."""
     down = unavailable or {}
     skipped: dict[str, Skip] = {}
     seen: set[str] = set()
@@ -86,7 +92,9 @@ def plan(route: Route, *, rng: random.Random,
         if name in down:
             skipped[name] = down[name]
             return False
-        if target.max_context and prompt_bound > target.max_context:
+        if target.max_context and (
+                prompt_bound - reply >= target.max_context if target.clamps
+                else prompt_bound > target.max_context):
             skipped[name] = Skip.CONTEXT
             return False
         seen.add(name)

@@ -9,7 +9,7 @@ from ninja import Schema
 from pydantic import ConfigDict, Discriminator, Field, RootModel, SecretStr, StringConstraints, Tag
 
 from inference.models import ALIAS_PATTERN, NAME_PATTERN, Deployment, ModelAlias
-from inference.spec import Dialect, RuntimeName
+from inference.spec import Dialect, MaxTokensPolicy, RuntimeName
 from sluice.schemas import Line, StrictSchema, Text
 
 
@@ -27,6 +27,7 @@ class DeploymentOut(Schema):
     max_context: int
     max_queue_depth: int
     max_output_tokens: int | None
+    max_tokens_policy: MaxTokensPolicy
     tenant_queue_share: float
     tenant_running_share: float | None
     max_deliveries: int
@@ -109,6 +110,7 @@ class DeploymentUpdateIn(StrictSchema):
     max_queue_depth: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     tenant_queue_share: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=1_048_576)] | None = None
+    max_tokens_policy: MaxTokensPolicy | None = None
     tenant_running_share: Annotated[float, Field(ge=0.01, le=1.0)] | None = None
     max_deliveries: Annotated[int, Field(ge=1, le=100)] | None = None
     echo_token_delay_ms: Annotated[float, Field(ge=0.0, le=60_000)] | None = None
@@ -136,10 +138,15 @@ class DeploymentCreateIn(DeploymentUpdateIn):
 
 
 class ModelOut(Schema):
+    """An OpenAI model entry, with the limits a client sizes its requests by (an alias:
+    the smallest of its deployments')."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "sluice"
+    context_window: int  # the prompt's and the reply's tokens together
+    max_output_tokens: int  # the most max_tokens a call may ask for
 
 
 class ModelListOut(Schema):
@@ -182,6 +189,7 @@ class AliasTargetIn(StrictSchema):
 class AliasUpdateIn(StrictSchema):
     description: Annotated[Text, StringConstraints(max_length=300)] | None = None
     enabled: bool | None = None
+    max_tokens_policy: MaxTokensPolicy | None = None
     # Each replaces its list as a whole.
     targets: Annotated[list[AliasTargetIn], Field(min_length=1, max_length=32)] | None = None
     fallbacks: Annotated[list[DeploymentName], Field(max_length=16)] | None = None
@@ -207,6 +215,7 @@ class AliasOut(Schema):
     name: str
     description: str
     enabled: bool
+    max_tokens_policy: MaxTokensPolicy
     targets: list[AliasTargetOut]
     fallbacks: list[str]
     created_at: datetime

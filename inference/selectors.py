@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Prefetch, Q, QuerySet
+from django.db.models import Prefetch, QuerySet
 
 from inference.autoscaler import events, state
 from inference.models import AliasFallback, AliasTarget, Deployment, ModelAlias
 from inference.queue import live_heartbeats, workers_key
 from inference.routing import Route, Target
+from inference.spec import MaxTokensPolicy
 from sluice.db import async_db
 from sluice.errors import NotFound
 from sluice.redis import sync_redis
@@ -44,14 +46,54 @@ def models_for(*, actor: Principal) -> list[Deployment]:
             if actor.may_use_model(d.name)]
 
 
-def aliases_for(*, actor: Principal) -> list[ModelAlias]:
-    """The enabled model aliases this caller may use: a key's allow-list must name the
-    alias itself; an alias none of whose deployments is enabled cannot serve a call and
-    is left out."""
+def aliases_for(*, actor: Principal) -> list[tuple[ModelAlias, list[Deployment]]]:
+    """The enabled model aliases this caller may use, each with its enabled deployments
+    (targets and fallbacks): a key's allow-list must name the alias itself; an alias
+    none of whose deployments is enabled cannot serve a call and is left out."""
     require(actor, Action.MODEL_LIST)
-    serving = Q(targets__deployment__enabled=True) | Q(fallbacks__deployment__enabled=True)
-    aliases = ModelAlias.objects.filter(serving, enabled=True).distinct().order_by("name")
-    return [a for a in aliases if actor.may_use_model(a.name)]
+    aliases = ModelAlias.objects.filter(enabled=True).order_by("name").prefetch_related(
+        Prefetch("targets", AliasTarget.objects.select_related("deployment")),
+        Prefetch("fallbacks", AliasFallback.objects.select_related("deployment")))
+    out = []
+    for alias in aliases:
+        rows: list[AliasTarget | AliasFallback] = [*alias.targets.all(),
+                                                   *alias.fallbacks.all()]
+        serving = [row.deployment for row in rows if row.deployment.enabled]
+        if serving and actor.may_use_model(alias.name):
+            out.append((alias, serving))
+    return out
+
+
+@dataclass(frozen=True)
+class UsableModel:
+    """A model as /v1/models and gRPC ListModels list it: its id and the limits a
+    client sizes its requests by (an alias: the smallest of its enabled deployments')."""
+
+    id: str
+    created: int
+    context_window: int  # the prompt's and the reply's tokens together
+    max_output_tokens: int  # the most max_tokens a call may ask for
+
+
+def usable_models(*, actor: Principal) -> dict[str, UsableModel]:
+    """The models `actor` may call, by id: the enabled deployments and model aliases its
+    key allows (a name that is both is the deployment, as a call reads it)."""
+    usable = {d.name: UsableModel(d.name, int(d.created_at.timestamp()), d.max_context,
+                                  output_limit(d))
+              for d in models_for(actor=actor)}
+    for alias, serving in aliases_for(actor=actor):
+        usable.setdefault(alias.name, UsableModel(
+            alias.name, int(alias.created_at.timestamp()),
+            min(d.max_context for d in serving), min(output_limit(d) for d in serving)))
+    return usable
+
+
+def output_limit(deployment: Deployment) -> int:
+    """The most max_tokens a call to `deployment` may ask for: its output ceiling, and
+    below its context (a reply needs at least one token of prompt beside it)."""
+    room = deployment.max_context - 1
+    ceiling = deployment.max_output_tokens
+    return room if ceiling is None else min(ceiling, room)
 
 
 def scaling(*, actor: Principal, name: str, limit: int = 50) -> dict[str, Any]:
@@ -94,12 +136,16 @@ def alias_get(*, actor: Principal, name: str) -> ModelAlias:
 
 def route_of(alias: ModelAlias) -> Route:
     """An alias as inference/routing.py reads it (its targets and fallbacks loaded)."""
+    clamps = alias.max_tokens_policy == MaxTokensPolicy.CLAMP
+
     def target(row: AliasTarget | AliasFallback, weight: int) -> Target:
         return Target(row.deployment.name, weight, row.deployment.max_context,
-                      row.deployment.enabled)
+                      row.deployment.enabled, clamps=clamps or
+                      row.deployment.max_tokens_policy == MaxTokensPolicy.CLAMP)
     return Route(alias=alias.name,
                  targets=tuple(target(t, t.weight) for t in alias.targets.all()),
-                 fallbacks=tuple(target(f, 1) for f in alias.fallbacks.all()))
+                 fallbacks=tuple(target(f, 1) for f in alias.fallbacks.all()),
+                 clamps=clamps)
 
 
 def _load_route(name: str) -> Route | None:

@@ -10,7 +10,7 @@ from django.db import IntegrityError, transaction
 
 from inference.models import AliasFallback, AliasTarget, Deployment, ModelAlias
 from inference.selectors import alias_get, deployment_get
-from inference.spec import RuntimeName
+from inference.spec import MaxTokensPolicy, RuntimeName
 from inference.upstream import secrets
 from inference.upstream.urls import UpstreamURLError, validate_url
 from inference.weights import MINILM, SMOLLM2
@@ -23,7 +23,7 @@ from tenants.selectors import require
 
 EDITABLE = ("runtime", "weights", "device", "description", "max_batch_size", "max_wait_ms",
             "max_context", "max_queue_depth", "tenant_queue_share", "max_deliveries",
-            "max_output_tokens", "tenant_running_share",
+            "max_output_tokens", "max_tokens_policy", "tenant_running_share",
             "echo_token_delay_ms", "enabled", "min_replicas", "max_replicas",
             "target_inflight", "scale_up_delay_s", "scale_down_delay_s",
             "scale_to_zero_delay_s", "max_queue_age_s", "upstream_url", "upstream_model",
@@ -178,13 +178,15 @@ def _routes_detail(targets: list[tuple[str, int]] | None,
 @transaction.atomic
 def alias_create(*, actor: Principal, name: str, targets: list[tuple[str, int]],
                  fallbacks: list[str] | None = None, description: str = "",
-                 enabled: bool = True) -> ModelAlias:
+                 enabled: bool = True,
+                 max_tokens_policy: MaxTokensPolicy = MaxTokensPolicy.REFUSE) -> ModelAlias:
     """A public model name over `targets` ((deployment, weight) pairs) and `fallbacks`
     (deployment names, in the order they are tried)."""
     require(actor, Action.DEPLOYMENT_MANAGE)
     if Deployment.objects.filter(name=name).exists():
         raise Conflict(f"A deployment named '{name}' exists.", param="name")
-    alias = ModelAlias(name=name, description=description, enabled=enabled)
+    alias = ModelAlias(name=name, description=description, enabled=enabled,
+                       max_tokens_policy=MaxTokensPolicy(max_tokens_policy).value)
     validate(alias)
     try:
         with transaction.atomic():
@@ -193,14 +195,16 @@ def alias_create(*, actor: Principal, name: str, targets: list[tuple[str, int]],
         raise Conflict(f"A model alias named '{name}' exists.", param="name") from None
     _set_routes(alias, targets, fallbacks or [])
     admin_action(actor=actor, action="model_alias.create", target=f"model_alias:{name}",
-                 detail={"enabled": enabled, **_routes_detail(targets, fallbacks or [])})
+                 detail={"enabled": enabled, "max_tokens_policy": alias.max_tokens_policy,
+                         **_routes_detail(targets, fallbacks or [])})
     return alias
 
 
 @transaction.atomic
 def alias_update(*, actor: Principal, name: str, targets: list[tuple[str, int]] | None = None,
                  fallbacks: list[str] | None = None, description: str | None = None,
-                 enabled: bool | None = None) -> ModelAlias:
+                 enabled: bool | None = None,
+                 max_tokens_policy: MaxTokensPolicy | None = None) -> ModelAlias:
     """Change what is given (None: unchanged; `targets` and `fallbacks` replace the
     lists as a whole)."""
     require(actor, Action.DEPLOYMENT_MANAGE)
@@ -209,6 +213,9 @@ def alias_update(*, actor: Principal, name: str, targets: list[tuple[str, int]] 
         alias.description = description
     if enabled is not None:
         alias.enabled = enabled
+    if max_tokens_policy is not None:
+        max_tokens_policy = MaxTokensPolicy(max_tokens_policy)
+        alias.max_tokens_policy = max_tokens_policy.value
     validate(alias)
     alias.save()
     if targets is not None or fallbacks is not None:
@@ -216,8 +223,8 @@ def alias_update(*, actor: Principal, name: str, targets: list[tuple[str, int]] 
         kept = list(alias.fallbacks.values_list("deployment__name", flat=True))
         _set_routes(alias, current if targets is None else targets,
                     kept if fallbacks is None else fallbacks)
-    detail = {k: v for k, v in (("description", description), ("enabled", enabled))
-              if v is not None}
+    detail = {k: v for k, v in (("description", description), ("enabled", enabled),
+                                ("max_tokens_policy", max_tokens_policy)) if v is not None}
     admin_action(actor=actor, action="model_alias.update", target=f"model_alias:{name}",
                  detail={**detail, **_routes_detail(targets, fallbacks)})
     return alias

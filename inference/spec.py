@@ -45,6 +45,15 @@ class Dialect(StrEnum):
     SLUICE = "sluice"  # another Sluice: OpenAI's parameters only, refuses any other
 
 
+class MaxTokensPolicy(StrEnum):
+    """What a call asking for more tokens than a deployment can produce gets: `refuse`
+    (a 400 `max_tokens_too_large`, as the APIs do) or `clamp` (its max_tokens lowered to
+    what the deployment can produce, the reply saying so: streaming/gateway.py)."""
+
+    REFUSE = "refuse"
+    CLAMP = "clamp"
+
+
 @dataclass(frozen=True)
 class UpstreamSpec:
     """Where an `openai_upstream` deployment sends its calls. `secret_sealed` is the
@@ -78,6 +87,8 @@ class DeploymentSpec:
     tenant_running_share: float | None = None
     # The most tokens a reply may ask for (max_tokens); None: what the context leaves.
     max_output_tokens: int | None = None
+    # A max_tokens beyond what the deployment can produce: refused or lowered.
+    max_tokens_policy: MaxTokensPolicy = MaxTokensPolicy.REFUSE
     # A request delivered more often than this goes to the dead-letter stream.
     max_deliveries: int = 3
     # Echo runtime: delay per generated token, to mimic a model's pace.
@@ -96,6 +107,8 @@ class DeploymentSpec:
     def from_json(cls, raw: str) -> DeploymentSpec:
         data = json.loads(raw)
         data["runtime"] = RuntimeName(data["runtime"])
+        if "max_tokens_policy" in data:
+            data["max_tokens_policy"] = MaxTokensPolicy(data["max_tokens_policy"])
         upstream = data.get("upstream")
         if upstream is not None:
             upstream["dialect"] = Dialect(upstream["dialect"])

@@ -24,10 +24,11 @@ Server -> client:
     {"type": "chat.done", "id": "r1", "index": 0, "finish_reason": "...", "usage": {...},
      "tool_calls": [...]}                       (tool_calls only when there are some)
 `index` is the choice's; a request with `n` > 1 gets one chat.done per choice, and only
-its last carries `usage` (every choice's, summed). A chat.delta's `tool_calls` are
-OpenAI's stream deltas (streaming/bodies.py's ToolDeltas: a call's `index`, `id`, `type`
-and `function.name` first, then `function.arguments` pieces by `index`, which join into
-its arguments); chat.done has every call whole, streamed or not.
+its last carries `usage` (every choice's, summed) and, when the deployment's policy
+lowered the request's max_tokens, `max_tokens_clamped` (the value it ran with). A
+chat.delta's `tool_calls` are OpenAI's stream deltas (streaming/bodies.py's ToolDeltas:
+a call's `index`, `id`, `type` and `function.name` first, then `function.arguments`
+pieces by `index`, which join into its arguments); chat.done has every call whole, streamed or not.
     {"type": "embeddings.result", "id": "e1", "body": {<OpenAI embeddings body>}}
     {"type": "error", "id": "r1" | null, "error": {<OpenAI error>}}
 Every bad frame gets an error frame and the socket stays open: one that is not a JSON
@@ -61,6 +62,7 @@ from sluice.errors import ApiError, BadRequest, PermissionDenied, ServerError
 from streaming import bodies
 from streaming.call import Call
 from streaming.gateway import Gateway, error_from_event, queue_unavailable, shared_gateway
+from streaming.max_tokens_policy import CLAMPED_HEADER
 from streaming.nesting import MAX_JSON_DEPTH, check_depth
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse
 from tenants.principal import Principal
@@ -266,6 +268,8 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                     done["tool_calls"] = bodies.tool_calls(event["tool_calls"])
                 if len(finals) == sub.n:  # the call's last frame
                     done["usage"] = bodies.usage(*finals)
+                    if CLAMPED_HEADER in sub.headers:
+                        done["max_tokens_clamped"] = int(sub.headers[CLAMPED_HEADER])
                     await call.remember("".join(parts))
                 await self._send(rid, "chat.done", **done)
 

@@ -39,7 +39,7 @@ from inference.jobs import (
 )
 from inference.routing import Route
 from inference.selectors import alias_route
-from inference.spec import DeploymentSpec, Kind, RuntimeName
+from inference.spec import DeploymentSpec, Kind, MaxTokensPolicy, RuntimeName
 from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import (
@@ -52,7 +52,7 @@ from sluice.errors import (
     Unauthenticated,
     Unavailable,
 )
-from streaming import choices, replay
+from streaming import choices, max_tokens_policy, replay
 from streaming.prompting import (
     chat_job,
     message_text,
@@ -230,6 +230,7 @@ class Gateway:
             limit = min(limit, timeout_s)
         return Routed.start(route, kind, attempt, redis=self.client.redis,
                             bound=call_bound([*texts, *(droppable or ())], max_tokens),
+                            reply=max_tokens or 0,
                             trimmed=call_bound(texts, max_tokens) if droppable else None,
                             timeout_s=limit, prompt_only=prompt_only)
 
@@ -274,31 +275,27 @@ class Gateway:
 
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
             """The call on deployment `spec` (an alias call's attempt: `routed`)."""
-            if asked is not None and asked >= spec.max_context:
-                raise BadRequest(f"max_tokens is {asked}; this model's context is "
-                                 f"{spec.max_context} tokens.", param="max_tokens",
-                                 code="max_tokens_too_large")
-            ceiling = spec.max_output_tokens
-            if asked is not None and ceiling is not None and asked > ceiling:
-                raise BadRequest(f"max_tokens is {asked}; this model writes at most "
-                                 f"{ceiling} tokens a reply.", param="max_tokens",
-                                 code="max_tokens_too_large")
             # An upstream server gets the caller's messages and its tools natively (the
             # tool prompt is for Sluice's own models).
             attempt = msgspec.structs.replace(job, messages=native_messages(req)) \
                 if spec.runtime == RuntimeName.OPENAI_UPSTREAM else job
-            max_tokens = asked or min(default_max_tokens(spec.max_context),
-                                      ceiling or spec.max_context)
+            prompt = [m["content"] for m in attempt.messages]
             if routed is not None:  # a direct call's was refused before its job
-                refuse_unfitting([m["content"] for m in attempt.messages], spec)
-            texts = [m["content"] for m in attempt.messages] + \
-                [m.get("content", "") for m in history]
+                refuse_unfitting(prompt, spec)
+            clamps = spec.max_tokens_policy == MaxTokensPolicy.CLAMP or \
+                (routed is not None and routed.clamps)
+            fitted, clamped = max_tokens_policy.fit(asked, spec, prompt, clamps=clamps)
+            max_tokens = fitted or min(default_max_tokens(spec.max_context),
+                                       spec.max_output_tokens or spec.max_context)
+            texts = prompt + [m.get("content", "") for m in history]
             # One admission for every choice: one request, n times the tokens.
             admission = await self._admit(principal, spec, action, protocol, attempt,
                                           tokens=n * (prompt_bound(texts, spec) + max_tokens),
                                           routed=routed)
             if admission.max_tokens_cap is not None:
                 max_tokens = min(max_tokens, admission.max_tokens_cap)
+            if clamped:
+                admission.headers[max_tokens_policy.CLAMPED_HEADER] = str(max_tokens)
             if raw_prompt:
                 attempt = msgspec.structs.replace(attempt, prompt=attempt.messages[-1]["content"],
                                                   messages=[])

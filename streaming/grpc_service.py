@@ -7,7 +7,9 @@ metadata carries `error-type`, `error-code`, and on RESOURCE_EXHAUSTED/UNAVAILAB
 `retry-after` and gRPC's own `grpc-retry-pushback-ms`; an error certain to fail again,
 a model fault on this input or a dead-lettered request, carries a pushback of -1, which
 tells a client's retry policy not to retry it, gRFC A6). A client deadline becomes the
-request's queue deadline; a cancelled call cancels its generation on the worker.
+request's queue deadline; a cancelled call cancels its generation on the worker. A
+call's x-sluice-* notes (a clamped max_tokens: streaming/max_tokens_policy.py) are its
+trailing metadata.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from governance.observe import served
-from inference.selectors import models_for
+from inference.selectors import usable_models
 from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
@@ -36,6 +38,7 @@ from streaming.nesting import check_depth
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse, validation_error
+from streaming.submitted import Submitted
 from tenants.principal import Principal
 from tenants.throttle import grpc_source
 
@@ -185,6 +188,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async with self._call(context, "chat.completions", request.model) as call:
             req = _chat_request(request)
             sub = await call.chat(req, timeout_s=self._timeout(context), stream=False)
+            _trailing(context, sub)
             body = await bodies.chat_completion(sub, req)
             answers = [_choice(choice) for choice in body["choices"]]
             await call.remember(answers[0].message.content)
@@ -200,6 +204,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async with self._call(context, "chat.completions", request.model) as call:
             req = _chat_request(request)
             sub = await call.chat(req, timeout_s=self._timeout(context), stream=True)
+            _trailing(context, sub)
             rid, parts, finals = f"chatcmpl-{sub.handle.rid}", [], []
             tools = [bodies.ToolDeltas() for _ in range(sub.n)]
             async with contextlib.aclosing(sub.events()) as events:
@@ -246,10 +251,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         async with self._call(context, "models.list", "") as call:
-            rows = await async_db(lambda: list(models_for(actor=call.principal)))()
+            usable = await async_db(lambda: usable_models(actor=call.principal))()
             return pb.ListModelsResponse(data=[
-                pb.Model(id=d.name, created=int(d.created_at.timestamp()), owned_by="sluice")
-                for d in rows])
+                pb.Model(id=m.id, created=m.created, owned_by="sluice",
+                         context_window=m.context_window,
+                         max_output_tokens=m.max_output_tokens)
+                for _, m in sorted(usable.items())])
         raise AssertionError("unreachable: _call aborts on every error")
 
 
@@ -337,6 +344,15 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
             return Undecodable(BadRequest("The request is not a valid message of this "
                                           "method.", code="invalid_message"))
     return parse
+
+
+def _trailing(context: grpc.aio.ServicerContext, sub: Submitted) -> None:
+    """What REST sends as the pipeline's own headers (x-sluice-*: a clamped max_tokens,
+    a degradation), as the call's trailing metadata (an error's replaces it)."""
+    notes = tuple((k.lower(), v) for k, v in sub.headers.items()
+                  if k.lower().startswith("x-sluice-"))
+    if notes:
+        context.set_trailing_metadata(notes)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: ApiError) -> None:

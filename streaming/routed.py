@@ -137,6 +137,7 @@ class Routed:
     skipped: dict[str, str] = field(default_factory=dict)  # a Skip, or cannot_continue
     failed: list[dict[str, Any]] = field(default_factory=list)
     prompt_only: bool = False  # a legacy completion (what a continuation may go to)
+    clamps: bool = False  # the alias clamps max_tokens (streaming/max_tokens_policy.py)
     # What the caller already has of the reply, when a failed attempt had sent text:
     # the next attempts continue it (`resumable` deployments only).
     resume: Continuation | None = None
@@ -148,23 +149,27 @@ class Routed:
     @classmethod
     async def start(cls, route: Route, kind: Kind, attempt: Attempt, *, redis: Any,
                     bound: int, timeout_s: float, prompt_only: bool = False,
-                    trimmed: int | None = None) -> Submitted:
+                    trimmed: int | None = None, reply: int = 0) -> Submitted:
         """Plan the call and make its first attempt that is admitted; the last refusal
         when none is (BadRequest when the call is too long for every deployment).
         `trimmed`: the call's bound once the worker dropped all the history it may drop
         (a conversation's, truncation "auto"): the deployments that hold only that are
-        planned when none holds the whole call."""
+        planned when none holds the whole call. `reply`: the max_tokens part of both,
+        which a clamping deployment lowers (inference/routing.py)."""
         names = [t.deployment for t in (*route.targets, *route.fallbacks)]
         down = await breakers.unavailable(redis, names)
-        planned: Plan = plan(route, rng=_rng, unavailable=down, prompt_bound=bound)
+        planned: Plan = plan(route, rng=_rng, unavailable=down, prompt_bound=bound,
+                             reply=reply)
         if planned.only_context and trimmed is not None and trimmed < bound:
-            planned = plan(route, rng=_rng, unavailable=down, prompt_bound=trimmed)
+            planned = plan(route, rng=_rng, unavailable=down, prompt_bound=trimmed,
+                           reply=reply)
         if planned.only_context:
             raise BadRequest(f"The request is too long for every deployment of model "
                              f"'{route.alias}'.", code="context_length_exceeded",
                              param="messages")
         routed = cls(route.alias, kind, list(planned.order), time.monotonic() + timeout_s,
-                     attempt, dict(planned.skipped), prompt_only=prompt_only)
+                     attempt, dict(planned.skipped), prompt_only=prompt_only,
+                     clamps=route.clamps)
         sub = await routed.next(first=True)
         assert sub is not None  # noqa: S101  (first=True raises instead)
         return sub

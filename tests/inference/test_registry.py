@@ -85,13 +85,16 @@ def test_model_list_shows_the_aliases_a_key_may_use(alice: Org) -> None:
     AliasTarget.objects.create(alias=dead, deployment=retired)
     dev = alice.client(Role.DEVELOPER)
     # When the developer lists the models, then the aliases that can serve are there, in
-    # OpenAI's model shape, sorted by id with the deployments.
+    # OpenAI's model shape with the limits of their deployments, sorted by id with the
+    # deployments.
     listed = dev.get("/v1/models").body["data"]
     assert [m["id"] for m in listed] == ["all-minilm-l6-v2", "backup", "echo", "org/chat",
                                          "smollm2-135m-instruct"]
     chat = dev.get("/v1/models/org/chat").body
     assert chat == {"id": "org/chat", "object": "model", "owned_by": "sluice",
-                    "created": int(served.created_at.timestamp())}
+                    "created": int(served.created_at.timestamp()),
+                    "context_window": echo.max_context,
+                    "max_output_tokens": echo.max_context - 1}
     for hidden in ("org/off", "org/dead", "org/none"):
         assert assert_openai_error(dev.get(f"/v1/models/{hidden}"), 404)["code"] == \
             "model_not_found"

@@ -65,6 +65,17 @@ def test_a_prompt_too_long_for_a_deployment_goes_to_one_with_room() -> None:
     assert fits.order == ("small", "large")
 
 
+def test_a_clamping_deployment_is_planned_when_its_context_holds_the_prompt_alone() -> None:
+    # Given a deployment that clamps max_tokens and one that refuses, both of 2,048
+    route = Route("a", targets=(Target("clamps", 1, 2048, clamps=True),
+                                Target("refuses", 1, 2048)))
+    # When a 1,000-token prompt asks for 32,000 tokens of reply
+    result = plan(route, rng=random.Random(0), prompt_bound=33_000, reply=32_000)
+    # Then only the clamping one is tried; a prompt that fills its context leaves it out
+    assert result.order == ("clamps",) and result.skipped == {"refuses": Skip.CONTEXT}
+    assert plan(route, rng=random.Random(0), prompt_bound=34_048, reply=32_000).only_context
+
+
 def test_too_long_everywhere_is_told_apart_from_an_outage() -> None:
     route = _route({"small": 1}, context={"small": 100})
     assert plan(route, rng=random.Random(0), prompt_bound=101).only_context
