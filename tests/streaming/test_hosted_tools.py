@@ -20,7 +20,7 @@ from streaming import responses_writer
 from streaming.models import StoredResponse
 from tenants.models import Tenant
 from tenants.roles import Role
-from tests.conftest import ApiClient, Org, eventually, make_org
+from tests.conftest import ApiClient, Org, eventually, make_org, signed_in
 from tests.streaming.conftest import Live
 from tests.streaming.test_anthropic import WEATHER, hello
 from tests.streaming.test_anthropic import sdk as claude
@@ -196,3 +196,15 @@ def test_client_metadata_over_a_bound_is_a_400_naming_it(
                                 extra_body={"client_metadata": metadata})
     assert str(caught.value.param).startswith(param), caught.value.param
     assert "x" * 100 not in caught.value.message  # the value is not echoed
+
+
+# -- the admin UI ---------------------------------------------------------------------------
+def test_a_tenant_admin_sets_the_policy_in_the_ui(alice: Org) -> None:
+    page = signed_in(alice, Role.TENANT_ADMIN)
+    assert b"Hosted tools" in page.get("/ui/tool-policy").content
+    saved = page.post("/ui/tool-policy", {"hosted_tools": "refuse"})
+    assert saved.status_code == 302
+    alice.tenant.refresh_from_db()
+    assert alice.tenant.hosted_tools == "refuse"
+    # a developer may not open the form
+    assert signed_in(alice, Role.DEVELOPER).get("/ui/tool-policy").status_code == 403
