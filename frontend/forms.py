@@ -13,7 +13,7 @@ from governance.selectors import governed_tenants
 from governance.services import BREAKER_FIELDS, QUOTA_FIELDS, RATELIMIT_FIELDS
 from inference.models import Deployment
 from sluice.errors import ApiError
-from tenants.models import Tenant
+from tenants.models import HostedTools, Tenant
 from tenants.principal import Principal
 from tenants.roles import Action, Role
 
@@ -144,6 +144,15 @@ class TenantForm(forms.Form):
             raise forms.ValidationError("Give the first admin's username, email and "
                                         "password, or none of them.")
         return data
+
+
+class ToolPolicyForm(forms.Form):
+    hosted_tools = forms.ChoiceField(
+        choices=HostedTools.choices, label="Hosted tools",
+        help_text="Tools the API's provider would run (web_search, code_interpreter, "
+                  "Anthropic's server tools...), which this server cannot: drop them "
+                  "from the request (named in the x-sluice-dropped-tools header and the "
+                  "audit log) or refuse the request (400).")
 
 
 class MemberEditForm(forms.Form):

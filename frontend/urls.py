@@ -14,6 +14,8 @@ urlpatterns = [
     path("live/stream", views.dashboard_stream),
     path("tenants", views.tenants),
     path("tenants/new", views.tenant_new),
+    path("tenants/<int:tenant_id>/tool-policy", views.tool_policy_edit),
+    path("tool-policy", views.tool_policy_edit),
     path("deployments", views.deployments),
     path("deployments/<str:name>", views.deployment),
     path("deployments/<str:name>/breaker", views.breaker),

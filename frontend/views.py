@@ -36,6 +36,7 @@ from inference import services as inf_services
 from sluice.errors import ApiError
 from tenants import selectors as ten
 from tenants import services as ten_services
+from tenants import tool_policy
 from tenants.conversations import conversation_list
 from tenants.principal import Principal
 from tenants.roles import Action, Role
@@ -49,6 +50,7 @@ NAV: list[tuple[str, str, tuple[Action, ...]]] = [
     ("Model aliases", "/ui/aliases", (Action.DEPLOYMENT_MANAGE,)),
     ("Quotas", "/ui/quotas", (Action.GOVERNANCE_MANAGE,)),
     ("Rate limits", "/ui/limits", (Action.GOVERNANCE_MANAGE,)),
+    ("Tool policy", "/ui/tool-policy", (Action.GOVERNANCE_MANAGE,)),
     ("Members", "/ui/members", (Action.MEMBER_READ,)),
     ("API keys", "/ui/keys", (Action.APIKEY_MANAGE_OWN,)),
     ("Usage", "/ui/usage", (Action.APIKEY_MANAGE_OWN,)),
@@ -278,6 +280,22 @@ def limit_edit(request: HttpRequest, actor: Principal, policy_id: int) -> HttpRe
 
 
 # -- tenant ----------------------------------------------------------------------------
+@page(Action.GOVERNANCE_MANAGE)
+def tool_policy_edit(request: HttpRequest, actor: Principal,
+                     tenant_id: int | None = None) -> HttpResponse:
+    """The tenant's hosted tool policy: the actor's own tenant, or (a platform admin's
+    link from the tenant list) the one named."""
+    tenant = tool_policy.tool_policy_get(actor=actor, tenant_id=tenant_id or actor.tenant_id)
+    form = forms.ToolPolicyForm(request.POST or None,
+                                initial={"hosted_tools": tenant.hosted_tools})
+    here = request.path
+    return _form_view(
+        request, actor, form, title=f"Hosted tools of {tenant.slug}",
+        save=lambda data: tool_policy.tenant_tool_policy_update(
+            actor=actor, tenant_id=tenant.pk, hosted_tools=data["hosted_tools"]),
+        done=here, saved="Tool policy saved.")
+
+
 @page(Action.MEMBER_READ)
 def members(request: HttpRequest, actor: Principal) -> HttpResponse:
     rows = keyset(request, ten.member_list(actor=actor))

@@ -92,6 +92,8 @@ class Admission:
     request_id: str = ""
     reply: list[str] = field(default_factory=list)
     patterns: tuple[tuple[str, re.Pattern[str]], ...] = ()  # the tenant's own
+    # What the codec adds to the audit event's detail (streaming/call.py Call.note).
+    notes: dict[str, Any] = field(default_factory=dict)
     _reply_chars: int = 0
 
     def note_reply(self, text: str) -> None:
@@ -143,7 +145,8 @@ class Admission:
             response_text="".join(self.reply), patterns=self.patterns,
             detail={"finish": final["finish"] if final is not None and final["t"] == "done"
                     else None, "probe": self.probe,
-                    "degraded": self.max_tokens_cap is not None, **self.audit_detail()}))
+                    "degraded": self.max_tokens_cap is not None, **self.audit_detail(),
+                    **self.notes}))
 
 
 def call_status(final: FinalEvent | None, error: BaseException | None) -> int:

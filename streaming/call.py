@@ -66,6 +66,8 @@ class Call:
         self.subs: list[Submitted] = []  # admitted (a legacy completion: one a prompt)
         self._admitting = False
         self._left = False  # the client went away and its cancellation is decided
+        self._notes: dict[str, Any] = {}
+        self._headers: dict[str, str] = {}
 
     @property
     def protocol(self) -> str:
@@ -117,7 +119,15 @@ class Call:
             principal=self.principal, action=self.action or "unknown",
             model=self.model[:100], protocol=self.protocol, status=exc.status,
             latency_ms=(time.monotonic() - self.began) * 1000,
-            trace_id=telemetry.ids()[0], detail={"code": exc.code, "type": exc.type}))
+            trace_id=telemetry.ids()[0],
+            detail={"code": exc.code, "type": exc.type, **self._notes}))
+
+    def note(self, detail: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        """What the codec decided about the request, noted before admission: `detail`
+        joins the call's audit event, admitted or refused (scalars: the audit keeps
+        detail small); `headers` join an admitted call's reply (Submitted.headers)."""
+        self._notes.update(detail)
+        self._headers.update(headers or {})
 
     async def chat(self, req: ChatCompletionRequest, **options: Any) -> Submitted:
         """Admit and submit a chat call (Gateway.chat's options: idempotency_key,
@@ -143,6 +153,8 @@ class Call:
     async def _admit(self, admission: Awaitable[Submitted]) -> Submitted:
         self._admitting = True
         sub = await admission
+        sub.admission.notes.update(self._notes)
+        sub.own_headers.update(self._headers)
         self.subs.append(sub)
         self._admitting = False
         return sub

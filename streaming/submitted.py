@@ -50,11 +50,14 @@ class Submitted:
     # The request's trace context and start, for the wait span and time to first token.
     trace_context: Any = field(default_factory=telemetry.current_context)
     began: float = field(default_factory=lambda: _began())
+    # Response headers the codec's call adds (streaming/call.py Call.note).
+    own_headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def headers(self) -> dict[str, str]:
-        """Response headers the pipeline adds (x-ratelimit-*, degradation notes)."""
-        return self.admission.headers
+        """Response headers the pipeline adds (x-ratelimit-*, degradation notes) and the
+        call's own."""
+        return {**self.admission.headers, **self.own_headers}
 
     @property
     def handles(self) -> list[RequestHandle]:
@@ -223,8 +226,10 @@ class Submitted:
 
     def _switch_to(self, other: Submitted) -> None:
         """Go on with `other`'s request and admission (a fallback's or a fresh run's)."""
+        notes = self.admission.notes
         self.spec, self.handle, self.admission = other.spec, other.handle, other.admission
         self.admission.request_id = self.handle.rid
+        self.admission.notes.update(notes)  # the call's, whichever attempt answers
 
     def _settle(self, span: Any, final: FinalEvent | None, first: float | None,
                 ended: tuple[float, int], ended_monotonic: float) -> None:

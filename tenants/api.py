@@ -9,7 +9,7 @@ from ninja.pagination import paginate
 
 from sluice.errors import BadRequest
 from sluice.pagination import Pagination
-from tenants import conversations, privacy, selectors, services, throttle
+from tenants import conversations, privacy, selectors, services, throttle, tool_policy
 from tenants.models import Tenant
 from tenants.principal import Principal
 from tenants.schemas import (
@@ -31,6 +31,8 @@ from tenants.schemas import (
     TenantUpdateIn,
     TokenIn,
     TokenOut,
+    ToolPolicyIn,
+    ToolPolicyOut,
 )
 
 router = Router(tags=["identity"])
@@ -103,6 +105,19 @@ def tenant_privacy_update(request: HttpRequest, tenant_id: int, data: PrivacyIn)
     given = {name: getattr(data, name) for name in data.model_fields_set}
     return _privacy(privacy.tenant_privacy_update(actor=actor_of(request),
                                                   tenant_id=tenant_id, **given))
+
+
+@router.get("/tenants/{int:tenant_id}/tool-policy", response=ToolPolicyOut)
+def tenant_tool_policy_get(request: HttpRequest, tenant_id: int):
+    tenant = tool_policy.tool_policy_get(actor=actor_of(request), tenant_id=tenant_id)
+    return {"tenant_id": tenant.pk, "hosted_tools": tenant.hosted_tools}
+
+
+@router.patch("/tenants/{int:tenant_id}/tool-policy", response=ToolPolicyOut)
+def tenant_tool_policy_update(request: HttpRequest, tenant_id: int, data: ToolPolicyIn):
+    tenant = tool_policy.tenant_tool_policy_update(
+        actor=actor_of(request), tenant_id=tenant_id, hosted_tools=data.hosted_tools)
+    return {"tenant_id": tenant.pk, "hosted_tools": tenant.hosted_tools}
 
 
 # -- members -------------------------------------------------------------------------

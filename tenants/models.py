@@ -20,6 +20,13 @@ SLUG_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 MAX_RETENTION_DAYS = 3650  # ten years: a bound, so a cutoff date never overflows
 
 
+class HostedTools(models.TextChoices):
+    """What a call does with a hosted tool it cannot run (streaming/apis/hosted.py)."""
+
+    DROP = "drop"  # not offered to the model; named in a header and the audit event
+    REFUSE = "refuse"  # a 400 naming the tool
+
+
 class Tenant(models.Model):
     slug = models.CharField(max_length=63, unique=True, validators=[RegexValidator(SLUG_PATTERN)])
     name = models.CharField(max_length=200)
@@ -32,6 +39,10 @@ class Tenant(models.Model):
     retention_days = models.PositiveIntegerField(
         null=True, blank=True, default=None,
         validators=[MinValueValidator(1), MaxValueValidator(MAX_RETENTION_DAYS)])
+    # Hosted tools in a request (web_search, code_interpreter...): tenants/tool_policy.py.
+    # Only tenant_tool_policy_update writes it, audited.
+    hosted_tools = models.CharField(max_length=8, choices=HostedTools.choices,
+                                    default=HostedTools.DROP)
 
     class Meta:
         ordering = ["id"]

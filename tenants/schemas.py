@@ -15,6 +15,7 @@ from tenants.models import (
     SLUG_PATTERN,
     Conversation,
     ConversationMessage,
+    HostedTools,
     Member,
 )
 from tenants.roles import Role
@@ -174,3 +175,16 @@ class PrivacyIn(StrictSchema):
 
     redact_stored: bool | None = None
     retention_days: Annotated[int, Field(ge=1, le=MAX_RETENTION_DAYS)] | None = None
+
+
+class ToolPolicyOut(Schema):
+    """What a tenant's calls do with hosted tools Sluice cannot run (`web_search`...):
+    `drop` them (named in `x-sluice-dropped-tools` and the audit event) or `refuse` the
+    call (a 400 naming the tool)."""
+
+    tenant_id: int
+    hosted_tools: HostedTools
+
+
+class ToolPolicyIn(StrictSchema):
+    hosted_tools: HostedTools

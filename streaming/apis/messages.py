@@ -9,7 +9,9 @@ blocks `tool` messages, which the gateway writes for the model as it writes chat
 `tool_choice` auto / any (required) / tool (named) / none, with
 `disable_parallel_tool_use`; `output_config.format` (a JSON schema) the response format;
 `stop_sequences` stop; `metadata.user_id` the user. What the engine cannot do is refused
-by name (`top_k`, image and document blocks); `cache_control` hints, `thinking`,
+by name (`top_k`, image and document blocks); server tools (`web_search_20250305`,
+`code_execution_*`, `bash_*`, `text_editor_*`, `computer_*`) are dropped or refused
+by the tenant's hosted tool policy (streaming/apis/hosted.py); `cache_control` hints, `thinking`,
 `output_config.effort`, `service_tier` and what Claude Code sends besides
 (`context_management`, `betas`, `diagnostics`) are accepted without effect (no prompt
 cache, no model that thinks, no server-side context editing, one tier, one effort
@@ -43,7 +45,7 @@ from pydantic import (
 
 from sluice.errors import ApiError, BadRequest
 from sluice.schemas import Line
-from streaming.apis import Api, Context, register
+from streaming.apis import Api, Context, hosted, register
 from streaming.apis import messages_stream as encode
 from streaming.httpio import send_json
 from streaming.schemas import ChatCompletionRequest
@@ -131,6 +133,11 @@ class AnthropicTool(_Strict):
     input_examples: list[dict[str, Any]] | None = None
 
 
+# The tool types served here (a tool without a type is custom too); any other, such
+# as Anthropic's server tools, is a hosted tool (streaming/apis/hosted.py).
+OWN_TOOLS = frozenset({"custom"})
+
+
 class AnthropicToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
@@ -208,6 +215,17 @@ def parse(model: type[_Request], data: dict[str, Any]) -> _Request:
         raise BadRequest("top_k: not supported by this server; use temperature or top_p.",
                          param="top_k", code="unsupported_parameter")
     return req
+
+
+async def parse_hosted(model: type[_Request], ctx: Context) -> _Request:
+    """`parse` of the request's body after its server tools (any tool whose type is
+    not a custom tool's) met the tenant's hosted tool policy (streaming/apis/hosted.py):
+    dropped, or a 400 naming the first."""
+    data, tools = await hosted.applied(ctx, OWN_TOOLS, dotted=True)
+    try:
+        return parse(model, data)
+    except ApiError as exc:
+        raise tools.renumbered(exc) from None
 
 
 def _text(content: str | list[AnthropicTextBlockParam] | list[ToolResultBlock] | None
@@ -312,7 +330,7 @@ class Messages(Api):
         return exc.status, encode.error_body(exc), exc.headers
 
     async def serve(self, ctx: Context) -> None:
-        req = parse(AnthropicMessagesRequest, ctx.data)
+        req = await parse_hosted(AnthropicMessagesRequest, ctx)
         call = ctx.call
         call.model = req.model
         call.protocol = "sse" if req.stream else "rest"
@@ -331,7 +349,7 @@ class CountTokens(Messages):
     action = "messages.count_tokens"
 
     async def serve(self, ctx: Context) -> None:
-        req = parse(AnthropicCountTokensRequest, ctx.data)
+        req = await parse_hosted(AnthropicCountTokensRequest, ctx)
         tokens = await ctx.call.count(to_chat(req))
         await send_json(ctx.send, 200, {"input_tokens": tokens})
 

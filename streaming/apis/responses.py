@@ -35,7 +35,7 @@ from inference.jobs import DoneEvent, Event
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
 from streaming import bodies, responses_copy
-from streaming.apis import Api, Context, register
+from streaming.apis import Api, Context, hosted, register
 from streaming.gateway import error_from_event
 from streaming.httpio import KeepAlive, send_json
 from streaming.responses_store import response_context, response_keep, response_save
@@ -44,6 +44,10 @@ from streaming.schemas import ChatCompletionRequest, ClientHints, Effort, ModelN
 from streaming.submitted import Submitted
 
 MAX_ITEMS = 4096
+# `client_metadata`: as many keys as `metadata` takes, as long; a value eight times
+# `metadata`'s 512 characters, room for five times what Codex sends per turn (751)
+# while a request's metadata stays under 66 KB.
+CLIENT_METADATA_KEYS, CLIENT_METADATA_KEY, CLIENT_METADATA_VALUE = 16, 64, 4096
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
@@ -63,6 +67,10 @@ class ResponsesFunctionTool(_Strict):
     description: Annotated[str, StringConstraints(max_length=4096)] | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+# The tool types served here; any other is a hosted tool (streaming/apis/hosted.py).
+OWN_TOOLS = frozenset({"function"})
 
 
 class ResponsesFunctionChoice(_Strict):
@@ -124,10 +132,13 @@ class ResponsesRequest(ClientHints):
     reasoning: ResponsesReasoning | None = None
     # Bounds calls of OpenAI's built-in tools; there are none here.
     max_tool_calls: Annotated[int, Field(ge=1, le=1024)] | None = None
-    # What Codex CLI says about itself (its installation, its window): not kept.
-    client_metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
-                                    Annotated[str, StringConstraints(max_length=512)]],
-                               Field(max_length=16)] | None = None
+    # What the client says about itself (Codex CLI: its installation, its turn, the
+    # turn's metadata 751 characters long): checked, then neither kept with a stored
+    # response nor written to a log or the audit event. Bounds: CLIENT_METADATA_*.
+    client_metadata: Annotated[
+        dict[Annotated[str, StringConstraints(min_length=1, max_length=CLIENT_METADATA_KEY)],
+             Annotated[str, StringConstraints(max_length=CLIENT_METADATA_VALUE)]],
+        Field(max_length=CLIENT_METADATA_KEYS)] | None = None
 
 
 # -- input items -------------------------------------------------------------------------
@@ -344,10 +355,11 @@ class ResponsesApi(Api):
     action = "responses"
 
     async def serve(self, ctx: Context) -> None:
+        data, tools = await hosted.applied(ctx, OWN_TOOLS)
         try:
-            req = ResponsesRequest.model_validate(ctx.data)
+            req = ResponsesRequest.model_validate(data)
         except ValidationError as exc:
-            raise invalid(exc) from None
+            raise tools.renumbered(invalid(exc)) from None
         call = ctx.call
         call.model = req.model
         call.protocol = "sse" if req.stream else "rest"
@@ -358,7 +370,10 @@ class ResponsesApi(Api):
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         conversation = chat_messages([*before, *items])
         earlier, conversation = droppable(conversation, req.truncation)
-        chat = chat_request(req, system + conversation)
+        try:
+            chat = chat_request(req, system + conversation)
+        except ApiError as exc:
+            raise tools.renumbered(exc) from None
         base = head(req, "")  # the request's fields; its id is the last attempt's
         keep = None
         if req.store:  # before the call runs: its reply could not be kept
@@ -368,7 +383,7 @@ class ResponsesApi(Api):
             sub = await call.chat(chat, stream=req.stream, earlier=earlier, keep=keep,
                                   idempotency_key=ctx.headers.get("idempotency-key"))
         except ApiError as exc:
-            raise renamed(exc) from None
+            raise tools.renumbered(renamed(exc)) from None
         async with call.watching(ctx.receive, resumable=False):
             if req.stream:
                 await self._stream(ctx, sub, req, base, items)

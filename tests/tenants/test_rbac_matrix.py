@@ -120,6 +120,13 @@ MATRIX: dict[str, Row] = {
                                  lambda c: {"retention_days": 90},
                                  {PA: 200, TA: 200, DEV: 403, AUD: 403},
                                  "api/v1/tenants/<int:tenant_id>/privacy"),
+    "tenant tool policy get": Row(
+        "GET", lambda c: f"/api/v1/tenants/{c.org.tenant.pk}/tool-policy", None,
+        {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/tenants/<int:tenant_id>/tool-policy"),
+    "tenant tool policy update": Row(
+        "PATCH", lambda c: f"/api/v1/tenants/{c.org.tenant.pk}/tool-policy",
+        lambda c: {"hosted_tools": "refuse"}, {PA: 200, TA: 200, DEV: 403, AUD: 403},
+        "api/v1/tenants/<int:tenant_id>/tool-policy"),
     "member list": Row("GET", lambda c: "/api/v1/members", None,
                        {PA: 200, TA: 200, DEV: 403, AUD: 403}, "api/v1/members"),
     "member create": Row("POST", lambda c: "/api/v1/members",
