@@ -8,12 +8,16 @@ blocks `tool` messages, which the gateway writes for the model as it writes chat
 (streaming/gateway.py `_message`); `tools` functions with `input_schema` as parameters;
 `tool_choice` auto / any (required) / tool (named) / none, with
 `disable_parallel_tool_use`; `output_config.format` (a JSON schema) the response format;
-`stop_sequences` stop; `metadata.user_id` the user. What the engine cannot do is refused
+`stop_sequences` stop; `metadata.user_id` the user; a tool with `defer_loading` is
+left out until a tool search loads it (`offered`); a `role: "system"` message in
+`messages` (Anthropic's beta) a system message in its place, dropped once a later user
+turn exists when its `clear_at` is `next_user_message`. What the engine cannot do is refused
 by name (`top_k`, image and document blocks); server tools (`web_search_20250305`,
 `code_execution_*`, `bash_*`, `text_editor_*`, `computer_*`) are dropped or refused
 by the tenant's hosted tool policy (streaming/apis/hosted.py); `cache_control` hints, `thinking`,
-`output_config.effort`, `service_tier` and what Claude Code sends besides
-(`context_management`, `betas`, `diagnostics`) are accepted without effect (no prompt
+`output_config.effort` (also a system message's), `service_tier` and what Claude
+Code sends besides (`context_management`, `betas`, `diagnostics`, any `anthropic-beta`
+header) are accepted without effect (no prompt
 cache, no model that thinks, no server-side context editing, one tier, one effort
 here); an earlier reply's thinking blocks and a tool result's `tool_reference` blocks
 are left out of the prompt.
@@ -79,11 +83,12 @@ class AnthropicToolUseBlockParam(_Strict):
 
 
 class AnthropicToolReferenceBlockParam(BaseModel):
-    """A tool found by Anthropic's tool search, in a tool result (Claude Code sends
-    them): no text for the model, skipped."""
+    """A tool found by a tool search, in a tool result (Claude Code sends them): no
+    text for the model; it loads the deferred tool it names (`to_chat`)."""
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["tool_reference"]
+    tool_name: Annotated[str, StringConstraints(max_length=128)] | None = None
 
 
 ToolResultBlock = Annotated[AnthropicTextBlockParam | AnthropicToolReferenceBlockParam,
@@ -116,9 +121,19 @@ ContentBlock = Annotated[
     | AnthropicThinkingBlockParam, Field(discriminator="type")]
 
 
+class AnthropicSystemOutputConfig(_Strict):
+    """A system message's per-turn output settings (Anthropic's beta
+    `BetaSystemMessageOutputConfig`; `format` stays top-level only): no effect here."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class AnthropicMessageParam(_Strict):
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+    # Only on a `role: "system"` message (checked in `_chat_messages`).
+    output_config: AnthropicSystemOutputConfig | None = None
+    clear_at: Literal["next_user_message", "never"] | None = None
 
 
 class AnthropicTool(_Strict):
@@ -131,6 +146,9 @@ class AnthropicTool(_Strict):
     # Hints for Anthropic's own models and streaming: accepted, without effect here.
     eager_input_streaming: bool | None = None
     input_examples: list[dict[str, Any]] | None = None
+    # A deferred tool is not offered to the model until a tool search loads it: a
+    # `tool_reference` block naming it, or an earlier call of it (`to_chat`).
+    defer_loading: bool | None = None
 
 
 # The tool types served here (a tool without a type is custom too); any other, such
@@ -242,7 +260,16 @@ def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
+    last_user = max((i for i, m in enumerate(req.messages) if m.role == "user"), default=-1)
     for i, message in enumerate(req.messages):
+        if message.role != "system":
+            for name in ("output_config", "clear_at"):
+                if getattr(message, name) is not None:
+                    where = f"messages.{i}.{name}"
+                    raise BadRequest(f"{where}: only permitted on system messages.",
+                                     param=where, code="invalid_request")
+        elif message.clear_at == "next_user_message" and i < last_user:
+            continue  # shown only for the user turn it follows, and a later one exists
         blocks = ([AnthropicTextBlockParam(type="text", text=message.content)]
                   if isinstance(message.content, str) else message.content)
         text: list[str] = []
@@ -273,18 +300,37 @@ def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
+def offered(req: AnthropicCountTokensRequest) -> list[AnthropicTool]:
+    """The tools the model is offered: every tool but a deferred one (`defer_loading`)
+    that no tool search has loaded yet. As Anthropic's API does, a deferred tool is
+    loaded by a `tool_reference` block naming it in a tool result; an earlier call of
+    it (a `tool_use` block) keeps it loaded."""
+    loaded: set[str] = set()
+    for message in req.messages:
+        for block in message.content if isinstance(message.content, list) else ():
+            if isinstance(block, AnthropicToolUseBlockParam):
+                loaded.add(block.name)
+            elif isinstance(block, AnthropicToolResultBlockParam) and isinstance(
+                    block.content, list):
+                loaded.update(b.tool_name for b in block.content
+                              if isinstance(b, AnthropicToolReferenceBlockParam)
+                              and b.tool_name)
+    return [t for t in req.tools or () if not t.defer_loading or t.name in loaded]
+
+
 def to_chat(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
     """The gateway's request for `req`. Every field was checked against Anthropic's
     rules already; a rule of chat's that is stricter still answers in Anthropic's
     words (its field name where the two differ)."""
     body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req)}
-    if req.tools:
+    tools = offered(req)
+    if tools:
         # Anthropic allows longer descriptions than chat's 4,096 characters: the rest
         # would only lengthen the tool prompt.
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema, "strict": t.strict,
             **({"description": t.description[:_CHAT_DESCRIPTION_MAX]} if t.description else {})}}
-            for t in req.tools]
+            for t in tools]
     fmt = req.output_config.format if req.output_config else None
     if fmt is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {
@@ -313,7 +359,7 @@ def to_chat(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
                          code="invalid_request") from None
     # Chat keeps OpenAI's cap on a description; Anthropic's tools (Claude Code's among
     # them) carry longer ones, which only the tool prompt reads.
-    for tool, param in zip(chat.tools or [], req.tools or [], strict=True):
+    for tool, param in zip(chat.tools or [], tools, strict=True):
         tool.function.description = param.description
     return chat
 

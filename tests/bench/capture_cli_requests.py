@@ -1,10 +1,11 @@
 """Capture the first model request of the pinned agent CLIs into test fixtures.
 
 Installs ``@openai/codex`` and ``@anthropic-ai/claude-code`` at the pinned versions into a
-cache folder (npm, no global install), then runs each CLI once, non-interactively, in a
-fresh HOME and working directory, with no permission to run commands, against a loopback
-recorder that answers every model call with a minimal valid streamed reply (Responses
-API SSE for Codex, Anthropic Messages SSE for Claude Code) so the CLI exits cleanly.
+cache folder (tests/streaming/agent_clis.py: npm, no global install), then runs each CLI
+once, non-interactively, in a fresh HOME and working directory, with no permission to run
+commands, against a loopback recorder that answers every model call with a minimal valid
+streamed reply (Responses API SSE for Codex, Anthropic Messages SSE for Claude Code) so
+the CLI exits cleanly.
 
 Writes ``tests/streaming/fixtures/<cli>_<version>_first_request.json``: the first model
 request (method, path, the headers that matter, JSON body) and the list of every request
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -39,10 +39,19 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-CODEX_VERSION = "0.171.0"
-CLAUDE_VERSION = "2.1.332"
-PACKAGES = {"codex": ("@openai/codex", CODEX_VERSION),
-            "claude": ("@anthropic-ai/claude-code", CLAUDE_VERSION)}
+sys.path[:0] = [str(REPO), str(REPO / "platform")]
+
+from tests.streaming.agent_clis import (  # noqa: E402
+    CLAUDE_VERSION,
+    CODEX_VERSION,
+    PACKAGES,
+    cache_dir,
+    codex_config,
+    install,
+    netns_works,
+    quiet_env,
+)
+
 FIXTURES = {"codex": f"codex_{CODEX_VERSION}_first_request.json",
             "claude": f"claude_code_{CLAUDE_VERSION}_first_request.json"}
 FAKE_KEY = "sk-capture-not-a-real-key-0123456789"
@@ -201,68 +210,6 @@ def make_handler(recorder: Recorder) -> type[BaseHTTPRequestHandler]:
 # ---------------------------------------------------------------- install and run
 
 
-def install(cache: Path) -> Path:
-    """npm-install both pinned packages under ``cache/npm``; returns its ``.bin``."""
-    prefix = cache / "npm"
-    bins = prefix / "node_modules" / ".bin"
-    wanted = [f"{name}@{version}" for name, version in PACKAGES.values()]
-    if all(_installed(prefix, name) == version for name, version in PACKAGES.values()):
-        return bins
-    prefix.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
-                    "--no-save", *wanted], check=True)
-    return bins
-
-
-def _installed(prefix: Path, name: str) -> str | None:
-    manifest = prefix / "node_modules" / name / "package.json"
-    if not manifest.exists():
-        return None
-    return str(json.loads(manifest.read_text()).get("version"))
-
-
-def quiet_env(home: Path, base_url: str, isolated: bool) -> dict[str, str]:
-    """Environment for a CLI: fresh HOME, fake key, no telemetry, no update checks."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
-           "USER": "user", "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1",
-           "CODEX_HOME": str(home / ".codex"), "XDG_CONFIG_HOME": str(home / ".config"),
-           "XDG_CACHE_HOME": str(home / ".cache"), "XDG_DATA_HOME": str(home / ".local/share"),
-           "CAPTURE_API_KEY": FAKE_KEY,
-           # Claude Code
-           "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": FAKE_KEY,
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
-           "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
-           "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
-           "DO_NOT_TRACK": "1", "CI": "1"}
-    if not isolated:
-        # Without a network namespace, anything not on loopback goes to a closed port.
-        env.update({"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-                    "ALL_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost"})
-    return env
-
-
-def codex_config(base_url: str) -> str:
-    return "\n".join([
-        'model_provider = "capture"',
-        'approval_policy = "never"',
-        'sandbox_mode = "read-only"',
-        "check_for_update_on_startup = false",
-        "",
-        "[analytics]", "enabled = false", "",
-        # The curated-plugins startup sync reaches api.github.com; the request is the same.
-        "[features]", "plugins = false", "",
-        "[feedback]", "enabled = false", "",
-        "[model_providers.capture]",
-        'name = "capture"',
-        f'base_url = "{base_url}"',
-        'env_key = "CAPTURE_API_KEY"',
-        'wire_api = "responses"',
-        "request_max_retries = 0",
-        "stream_max_retries = 0",
-        "",
-    ])
-
-
 def command(cli: str, bins: Path, work: Path, model: str | None) -> list[str]:
     chosen = ["--model", model] if model else []  # '' leaves the CLI's own default
     if cli == "codex":
@@ -283,14 +230,15 @@ def run_cli(cli: str, bins: Path, runs: Path, timeout: float, isolated: bool,
     home, work = run / "home", run / "home" / "project"
     work.mkdir(parents=True)
     (home / ".codex").mkdir()
-    (home / ".codex" / "config.toml").write_text(codex_config(base_url))
+    (home / ".codex" / "config.toml").write_text(codex_config(base_url, "capture"))
     argv = command(cli, bins, work, model)
     trace = run / "strace.log"
     if strace and shutil.which("strace"):
         argv = ["strace", "-f", "-qq", "-e", "trace=connect", "-o", str(trace), *argv]
     started = time.monotonic()
     try:
-        proc = subprocess.run(argv, cwd=work, env=quiet_env(home, base_url, isolated),
+        env = quiet_env(home, base_url, FAKE_KEY, proxied=not isolated)
+        proc = subprocess.run(argv, cwd=work, env=env,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=timeout)
         rc: int | str = proc.returncode
@@ -381,11 +329,9 @@ def fixture(capture: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    # Outside any git checkout (Codex reports the enclosing repository's commit and state)
-    # and outside /tmp (Codex refuses to install its helper binaries under a temp dir).
-    default_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    parser.add_argument("--cache", type=Path, default=default_cache / "sluice-cli-capture",
-                        help="npm prefix and run folders (default: ~/.cache/sluice-cli-capture)")
+    # Outside any git checkout and outside /tmp (tests/streaming/agent_clis.py says why).
+    parser.add_argument("--cache", type=Path, default=cache_dir(),
+                        help="npm prefix and run folders (default: ~/.cache/sluice-agent-clis)")
     parser.add_argument("--out", type=Path, default=REPO / "tests/streaming/fixtures")
     parser.add_argument("--only", choices=sorted(PACKAGES), action="append")
     # A user pointing a CLI at Sluice names a Sluice deployment; the CLIs shape the request
@@ -406,7 +352,7 @@ def main() -> int:
     cache = args.cache.resolve()
     if not args.inner:
         install(cache)
-        if not args.no_netns and _netns_works():
+        if not args.no_netns and netns_works():
             inner = [sys.executable, str(Path(__file__).resolve()), "--inner", *sys.argv[1:]]
             script = 'ip link set lo up && exec "$@"'
             return subprocess.call(["unshare", "-rn", "sh", "-c", script, "sh", *inner])
@@ -437,14 +383,6 @@ def main() -> int:
         path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
         print(f"  wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return 0
-
-
-def _netns_works() -> bool:
-    if not (shutil.which("unshare") and shutil.which("ip")):
-        return False
-    probe = subprocess.run(["unshare", "-rn", "sh", "-c", "ip link set lo up"],
-                           capture_output=True)
-    return probe.returncode == 0
 
 
 if __name__ == "__main__":
