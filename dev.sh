@@ -52,12 +52,22 @@ browser() {
     fi
 }
 
+agent_clis() {
+    # The pinned Codex CLI and Claude Code for tests/streaming/test_agent_clis.py, into a
+    # cache outside the checkout and /tmp (tests/streaming/agent_clis.py says why).
+    if command -v npm >/dev/null 2>&1; then
+        "$VENV/bin/python" -m tests.streaming.agent_clis
+    else
+        echo "sluice: no Node/npm: the agent CLI tests will be skipped" >&2
+    fi
+}
+
 cmd=${1:-}
 case "$cmd" in
     run|test)
         shift
         setup
-        if [ "$cmd" = test ]; then browser; fi
+        if [ "$cmd" = test ]; then browser; agent_clis; fi
         exec "$VENV/bin/sluice" "$cmd" "$@"
         ;;
     *)
