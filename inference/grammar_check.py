@@ -11,7 +11,8 @@ grows about 2.5x in time and memory per pattern (16 patterns: 1 s and 140 MB; 18
 and 530 MB; at 26 a Rust allocation abort, at 200 a PanicException, a BaseException),
 and its fuel limits do not bound it. So:
 - `precheck` (in-process, one linear walk) refuses the obvious bombs at once: more
-  schema bytes across a request than MAX_TOTAL_SCHEMA_BYTES, more intersected patterns
+  schema bytes across a request than MAX_TOTAL_SCHEMA_BYTES, more custom tools' grammar
+  (Lark, regex) bytes than MAX_TOTAL_DEFINITION_BYTES, more intersected patterns
   than MAX_INTERSECTED_PATTERNS, more pattern text than MAX_PATTERN_CHARS;
 - the rest is compiled (inference/grammar.py `plan`, exactly what the worker compiles)
   in a child process (`python -m inference.grammar_check`) whose address space is capped
@@ -47,6 +48,7 @@ from inference.jobs import ChatJob
 MAX_TOTAL_SCHEMA_BYTES = 256 * 1024  # every tool's parameters and the response format
 MAX_INTERSECTED_PATTERNS = 8  # `pattern`s one `allOf` intersects (8: ~5 ms to check)
 MAX_PATTERN_CHARS = 16 * 1024  # all regex text of a request
+MAX_TOTAL_DEFINITION_BYTES = 16 * 1024  # all custom tools' grammars of a request
 _CACHE_ENTRIES = 4096
 _CPU_BACKSTOP_S = 60
 _START_S = 60.0  # a child's imports, on a machine that may be busy
@@ -64,7 +66,7 @@ class GrammarUnavailable(RuntimeError):
 class PlanRequest(msgspec.Struct, frozen=True):
     """What one check compiles: `grammar.plan`'s arguments."""
 
-    tools: list[tuple[str, dict[str, Any], bool]] = []
+    tools: list[Tool] = []
     choice: str = "auto"
     parallel: bool = True
     response_format: dict[str, Any] | None = None
@@ -72,7 +74,8 @@ class PlanRequest(msgspec.Struct, frozen=True):
     @classmethod
     def of(cls, job: ChatJob) -> PlanRequest:
         fmt = job.response_format
-        return cls(tools=[(t.name, t.parameters or {}, t.strict) for t in job.tools],
+        return cls(tools=[Tool(t.name, t.parameters or {}, t.strict, t.kind, t.syntax,
+                                t.definition) for t in job.tools],
                    choice=job.tool_choice, parallel=job.parallel_tool_calls,
                    response_format=None if fmt is None else
                    {"type": "json_object"} if fmt.type == "json_object" else
@@ -80,7 +83,7 @@ class PlanRequest(msgspec.Struct, frozen=True):
 
     def compile(self) -> None:
         """Compile as the worker will (grammar.plan); GrammarError names what fails."""
-        plan(tools=[Tool(*t) for t in self.tools], choice=self.choice,
+        plan(tools=self.tools, choice=self.choice,
              parallel=self.parallel, response_format=self.response_format)
 
 
@@ -108,7 +111,14 @@ def _cached(digest: bytes) -> tuple[GrammarError | None, bool]:
 
 def precheck(request: PlanRequest) -> None:
     """Refuse, in one walk of the schemas, what is too large to compile at all."""
-    schemas = [(f"tools[{i}].function.parameters", t[1]) for i, t in enumerate(request.tools)]
+    definitions = 0
+    for i, tool in enumerate(request.tools):
+        definitions += len(tool.definition.encode())
+        if definitions > MAX_TOTAL_DEFINITION_BYTES:
+            raise TooComplex(f"tools[{i}].format: the request's grammars are larger than "
+                             f"{MAX_TOTAL_DEFINITION_BYTES} bytes in all")
+    schemas = [(f"tools[{i}].function.parameters", t.parameters)
+               for i, t in enumerate(request.tools) if t.kind != "custom"]
     fmt = request.response_format
     if fmt is not None and "schema" in fmt:
         schemas.append(("response_format.json_schema.schema", fmt["schema"]))

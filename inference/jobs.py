@@ -28,15 +28,22 @@ from sluice import wirejson
 
 
 class ToolSpec(msgspec.Struct, frozen=True):
-    """A function the reply may call; `parameters` is its JSON schema (key order kept:
-    the grammar writes properties in that order); `description` what it is for (an
-    upstream server shows it to its model; our own models read it in the tool prompt
-    the gateway writes)."""
+    """A tool the reply may call; `description` what it is for (an upstream server shows
+    it to its model; our own models read it in the tool prompt the gateway writes).
+
+    `kind` "function": `parameters` is its JSON schema (key order kept: the grammar
+    writes properties in that order); a call's `arguments` is JSON text.
+    `kind` "custom" (the Responses API's free-form tools): `parameters` is unused; its
+    input is any text (`syntax` ""), or matches `definition`, a Lark grammar (`syntax`
+    "lark") or a regex (`syntax` "regex"); a call's `arguments` is the raw input."""
 
     name: str
     parameters: dict[str, Any] | None = None
     strict: bool = False
     description: str = ""
+    kind: str = "function"  # "function" | "custom"
+    syntax: str = ""  # "" | "lark" | "regex" (custom tools)
+    definition: str = ""
 
 
 class FunctionCall(TypedDict):
@@ -219,7 +226,9 @@ class Usage(TypedDict):
 class ToolCall(TypedDict):
     id: str
     name: str
-    arguments: str  # JSON text, valid against the function's parameters
+    # A function's: JSON text, valid against its parameters; a custom tool's: its raw
+    # input (valid against its grammar).
+    arguments: str
 
 
 class ToolDelta(TypedDict):

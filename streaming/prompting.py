@@ -114,7 +114,8 @@ def chat_job(req: ChatCompletionRequest) -> tuple[ChatJob, list[dict[str, str]]]
     structured = structured_body(req)
     turn = [rendered(m) for m in native_messages(req)]
     if structured.tools and req.tools:
-        turn_and_prompt = [*tool_prompt(req.tools, parallel=structured.parallel_tool_calls),
+        turn_and_prompt = [*tool_prompt(structured.tools,
+                                       parallel=structured.parallel_tool_calls),
                            *turn]
     else:
         turn_and_prompt = turn

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from inference import grammar
-from inference.grammar import TOOL_MARKER
+from inference.grammar import CUSTOM_END, TOOL_MARKER, call_text
 from inference.grammar_check import (
     GrammarChecker,
     GrammarUnavailable,
@@ -23,27 +23,42 @@ from inference.grammar_check import (
 )
 from inference.jobs import ChatJob, ResponseFormat, ToolSpec
 from sluice.errors import BadRequest, Unavailable
-from streaming.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
+from streaming.schemas import ChatCompletionRequest, NamedToolChoice
 
 
-def tool_prompt(tools: list[ToolDef], *, parallel: bool) -> list[dict[str, str]]:
-    """The messages that go before the caller's: the functions and how to call them, and
-    one worked exchange (a call of the first function). Small models follow an example
+def tool_prompt(tools: list[ToolSpec], *, parallel: bool) -> list[dict[str, str]]:
+    """The messages that go before the caller's: the tools and how to call them, and
+    one worked exchange (a call of the first tool). Small models follow an example
     far better than an instruction: SmolLM2-135M answers a weather question with a call
-    only when it has seen one; with it, it still answers other questions in text."""
-    listed = [{"name": t.function.name, "description": t.function.description or "",
-               "parameters": t.function.parameters or {}} for t in tools]
+    only when it has seen one; with it, it still answers other questions in text.
+
+    A function's call is TOOL_MARKER and `{"name": ..., "arguments": ...}`; a custom
+    tool's is TOOL_MARKER, `{"name": ...}`, a newline, the raw input and CUSTOM_END
+    (inference/grammar.py; the grammar, not this prompt, holds the model to it)."""
+    functions = [{"name": t.name, "description": t.description,
+                  "parameters": t.parameters or {}} for t in tools if t.kind != "custom"]
+    custom = [{"name": t.name, "description": t.description,
+               **({"grammar": {"syntax": t.syntax, "definition": t.definition}}
+                  if t.syntax else {})} for t in tools if t.kind == "custom"]
     several = (" To call several, write each call the same way, one after another."
                if parallel else "")
-    first = tools[0].function
-    example = json.dumps({"name": first.name,
-                          "arguments": _example_arguments(first.parameters or {})})
+    how = []
+    if functions:
+        how.append("You can call functions. When a function can answer the user's question, "
+                   f"reply with {TOOL_MARKER} followed by a JSON object "
+                   '{"name": <function name>, "arguments": <arguments>} and nothing else.'
+                   + several + " Functions: " + json.dumps(functions))
+    if custom:
+        how.append(f"You can call tools that take free-form input: reply with {TOOL_MARKER}"
+                   ' followed by {"name": <tool name>}, a new line, the input as plain text '
+                   f"(matching the tool's grammar, if it has one), then {CUSTOM_END} and "
+                   "nothing else." + ("" if functions else several)
+                   + " Tools with free-form input: " + json.dumps(custom))
+    first = tools[0]
+    example = call_text(first.name, "example", custom=True) if first.kind == "custom" \
+        else call_text(first.name, json.dumps(_example_arguments(first.parameters or {})))
     return [
-        {"role": "system", "content": (
-            "You can call functions. When a function can answer the user's question, "
-            f"reply with {TOOL_MARKER} followed by a JSON object "
-            '{"name": <function name>, "arguments": <arguments>} and nothing else.'
-            + several + " Functions: " + json.dumps(listed))},
+        {"role": "system", "content": " ".join(how)},
         {"role": "user", "content": "Can you check something with a function?"},
         {"role": "assistant", "content": TOOL_MARKER + example},
     ]

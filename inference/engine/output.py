@@ -41,6 +41,7 @@ from inference.engine.entries import (
 )
 from inference.engine.toolstream import CallText, read_calls
 from inference.engine.writer import Outbox
+from inference.grammar import CUSTOM_END
 from inference.jobs import DeltaEvent, DoneEvent, ErrorEvent, ToolCall, ToolDelta, usage
 from inference.logprobs import TokenTexts
 from inference.runtimes.base import (
@@ -356,11 +357,14 @@ class OutputProcessor:
         assert constraint is not None  # noqa: S101
         # The constraint holds every token of the calls (the row may be one behind).
         vocab = constraint.vocab
-        written = read_calls(vocab.decode([t for t in constraint.emitted
-                                           if t not in vocab.eos]))
+        text = vocab.decode([t for t in constraint.emitted if t not in vocab.eos])
+        written = read_calls(text)
         found = [(c.name, c.arguments) for c in written if c.complete]
-        if len(found) != len(written) or not found:
-            found = constraint.calls()  # not of the grammar's usual shape: whole
+        if len(found) != len(written) or not found or (CUSTOM_END in text and any(
+                CUSTOM_END in arguments for _name, arguments in constraint.calls())):
+            # Not of the grammar's usual shape, or a custom input that holds
+            # CUSTOM_END (which the reader took for its end): whole.
+            found = constraint.calls()
         elif row.streamed:
             self._emit_calls(row, written)
         return [{"id": _call_id(row.req.rid, i), "name": name, "arguments": arguments}

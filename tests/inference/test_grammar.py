@@ -227,8 +227,8 @@ def test_smollm2_answers_a_weather_question_with_a_call_and_others_in_text() -> 
     """`auto` with a real model: the tool prompt (streaming/structured.py) and the
     grammar taking over at the marker turn a weather question into a valid call, while
     a question no function answers stays text."""
+    from inference.jobs import ToolSpec
     from inference.weights import SMOLLM2
-    from streaming.schemas import ToolDef
     from streaming.structured import tool_prompt
 
     rt = load_runtime(DeploymentSpec("smol", RuntimeName.CAUSAL_LM, weights=SMOLLM2))
@@ -237,9 +237,7 @@ def test_smollm2_answers_a_weather_question_with_a_call_and_others_in_text() -> 
     weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
                "required": ["city"], "additionalProperties": False}
-    tool = ToolDef.model_validate({"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather for a city",
-        "parameters": weather}})
+    tool = ToolSpec("get_weather", weather, description="Current weather for a city")
     kinds = {}
     for question in ("What's the weather like in Paris right now?",
                      "What is the capital of France?"):

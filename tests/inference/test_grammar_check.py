@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from inference import grammar_check
-from inference.grammar import GrammarError
+from inference.grammar import GrammarError, Tool
 from inference.grammar_check import GrammarChecker, PlanRequest, TooComplex, precheck
 
 
@@ -25,7 +25,7 @@ def bomb(n: int, *, salt: str = "") -> dict[str, Any]:
 
 
 def tools(schema: dict[str, Any]) -> PlanRequest:
-    return PlanRequest(tools=[("f", schema, False)])
+    return PlanRequest(tools=[Tool("f", schema)])
 
 
 PLAIN = tools({"type": "object", "properties": {"a": {"type": "string"}}})
@@ -57,7 +57,7 @@ def test_sizes_across_a_request_are_bounded() -> None:
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string"}
                                               for i in range(2000)}}
     with pytest.raises(TooComplex, match="larger than 262144 bytes in all"):
-        precheck(PlanRequest(tools=[(f"t{i}", wide, False) for i in range(60)]))
+        precheck(PlanRequest(tools=[Tool(f"t{i}", wide) for i in range(60)]))
     with pytest.raises(TooComplex, match="patterns are longer"):
         precheck(tools({"type": "object", "properties": {
             f"p{i}": {"type": "string", "pattern": "a" * 900} for i in range(20)}}))
