@@ -32,7 +32,10 @@ def tool_prompt(tools: list[ToolDef], *, parallel: bool) -> list[dict[str, str]]
     far better than an instruction: SmolLM2-135M answers a weather question with a call
     only when it has seen one; with it, it still answers other questions in text."""
     listed = [{"name": t.function.name, "description": t.function.description or "",
-               "parameters": t.function.parameters or {}} for t in tools]
+               **({"parameters": t.function.parameters or {}} if t.function.custom is None
+                  else {"input": "free text" if not t.function.custom[0]
+                        else f"text in this {t.function.custom[0]} grammar: "
+                        + t.function.custom[1]})} for t in tools]
     several = (" To call several, write each call the same way, one after another."
                if parallel else "")
     first = tools[0].function
@@ -97,14 +100,21 @@ def structured_body(req: ChatCompletionRequest) -> ChatJob:
             raise BadRequest(f"tool_choice names '{wanted}', which is not among the tools.",
                              param="tool_choice")
         job = ChatJob(response_format=response_format, tools=[
-            ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict),
-                     t.function.description or "")
-            for t in req.tools], tool_choice=wanted,
+            _spec(t) for t in req.tools], tool_choice=wanted,
             parallel_tool_calls=req.parallel_tool_calls is not False)
     if job.constrained:
         with _refused():
             precheck(PlanRequest.of(job))
     return job
+
+
+def _spec(tool: ToolDef) -> ToolSpec:
+    f = tool.function
+    if f.custom is None:
+        return ToolSpec(f.name, f.parameters, bool(f.strict), f.description or "")
+    syntax, definition = f.custom
+    return ToolSpec(f.name, None, False, f.description or "", kind="custom", syntax=syntax,
+                    definition=definition)
 
 
 async def check_grammar(job: ChatJob, *, checker: GrammarChecker, tenant: str) -> None:
