@@ -41,8 +41,8 @@ class ToolSpec(msgspec.Struct, frozen=True):
     parameters: dict[str, Any] | None = None
     strict: bool = False
     description: str = ""
-    kind: str = "function"  # "function" | "custom"
-    syntax: str = ""  # "" | "lark" | "regex" (custom tools)
+    kind: str = "function"  # "function" | "custom" (free-form input, its `arguments`)
+    syntax: str = ""  # a custom tool's grammar: "" (any text), "lark", "regex"
     definition: str = ""
 
 

@@ -8,7 +8,8 @@ message), `response.content_part.added`, `response.output_text.delta`..., then
 for each function call, `response.output_item.added`,
 `response.function_call_arguments.delta` (one per piece as the model writes the
 arguments, when the worker streams its calls; else one with them whole) / `.done`,
-`response.output_item.done`; last
+`response.output_item.done`; a custom tool's call the same with
+`response.custom_tool_call_input.delta` / `.done`; last
 `response.completed`, `response.incomplete` (max_output_tokens reached) or
 `response.failed` (the generation failed after it began). Each is sent as
 `event: <type>` and `data: <json>`; no `[DONE]` follows (OpenAI sends none here).
@@ -17,6 +18,8 @@ arguments, when the worker streams its calls; else one with them whole) / `.done
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import orjson
@@ -25,6 +28,25 @@ from pydantic import BaseModel
 from inference.jobs import DoneEvent, ToolCall, ToolDelta
 from sluice.errors import ApiError
 from streaming import bodies
+
+
+@dataclass(frozen=True)
+class Origin:
+    """What a call's flat function name stands for: a function or a custom tool, in a
+    namespace or not (streaming/apis/responses_tools.py)."""
+
+    kind: Literal["function", "custom"]
+    name: str
+    namespace: str | None = None
+
+
+# What a call's (flat) function name stands for: a function or a custom tool, in a
+# namespace or not (streaming/apis/responses_tools.py Toolset.origin).
+Names = Callable[[str], Origin]
+
+
+def _plain(name: str) -> Origin:
+    return Origin("function", name)
 
 
 class Frames(Protocol):
@@ -53,22 +75,30 @@ def text_part(text: str) -> dict[str, Any]:
 
 
 def call_item(item_id: str, call: ToolCall, status: str = "completed",
-              arguments: str | None = None) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "status": status,
-            "call_id": call["id"], "name": call["name"],
-            "arguments": call["arguments"] if arguments is None else arguments}
+              arguments: str | None = None, names: Names = _plain) -> dict[str, Any]:
+    """A function_call item, or a custom_tool_call item (its `input`), with `namespace`
+    when the tool is in one."""
+    origin = names(call["name"])
+    text = call["arguments"] if arguments is None else arguments
+    custom = origin.kind == "custom"
+    return {"id": item_id, "type": "custom_tool_call" if custom else "function_call",
+            "status": status, "call_id": call["id"], "name": origin.name,
+            **({"namespace": origin.namespace} if origin.namespace else {}),
+            ("input" if custom else "arguments"): text}
 
 
 def _status(final: DoneEvent) -> str:
     return "incomplete" if final.get("finish") == "length" else "completed"
 
 
-def output(rid: str, text: str, final: DoneEvent) -> list[dict[str, Any]]:
+def output(rid: str, text: str, final: DoneEvent,
+           names: Names = _plain) -> list[dict[str, Any]]:
     """The output items of a finished call: its text as a message (also when it said
     nothing and called nothing), then one item per function call."""
     calls = final.get("tool_calls") or []
     items = [message_item(f"msg_{rid}", text, _status(final))] if text or not calls else []
-    return items + [call_item(f"fc_{rid}_{k}", call) for k, call in enumerate(calls)]
+    return items + [call_item(f"fc_{rid}_{k}", call, names=names)
+                    for k, call in enumerate(calls)]
 
 
 def finished(head: dict[str, Any], items: list[dict[str, Any]],
@@ -102,8 +132,9 @@ class EventStream:
     Events are queued on `out` (KeepAlive.add): the caller flushes them once per
     worker event and sends what is left with the stream's last message."""
 
-    def __init__(self, out: Frames, head: dict[str, Any], rid: str) -> None:
-        self.out, self.head, self.rid = out, head, rid
+    def __init__(self, out: Frames, head: dict[str, Any], rid: str,
+                 names: Names = _plain) -> None:
+        self.out, self.head, self.rid, self.names = out, head, rid, names
         self.seq = 0
         self.parts: list[str] = []
         self.message_open = False
@@ -168,12 +199,20 @@ class EventStream:
                                   "arguments": ""}
                 self.emit("response.output_item.added", {
                     "output_index": self._where(k)["output_index"],
-                    "item": call_item(self._where(k)["item_id"], call, "in_progress")})
+                    "item": call_item(self._where(k)["item_id"], call, "in_progress",
+                                      names=self.names)})
             if piece["arguments"] and k < len(self.streamed):
                 first, sent = self.streamed[k]
                 self.streamed[k] = (first, sent + piece["arguments"])
-                self.emit("response.function_call_arguments.delta",
-                                {**self._where(k), "delta": piece["arguments"]})
+                self.emit(self._event(first["name"], "delta"),
+                          {**self._where(k), "delta": piece["arguments"]})
+
+    def _event(self, name: str, which: str) -> str:
+        """A call's delta / done event type: a function's arguments, a custom tool's
+        input."""
+        return (f"response.custom_tool_call_input.{which}"
+                if self.names(name).kind == "custom"
+                else f"response.function_call_arguments.{which}")
 
     def end(self, final: DoneEvent) -> dict[str, Any]:
         """Close the call's output after its final event; the response object."""
@@ -190,19 +229,26 @@ class EventStream:
             if sent is None:
                 self.emit("response.output_item.added", {
                     "output_index": index,
-                    "item": call_item(item_id, call, "in_progress", arguments="")})
+                    "item": call_item(item_id, call, "in_progress", arguments="",
+                                      names=self.names)})
                 sent = ""
             if len(call["arguments"]) > len(sent) and call["arguments"].startswith(sent):
-                self.emit("response.function_call_arguments.delta",
-                                {**where, "delta": call["arguments"][len(sent):]})
-            self.emit("response.function_call_arguments.done",
-                            {**where, "name": call["name"], "arguments": call["arguments"]})
-            item = call_item(item_id, call)
+                self.emit(self._event(call["name"], "delta"),
+                          {**where, "delta": call["arguments"][len(sent):]})
+            if self.names(call["name"]).kind == "custom":
+                self.emit(self._event(call["name"], "done"),
+                          {**where, "input": call["arguments"]})
+            else:
+                self.emit(self._event(call["name"], "done"),
+                          {**where, "name": self.names(call["name"]).name,
+                           "arguments": call["arguments"]})
+            item = call_item(item_id, call, names=self.names)
             self.emit("response.output_item.done", {"output_index": index, "item": item})
             self.items.append(item)
         for first, sent in streamed[len(calls):]:  # cut short (the reply's length)
             call = {"id": first.get("id", ""), "name": first["name"], "arguments": sent}
-            item = call_item(f"fc_{self.rid}_{first['index']}", call, "incomplete")
+            item = call_item(f"fc_{self.rid}_{first['index']}", call, "incomplete",
+                             names=self.names)
             self.emit("response.output_item.done", {"output_index": len(self.items),
                                                           "item": item})
             self.items.append(item)
@@ -243,7 +289,18 @@ class ResponsesFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     call_id: str
     name: str
+    namespace: str | None = None
     arguments: str  # JSON text
+
+
+class ResponsesCustomToolCall(BaseModel):
+    id: str
+    type: Literal["custom_tool_call"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    namespace: str | None = None
+    input: str
 
 
 class ResponsesUsage(BaseModel):
@@ -266,7 +323,7 @@ class ResponseObject(BaseModel):
     max_output_tokens: int | None
     metadata: dict[str, str]
     model: str
-    output: list[ResponsesOutputMessage | ResponsesFunctionCall]
+    output: list[ResponsesOutputMessage | ResponsesFunctionCall | ResponsesCustomToolCall]
     parallel_tool_calls: bool
     previous_response_id: str | None
     store: bool

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    ValidationError,
+)
 
 from sluice.errors import BadRequest
 from sluice.schemas import Line
@@ -29,9 +36,21 @@ class ChatMessage(BaseModel):
 
 class FunctionDef(_Strict):
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    # Agent CLIs describe tools at length (Codex's spawn_agent: 5,989 characters).
+    description: Annotated[str, StringConstraints(max_length=32768)] | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    # A custom tool (the Responses API's): free-form input, constrained by a grammar
+    # when its syntax ("lark" | "regex") is set. Set by a codec, never from the wire.
+    _custom: tuple[str, str] | None = PrivateAttr(default=None)
+
+    def mark_custom(self, syntax: str = "", definition: str = "") -> None:
+        self._custom = (syntax, definition)
+
+    @property
+    def custom(self) -> tuple[str, str] | None:
+        """(syntax, definition) of a custom tool; None for a function."""
+        return self._custom
 
 
 class ToolDef(_Strict):

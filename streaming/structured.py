@@ -23,7 +23,7 @@ from inference.grammar_check import (
 )
 from inference.jobs import ChatJob, ResponseFormat, ToolSpec
 from sluice.errors import BadRequest, Unavailable
-from streaming.schemas import ChatCompletionRequest, NamedToolChoice
+from streaming.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
 
 
 def tool_prompt(tools: list[ToolSpec], *, parallel: bool) -> list[dict[str, str]]:
@@ -112,14 +112,21 @@ def structured_body(req: ChatCompletionRequest) -> ChatJob:
             raise BadRequest(f"tool_choice names '{wanted}', which is not among the tools.",
                              param="tool_choice")
         job = ChatJob(response_format=response_format, tools=[
-            ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict),
-                     t.function.description or "")
-            for t in req.tools], tool_choice=wanted,
+            _spec(t) for t in req.tools], tool_choice=wanted,
             parallel_tool_calls=req.parallel_tool_calls is not False)
     if job.constrained:
         with _refused():
             precheck(PlanRequest.of(job))
     return job
+
+
+def _spec(tool: ToolDef) -> ToolSpec:
+    f = tool.function
+    if f.custom is None:
+        return ToolSpec(f.name, f.parameters, bool(f.strict), f.description or "")
+    syntax, definition = f.custom
+    return ToolSpec(f.name, None, False, f.description or "", kind="custom", syntax=syntax,
+                    definition=definition)
 
 
 async def check_grammar(job: ChatJob, *, checker: GrammarChecker, tenant: str) -> None:

@@ -1,9 +1,11 @@
 """The OpenAI Responses API: `POST /v1/responses`, a codec over the gateway's chat call.
 
 The request (`input` as text or items: messages, `function_call`,
-`function_call_output`; `instructions`; function `tools` in Responses' flat shape;
-`tool_choice`; `text.format`; sampling; `max_output_tokens`) becomes the gateway's
-ChatCompletionRequest, so it gets the same governance, quotas, audit (action
+`function_call_output`, `custom_tool_call`, `custom_tool_call_output`,
+`additional_tools`; `instructions`; function, custom and namespace `tools`
+(streaming/apis/responses_tools.py); `tool_choice`; `text.format`; sampling;
+`max_output_tokens`; streaming/apis/responses_input.py reads the items) becomes the
+gateway's ChatCompletionRequest, so it gets the same governance, quotas, audit (action
 "responses"), metrics and structured generation as chat. With `previous_response_id`
 the call starts from that stored response's chain (streaming/responses_store.py; its
 instructions are not carried over, as OpenAI does). With `store` (the default) the reply
@@ -25,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from secrets import token_hex
 from typing import Annotated, Any, Literal
 
 from django.conf import settings
@@ -36,10 +37,12 @@ from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
 from streaming import bodies, responses_copy
 from streaming.apis import Api, Context, hosted, register
+from streaming.apis.responses_input import chat_messages, given_tools, input_items, invalid
+from streaming.apis.responses_tools import OWN_TOOLS, ResponsesToolChoice, Tool, Toolset
 from streaming.gateway import error_from_event
 from streaming.httpio import KeepAlive, send_json
 from streaming.responses_store import response_context, response_keep, response_save
-from streaming.responses_wire import EventStream, finished, output
+from streaming.responses_wire import EventStream, Names, finished, output
 from streaming.schemas import ChatCompletionRequest, ClientHints, Effort, ModelName, Verbosity
 from streaming.submitted import Submitted
 
@@ -48,34 +51,10 @@ MAX_ITEMS = 4096
 # `metadata`'s 512 characters, room for five times what Codex sends per turn (751)
 # while a request's metadata stays under 66 KB.
 CLIENT_METADATA_KEYS, CLIENT_METADATA_KEY, CLIENT_METADATA_VALUE = 16, 64, 4096
-Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class _Item(BaseModel):
-    # Items the SDKs send back are our own output items, with fields of ours (ids,
-    # status, annotations) and sometimes of theirs: only what a turn needs is read.
-    model_config = ConfigDict(extra="ignore")
-
-
-class ResponsesFunctionTool(_Strict):
-    type: Literal["function"]
-    name: Name
-    description: Annotated[str, StringConstraints(max_length=4096)] | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-# The tool types served here; any other is a hosted tool (streaming/apis/hosted.py).
-OWN_TOOLS = frozenset({"function"})
-
-
-class ResponsesFunctionChoice(_Strict):
-    type: Literal["function"]
-    name: str
 
 
 class ResponsesTextFormat(_Strict):
@@ -99,6 +78,7 @@ class ResponsesReasoning(_Strict):
     effort: Effort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # older name
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
 
 
 class ResponsesStreamOptions(_Strict):
@@ -109,8 +89,8 @@ class ResponsesRequest(ClientHints):
     model: ModelName
     input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS)]
     instructions: str | None = None
-    tools: Annotated[list[ResponsesFunctionTool], Field(max_length=128)] | None = None
-    tool_choice: Literal["auto", "none", "required"] | ResponsesFunctionChoice | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ResponsesToolChoice | None = None
     text: ResponsesText | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -141,104 +121,6 @@ class ResponsesRequest(ClientHints):
         Field(max_length=CLIENT_METADATA_KEYS)] | None = None
 
 
-# -- input items -------------------------------------------------------------------------
-class _Message(_Item):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[dict[str, Any]]
-
-
-class _FunctionCall(_Item):
-    type: Literal["function_call"]
-    call_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
-    name: Name
-    arguments: str
-
-
-class _FunctionCallOutput(_Item):
-    type: Literal["function_call_output"]
-    call_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
-    output: str | list[dict[str, Any]]
-
-
-_ITEMS: dict[str, type[_Item]] = {"message": _Message, "function_call": _FunctionCall,
-                                  "function_call_output": _FunctionCallOutput}
-_TEXT_PARTS = ("input_text", "output_text")
-
-
-def _texts(parts: str | list[dict[str, Any]], where: str) -> list[str]:
-    """The text of a content list (input_text / output_text parts); anything else is a
-    400 naming the part."""
-    if isinstance(parts, str):
-        return [parts]
-    texts = []
-    for j, part in enumerate(parts):
-        kind = part.get("type")
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise BadRequest(f"Content parts of type {str(kind)[:40]!r} are not supported; "
-                             "send input_text parts.", param=f"{where}[{j}]",
-                             code="unsupported_value")
-        texts.append(part["text"])
-    return texts
-
-
-def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's input as stored items, each with an id of its own: messages with
-    text parts, function calls, function call outputs."""
-    if isinstance(given, str):
-        given = [{"role": "user", "content": given}]
-    items = []
-    for i, raw in enumerate(given):
-        kind = raw.get("type", "message")
-        model = _ITEMS.get(kind) if isinstance(kind, str) else None
-        if model is None:
-            raise BadRequest(f"Input items of type {str(kind)[:40]!r} are not supported.",
-                             param=f"input[{i}].type", code="unsupported_value")
-        try:
-            item = model.model_validate(raw)
-        except ValidationError as exc:
-            raise invalid(exc, f"input[{i}]") from None
-        if isinstance(item, _Message):
-            texts = _texts(item.content, f"input[{i}].content")
-            part = "output_text" if item.role == "assistant" else "input_text"
-            items.append({"id": f"msg_{token_hex(12)}", "type": "message", "role": item.role,
-                          "status": "completed", "content": [
-                              {"type": part, "text": t, **({"annotations": []}
-                                                           if item.role == "assistant" else {})}
-                              for t in texts]})
-        elif isinstance(item, _FunctionCall):
-            items.append({"id": f"fc_{token_hex(12)}", "type": "function_call",
-                          "status": "completed", "call_id": item.call_id, "name": item.name,
-                          "arguments": item.arguments})
-        elif isinstance(item, _FunctionCallOutput):
-            text = "".join(_texts(item.output, f"input[{i}].output"))
-            items.append({"id": f"fco_{token_hex(12)}", "type": "function_call_output",
-                          "status": "completed", "call_id": item.call_id, "output": text})
-    return items
-
-
-def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Items as chat messages: a function call joins the assistant message before it
-    (as chat's tool_calls), an output is a tool message."""
-    out: list[dict[str, Any]] = []
-    for item in items:
-        kind = item.get("type")
-        if kind == "message":
-            out.append({"role": item["role"],
-                        "content": "".join(p.get("text", "") for p in item["content"])})
-        elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": item["output"]})
-    return out
-
-
 def droppable(conversation: list[dict[str, Any]], truncation: str | None
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """With `truncation` "auto": the conversation's messages before its last user
@@ -253,7 +135,6 @@ def droppable(conversation: list[dict[str, Any]], truncation: str | None
 
 
 # -- errors in the Responses API's names ---------------------------------------------------
-_TAG = re.compile(r"^[a-z]+\[|^[A-Z]|^(str|int|float|bool|dict|list|none)$")
 # Chat's parameter names, as the Responses API calls them (the first match wins).
 _RENAMES = [(re.compile(p), r) for p, r in (
     (r"\bresponse_format\.json_schema\b", "text.format"),
@@ -262,30 +143,6 @@ _RENAMES = [(re.compile(p), r) for p, r in (
     (r"\bmax_completion_tokens\b|\bmax_tokens\b", "max_output_tokens"),
     (r"\bmessages\b", "input"),
 )]
-
-
-def _param(loc: tuple[Any, ...], prefix: str = "") -> str:
-    out = prefix
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not _TAG.match(str(part)):  # a union member's tag, not a field
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def invalid(exc: ValidationError, prefix: str = "") -> BadRequest:
-    """A validation error as OpenAI words it, naming the field."""
-    first = exc.errors()[0]
-    param = _param(tuple(first.get("loc", ())), prefix) or None
-    if first.get("type") == "extra_forbidden":
-        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param,
-                          code="unknown_parameter")
-    if first.get("type") == "missing":
-        return BadRequest(f"Missing required parameter: '{param}'.", param=param,
-                          code="missing_required_parameter")
-    return BadRequest(f"Invalid value for '{param}': {first.get('msg')}", param=param,
-                      code="invalid_value")
 
 
 def renamed(exc: ApiError) -> ApiError:
@@ -298,26 +155,29 @@ def renamed(exc: ApiError) -> ApiError:
 
 
 # -- the call -----------------------------------------------------------------------------
-def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
+                 tools: Toolset) -> ChatCompletionRequest:
     fmt = req.text.format if req.text else None
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "stream": req.stream,
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
         "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls, "user": req.user,
-        "tools": [{"type": "function", "function": t.model_dump(exclude={"type"},
-                                                                  exclude_none=True)}
-                  for t in req.tools] if req.tools else None,
-        "tool_choice": {"type": "function", "function": {"name": req.tool_choice.name}}
-        if isinstance(req.tool_choice, ResponsesFunctionChoice) else req.tool_choice,
+        "tools": tools.functions or None,
+        "tool_choice": {"type": "function", "function": {"name": tools.choice(req.tool_choice)}}
+        if isinstance(req.tool_choice, ResponsesToolChoice) else req.tool_choice,
         "response_format": None if fmt is None else {"type": fmt.type} if fmt.type != "json_schema"
         else {"type": "json_schema", "json_schema": fmt.model_dump(
             exclude={"type"}, exclude_none=True, by_alias=True)},
     }
     try:
-        return ChatCompletionRequest.model_validate(
+        chat = ChatCompletionRequest.model_validate(
             {k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         raise renamed(invalid(exc)) from None
+    for tool in chat.tools or []:
+        if (custom := tools.custom.get(tool.function.name)) is not None:
+            tool.function.mark_custom(*custom)
+    return chat
 
 
 def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
@@ -341,9 +201,9 @@ def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
         "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt
                  else {"type": "text"},
                  "verbosity": req.text.verbosity if req.text else None},
-        "tool_choice": choice.model_dump() if isinstance(choice, BaseModel)
+        "tool_choice": choice.model_dump(exclude_none=True) if isinstance(choice, BaseModel)
         else choice or "auto",
-        "tools": [t.model_dump() for t in req.tools or []],
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": req.truncation or "disabled",
         "usage": None, "user": req.user,
@@ -364,6 +224,10 @@ class ResponsesApi(Api):
         call.model = req.model
         call.protocol = "sse" if req.stream else "rest"
         items = input_items(req.input)
+        try:
+            toolset = given_tools(req.tools, req.input)
+        except ApiError as exc:
+            raise tools.renumbered(exc) from None
         before = (await async_db(response_context)(actor=ctx.principal,
                                                    response_id=req.previous_response_id)
                   if req.previous_response_id else [])
@@ -371,7 +235,7 @@ class ResponsesApi(Api):
         conversation = chat_messages([*before, *items])
         earlier, conversation = droppable(conversation, req.truncation)
         try:
-            chat = chat_request(req, system + conversation)
+            chat = chat_request(req, system + conversation, toolset)
         except ApiError as exc:
             raise tools.renumbered(exc) from None
         base = head(req, "")  # the request's fields; its id is the last attempt's
@@ -386,23 +250,24 @@ class ResponsesApi(Api):
             raise tools.renumbered(renamed(exc)) from None
         async with call.watching(ctx.receive, resumable=False):
             if req.stream:
-                await self._stream(ctx, sub, req, base, items)
+                await self._stream(ctx, sub, req, base, items, toolset.origin)
             else:
-                await self._complete(ctx, sub, req, base, items)
+                await self._complete(ctx, sub, req, base, items, toolset.origin)
 
     async def _complete(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
-                        base: dict[str, Any], items: list[dict[str, Any]]) -> None:
+                        base: dict[str, Any], items: list[dict[str, Any]],
+                        names: Names) -> None:
         text, final = await bodies.whole_reply(sub)
         rid = sub.handle.rid
-        body = finished({**base, "id": f"resp_{rid}"}, output(rid, text, final), final)
+        body = finished({**base, "id": f"resp_{rid}"}, output(rid, text, final, names), final)
         if req.store and "kept_at" not in final:  # before the caller sees it: its next
             await response_save(actor=ctx.principal, body=body,  # call must find it
                                 input_items=items, scripts=ctx.call.gateway.client.scripts)
         await send_json(ctx.send, 200, body, sub.headers)
 
     async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
-                      base: dict[str, Any], items: list[dict[str, Any]]) -> None:
-
+                      base: dict[str, Any], items: list[dict[str, Any]],
+                      names: Names) -> None:
         async with contextlib.aclosing(sub.events()) as events:
             first = await anext(events)  # an error before any output is a plain HTTP error
             if first["t"] == "error":
@@ -416,7 +281,7 @@ class ResponsesApi(Api):
                 (b"x-request-id", rid.encode()),
                 *((k.lower().encode(), v.encode()) for k, v in sub.headers.items())]})
             out = KeepAlive(ctx.send, settings.SLUICE_SSE_HEARTBEAT_S)
-            stream = EventStream(out, {**base, "id": f"resp_{rid}"}, rid)
+            stream = EventStream(out, {**base, "id": f"resp_{rid}"}, rid, names)
             try:
                 stream.start()
                 event: Event | None = first
