@@ -124,8 +124,9 @@ class InputProcessor:
 
     def constraint(self, job: ChatJob, budget: int) -> Constraint | None:
         """The grammar of a request with tools or a response format (None without);
-        a runtime without a tokenizer (echo) refuses them, as does a schema that cannot
-        be enforced (the gateway checked it too: this is a worker's own guard)."""
+        a runtime without a tokenizer (echo) refuses them, except tools under "auto"
+        (which lets a model answer in text, the only answer it has), as does a schema
+        that cannot be enforced (the gateway checked it too: a worker's own guard)."""
         if not job.constrained:
             return None
         tools = bool(job.tools)
@@ -135,6 +136,8 @@ class InputProcessor:
         code = "invalid_tool_schema" if tools else "invalid_response_format"
         runtime = self.runtime
         if not isinstance(runtime, TorchModel):
+            if tools and job.tool_choice == "auto" and job.response_format is None:
+                return None
             what = "call tools" if tools else "write structured outputs (response_format)"
             raise RequestError(400, "tools_not_supported" if tools else
                                "response_format_not_supported",

@@ -1,6 +1,8 @@
 """The echo runtime: no model, no compute. It answers with the prompt's own tokens (the
 last user message, as UTF-8 bytes) at a configurable per-token delay. For gateway and
-queue benchmarks only: it measures everything around a model, never a model."""
+queue benchmarks only: it measures everything around a model, never a model. Offered
+tools under `tool_choice` "auto" it answers in text (it never calls one); a forced call
+or a response format is refused (inference/engine/inputs.py)."""
 
 from __future__ import annotations
 

@@ -186,7 +186,10 @@ def test_the_input_processor_refuses_what_cannot_run_and_counts_a_prompt() -> No
     assert refused(chat("y" * 20)).code == "context_length_exceeded"
     assert refused(ChatJob()).code == "invalid_request"
     tools = [{"name": "f", "parameters": {"type": "object"}}]
-    assert refused(chat("hi", tools=tools)).code == "tools_not_supported"
+    assert refused(chat("hi", tools=tools, tool_choice="required")).code == \
+        "tools_not_supported"
+    # offered tools under "auto", it answers in text
+    assert inputs.prepare(Pending("t:0", "1-1", request(chat("hi", tools=tools)))).row
     counted = inputs.prepare(Pending("t:0", "1-1", request(chat("y" * 20, count_only=True))))
     assert counted.count_only and counted.row.prompt_tokens == 20
 
