@@ -56,7 +56,9 @@ agent_clis() {
     # The pinned Codex CLI and Claude Code for tests/streaming/test_agent_clis.py, into a
     # cache outside the checkout and /tmp (tests/streaming/agent_clis.py says why).
     if command -v npm >/dev/null 2>&1; then
-        "$VENV/bin/python" -m tests.streaming.agent_clis
+        # A failed install does not stop the suite: the tests skip (fail under CI=true).
+        "$VENV/bin/python" -m tests.streaming.agent_clis ||
+            echo "sluice: the agent CLIs could not be installed: their tests will skip" >&2
     else
         echo "sluice: no Node/npm: the agent CLI tests will be skipped" >&2
     fi
