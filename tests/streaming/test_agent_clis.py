@@ -25,12 +25,17 @@ from governance import audit
 from governance.models import AuditEvent
 from inference import cache as registry_cache
 from inference.models import Deployment
+from inference.selectors import clear_routes
+from inference.services import alias_create, deployment_create
+from inference.spec import MaxTokensPolicy
+from inference.upstream.worker import UpstreamWorker
 from inference.worker import Worker
+from sluice.localinfra import free_port
 from sluice.redis import sync_client
 from streaming.apis.messages import AnthropicMessagesRequest, offered, parse, to_chat
 from streaming.max_tokens_policy import CLAMPED_HEADER
 from tenants.roles import Role
-from tests.conftest import Org, eventually, make_org
+from tests.conftest import Org, eventually, make_org, principal_for
 from tests.streaming import agent_clis
 from tests.streaming.conftest import Live, _tiny_worker
 
@@ -198,21 +203,61 @@ def test_a_turns_output_config_outside_a_system_message_is_refused(
 # ------------------------------------------------ the real CLIs
 
 
-def test_claude_code_says_hello(live: Live, org: Org, long_echo: str,
+@pytest.fixture
+def fallback_alias(live: Live, long_echo: str, settings: Any) -> Iterator[str]:
+    """The alias `agents`: first an upstream deployment whose server is down (each call a
+    retriable 503 before any text), then `long_echo` as its fallback; clamping. A CLI's
+    every call is answered by the fallback, as after a model switch."""
+    settings.SLUICE_UPSTREAM_ALLOW_PRIVATE = True
+    admin = principal_for(make_org("ops", [Role.PLATFORM_ADMIN]).members[Role.PLATFORM_ADMIN])
+    down = deployment_create(actor=admin, name="up-down", runtime="openai_upstream",
+                             upstream_url=f"http://127.0.0.1:{free_port()}/v1",
+                             upstream_model="m", max_context=262_144,
+                             max_tokens_policy="clamp")
+    worker = UpstreamWorker(down.to_spec(), sync_client(settings.REDIS_URL), private_ok=True,
+                            block_ms=200)
+    thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
+    thread.start()
+    alias_create(actor=admin, name="agents", targets=[("up-down", 1)], fallbacks=[long_echo],
+                 max_tokens_policy=MaxTokensPolicy.CLAMP)
+    clear_routes()
+    yield "agents"
+    worker.stopping.set()
+    thread.join(15)
+
+
+MODELS = ["long_echo", "fallback_alias"]
+
+
+def _answered_by_the_fallback(org: Org) -> None:
+    rows = AuditEvent.objects.filter(tenant=org.tenant).exclude(model="")
+    assert rows and all(r.model == "echo-long" and
+                        r.detail.get("failed_attempts", "").startswith("up-down")
+                        for r in rows), [(r.model, r.detail) for r in rows]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_claude_code_says_hello(live: Live, org: Org, model: str,
+                                request: pytest.FixtureRequest,
                                 agent_cli: Callable[[str], Path], tmp_path: Path) -> None:
     claude = agent_cli("claude")
+    name = request.getfixturevalue(model)
     home, work = _session(tmp_path)
     env = agent_clis.quiet_env(home, live.base_url.removesuffix("/v1"),
                                org.keys[Role.DEVELOPER])
-    done = agent_clis.run([str(claude), "-p", "--model", long_echo, "Say hello"],
+    done = agent_clis.run([str(claude), "-p", "--model", name, "Say hello"],
                           cwd=work, env=env, timeout=CLI_TIMEOUT_S)
     _all_audited_ok(org, "messages")
     _ran(done)
+    if model == "fallback_alias":  # each call was the fallback's, after a failed attempt
+        _answered_by_the_fallback(org)
 
 
-def test_codex_says_hello(live: Live, org: Org, long_echo: str,
+@pytest.mark.parametrize("model", MODELS)
+def test_codex_says_hello(live: Live, org: Org, model: str, request: pytest.FixtureRequest,
                           agent_cli: Callable[[str], Path], tmp_path: Path) -> None:
     codex = agent_cli("codex")
+    name = request.getfixturevalue(model)
     home, work = _session(tmp_path)
     (home / ".codex").mkdir()
     (home / ".codex" / "config.toml").write_text(agent_clis.codex_config(live.base_url))
@@ -220,7 +265,9 @@ def test_codex_says_hello(live: Live, org: Org, long_echo: str,
                                org.keys[Role.DEVELOPER])
     done = agent_clis.run([str(codex), "exec", "--skip-git-repo-check", "--sandbox",
                            "read-only", "--color", "never", "-C", str(work),
-                           "--model", long_echo, "Say hello"],
+                           "--model", name, "Say hello"],
                           cwd=work, env=env, timeout=CLI_TIMEOUT_S)
     _all_audited_ok(org, "responses")
     _ran(done)
+    if model == "fallback_alias":  # each call was the fallback's, after a failed attempt
+        _answered_by_the_fallback(org)
