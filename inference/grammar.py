@@ -92,13 +92,18 @@ def json_object_grammar() -> str:
 def job_plan(job: ChatJob) -> Plan | None:
     """The constraint of a chat job's reply (`plan` of its tools, tool choice and
     response format)."""
+    return plan(**plan_args(job))
+
+
+def plan_args(job: ChatJob) -> dict[str, Any]:
+    """`plan`'s arguments for a chat job: its tools, tool choice and response format."""
     fmt = job.response_format
-    return plan(tools=[Tool(t.name, t.parameters or {}, t.strict, t.kind, t.syntax,
-                            t.definition) for t in job.tools],
-                choice=job.tool_choice, parallel=job.parallel_tool_calls,
-                response_format=None if fmt is None else
-                {"type": "json_object"} if fmt.type == "json_object" else
-                {"schema": fmt.schema, "strict": fmt.strict})
+    return {"tools": [Tool(t.name, t.parameters or {}, t.strict, t.kind, t.syntax,
+                           t.definition) for t in job.tools],
+            "choice": job.tool_choice, "parallel": job.parallel_tool_calls,
+            "response_format": None if fmt is None else
+            {"type": "json_object"} if fmt.type == "json_object" else
+            {"schema": fmt.schema, "strict": fmt.strict}}
 
 
 def plan(*, tools: Sequence[Tool] = (), choice: str = "auto", parallel: bool = True,

@@ -42,7 +42,7 @@ from typing import Any
 
 import msgspec
 
-from inference.grammar import MAX_SCHEMA_BYTES, GrammarError, Tool, plan
+from inference.grammar import MAX_SCHEMA_BYTES, GrammarError, Tool, plan, plan_args
 from inference.jobs import ChatJob
 
 MAX_TOTAL_SCHEMA_BYTES = 256 * 1024  # every tool's parameters and the response format
@@ -73,13 +73,7 @@ class PlanRequest(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, job: ChatJob) -> PlanRequest:
-        fmt = job.response_format
-        return cls(tools=[Tool(t.name, t.parameters or {}, t.strict, t.kind, t.syntax,
-                                t.definition) for t in job.tools],
-                   choice=job.tool_choice, parallel=job.parallel_tool_calls,
-                   response_format=None if fmt is None else
-                   {"type": "json_object"} if fmt.type == "json_object" else
-                   {"schema": fmt.schema, "strict": fmt.strict})
+        return cls(**plan_args(job))
 
     def compile(self) -> None:
         """Compile as the worker will (grammar.plan); GrammarError names what fails."""

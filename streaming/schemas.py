@@ -3,6 +3,7 @@ OpenAI does ("Unrecognized request argument supplied")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -163,10 +164,14 @@ def parse(model: type[_Model], data: Any) -> _Model:
         raise validation_error(exc) from None
 
 
-def validation_error(exc: ValidationError) -> BadRequest:
-    """A request body's first validation error as OpenAI words it."""
+def validation_error(exc: ValidationError,
+                     param_of: Callable[[tuple[Any, ...]], str] | None = None) -> BadRequest:
+    """A request body's first validation error as OpenAI words it; `param_of` names the
+    field from the error's location (default: its parts joined with dots)."""
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    loc = tuple(first.get("loc", ()))
+    param = (param_of(loc) if param_of is not None else ".".join(str(p) for p in loc)) \
+        or None
     if first.get("type") == "extra_forbidden":
         return BadRequest(f"Unrecognized request argument supplied: {param}", param=param,
                           code="unknown_parameter")

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
 
 from sluice.errors import BadRequest
 from streaming.apis.responses_tools import AdditionalTools, Name, Toolset, flat_name
+from streaming.schemas import validation_error
 
 
 class _Item(BaseModel):
@@ -166,14 +167,6 @@ def _param(loc: tuple[Any, ...], prefix: str = "") -> str:
 
 
 def invalid(exc: ValidationError, prefix: str = "") -> BadRequest:
-    """A validation error as OpenAI words it, naming the field."""
-    first = exc.errors()[0]
-    param = _param(tuple(first.get("loc", ())), prefix) or None
-    if first.get("type") == "extra_forbidden":
-        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param,
-                          code="unknown_parameter")
-    if first.get("type") == "missing":
-        return BadRequest(f"Missing required parameter: '{param}'.", param=param,
-                          code="missing_required_parameter")
-    return BadRequest(f"Invalid value for '{param}': {first.get('msg')}", param=param,
-                      code="invalid_value")
+    """A validation error as OpenAI words it, naming the field as the Responses API
+    does (`input[2].content`, a union member's tag left out)."""
+    return validation_error(exc, lambda loc: _param(loc, prefix))
