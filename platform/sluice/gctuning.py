@@ -5,7 +5,7 @@ only has to find the cycles (asyncio futures and tasks, exceptions with tracebac
 default it runs after every 700 net container allocations and, every tenth or
 hundredth run, walks every object the process holds: Django, the app's modules, caches,
 a model's weights. Under load that was 15-18% of a gateway process's CPU
-(tests/bench/bench_cpu.py; docs/BENCHMARKS.md, "fourth pass").
+(tests/bench/bench_cpu.py; docs/BENCHMARKS.md, "CPU per call, by process").
 
 `tune()` runs once a process has started up:
 - `gc.freeze()` moves everything start-up made into a permanent generation that

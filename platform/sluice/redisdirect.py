@@ -198,7 +198,7 @@ class Coalescer:
     to one). With one batch at a time, every call that arrived meanwhile waited for the
     batch's reply and then for the next batch's whole round trip, and at 64 concurrent
     calls that wait was most of a call's latency while the gateway sat idle (see
-    docs/BENCHMARKS.md, "eighth pass"). Calls of one turn that find every connection
+    docs/BENCHMARKS.md, "CPU per call, by process"). Calls of one turn that find every connection
     busy leave together when the first one comes back. On a cluster, each node has its
     own connections and batches (a script goes to the node of its first key's slot).
 

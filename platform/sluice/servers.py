@@ -2,7 +2,7 @@
 run command and the benchmarks.
 
 uvicorn (httptools, uvloop) is the default. In tests/bench/bench_servers.py (interleaved
-rounds; docs/BENCHMARKS.md, "ASGI server: back to uvicorn") granian serves a bare app
+rounds; docs/BENCHMARKS.md, "ASGI server choice") granian serves a bare app
 faster, but behind Sluice's pipeline the two are even at 64 connections, uvicorn answers
 a lone request sooner (p50 0.4-2 ms less) and holds an idle SSE stream in about half
 the memory; granian keeps a lower p99 when one process fans out to 10,000 SSE streams,
@@ -15,7 +15,7 @@ connections: it ran ~70% of a core and slept the rest while its calls were with 
 the model worker or the audit writer, which run as processes of their own. Two kept the
 cores busy and served 37-47% more governed calls at a 30% lower p50, with less CPU per
 call (`tests/bench/bench_cpu.py --workers 1|2`, alternating; docs/BENCHMARKS.md,
-"eighth pass"). Larger machines were not measured: the cap keeps cores for the model
+"CPU per call, by process"). Larger machines were not measured: the cap keeps cores for the model
 workers.
 
 TLS and HTTP/2 (docs/TLS.md): granian is the one of the three that speaks HTTP/2 (h2 by
