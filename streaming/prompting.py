@@ -6,12 +6,11 @@ tokenizer, and a lower one (a prompt no tokenizer could fit is refused untokeniz
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
 
-from inference.grammar import TOOL_MARKER
+from inference.grammar import TOOL_MARKER, call_text
 from inference.jobs import ChatJob, Message, MessageToolCall
 from inference.spec import DeploymentSpec
 from sluice.errors import BadRequest
@@ -88,14 +87,16 @@ def _tool_calls(calls: Any, where: str) -> list[MessageToolCall]:
     return out
 
 
-def rendered(message: Message) -> dict[str, str]:
+def rendered(message: Message, custom: frozenset[str] = frozenset()) -> dict[str, str]:
     """A message as our own models read it: role and text, tool traffic written the
-    way the tool prompt tells the model to write it."""
+    way the tool prompt tells the model to write it (a call of a tool named in
+    `custom` with its raw input, as a custom tool's)."""
     content = message["content"]
     if message["role"] == "assistant" and "tool_calls" in message:
         content += "".join(
-            f'{TOOL_MARKER}{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
-            f'{c["function"]["arguments"]}}}' for c in message["tool_calls"])
+            TOOL_MARKER + call_text(c["function"]["name"], c["function"]["arguments"],
+                                    custom=c["function"]["name"] in custom)
+            for c in message["tool_calls"])
     elif message["role"] == "tool":
         content = f"[result of {message.get('tool_call_id', 'the call')}] {content}"
     return {"role": message["role"], "content": content}
@@ -112,7 +113,8 @@ def chat_job(req: ChatCompletionRequest) -> tuple[ChatJob, list[dict[str, str]]]
     turn its conversation keeps (the caller's messages as that text). An upstream
     deployment's job takes `native_messages` instead."""
     structured = structured_body(req)
-    turn = [rendered(m) for m in native_messages(req)]
+    custom = frozenset(t.function.name for t in req.tools or () if t.function.custom is not None)
+    turn = [rendered(m, custom) for m in native_messages(req)]
     if structured.tools and req.tools:
         turn_and_prompt = [*tool_prompt(structured.tools,
                                        parallel=structured.parallel_tool_calls),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any, cast
 
 import pytest
 from llguidance import LLMatcher, LLTokenizer
@@ -182,3 +183,14 @@ def test_the_tool_prompt_shows_how_to_call_a_custom_tool() -> None:
     assert CUSTOM_END in system["content"]
     assert json.dumps(ADD.definition) in system["content"]  # the grammar, as JSON
     assert example["content"] == f'{TOOL_MARKER}{{"name": "add"}}\nexample{CUSTOM_END}'
+
+
+def test_a_fed_back_custom_call_is_rendered_as_the_model_writes_one() -> None:
+    from streaming.prompting import rendered
+    calls = [{"id": "c1", "type": "function", "function": {"name": "run", "arguments": "ls -l"}},
+             {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    text = rendered(cast(Any, {"role": "assistant", "content": "", "tool_calls": calls}),
+                    frozenset({"run"}))["content"]
+    assert text == (f'{TOOL_MARKER}{{"name": "run"}}\nls -l{CUSTOM_END}'
+                    f'{TOOL_MARKER}{{"name": "f", "arguments": {{}}}}')
+    assert split_calls(text) == [("run", "ls -l"), ("f", "{}")]
