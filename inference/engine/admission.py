@@ -21,13 +21,11 @@ setting (`running_share`).
 
 from __future__ import annotations
 
-import os
 from collections import Counter, deque
 from collections.abc import Mapping
 from typing import Protocol
 
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
 
 from inference import queue as q
 from inference.engine.entries import Pending, expired_in_queue
@@ -37,8 +35,6 @@ from inference.engine.output import error_event
 from inference.engine.writer import Outbox
 from inference.scheduler import admit, expired, preempt, share_cap
 from inference.spec import DeploymentSpec
-
-_DEFAULT_SHARE = 0.5
 
 
 class Holding(Protocol):
@@ -50,17 +46,11 @@ class Holding(Protocol):
 
 def running_share(spec: DeploymentSpec) -> float:
     """The share of the running slots one tenant may hold while others wait: the
-    spec's, else the SLUICE_TENANT_RUNNING_SHARE setting (Django's, else the
-    environment's, for a worker started without Django settings)."""
+    spec's, else the SLUICE_TENANT_RUNNING_SHARE setting (a worker process always has
+    Django's settings: inference/worker.py main names them)."""
     if spec.tenant_running_share is not None:
         return spec.tenant_running_share
-    try:
-        configured = getattr(settings, "SLUICE_TENANT_RUNNING_SHARE", None)
-    except ImproperlyConfigured:
-        configured = None
-    if configured is not None:
-        return float(configured)
-    return float(os.environ.get("SLUICE_TENANT_RUNNING_SHARE", _DEFAULT_SHARE))
+    return float(settings.SLUICE_TENANT_RUNNING_SHARE)
 
 
 class Admission:

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
 from governance.observe import served
+from sluice.bodylimit import route_limit
 from sluice.errors import BadRequest, PayloadTooLarge, error_body
 from sluice.responses import error_response, json_response
 
@@ -38,10 +39,12 @@ class TelemetryMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """413 for a declared Content-Length above the limit, before anything reads the body.
+    """413 for a declared Content-Length above the route's limit (bodylimit.route_limit).
 
-    Chunked bodies without a length are caught later, when Django's own
-    DATA_UPLOAD_MAX_MEMORY_SIZE check raises RequestDataTooBig (mapped to 413 too).
+    Under the ASGI app the guard in front of Django (sluice.bodylimit) has refused such
+    a body before Django read it; this covers Django served any other way (WSGI, the
+    test client). Chunked bodies are caught there by Django's own
+    DATA_UPLOAD_MAX_MEMORY_SIZE check (RequestDataTooBig, mapped to 413 too).
     """
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
@@ -53,9 +56,7 @@ class BodySizeLimitMiddleware:
             length = int(raw)
         except ValueError:
             return error_response(BadRequest("Content-Length is not a number."))
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        if request.path.rstrip("/") == "/v1/files":  # uploads: the Files API's own limit
-            limit = settings.SLUICE_MAX_FILE_BYTES
+        limit = route_limit(request.path)
         if length > limit:
             return error_response(
                 PayloadTooLarge(f"Request body is {length} bytes; the limit is {limit} bytes.")
