@@ -23,7 +23,8 @@ from inference.jobs import FINAL_EVENTS, Event, Job
 from inference.spec import DeploymentSpec
 from sluice import gctuning
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable, Unprocessable
-from sluice.redis import Coalescer, DirectConnection, async_client
+from sluice.redis import async_client
+from sluice.redisdirect import Coalescer, DirectConnection
 
 logger = logging.getLogger("sluice.inference")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504

@@ -9,7 +9,7 @@ A stored response reaches Redis one of two ways:
 - put by the gateway (`put`, streaming/responses_store.py `response_save`) when the
   worker did not keep it (a failed stream's response, a continuation on another
   deployment, a reply the worker did not make whole): the row, redacted, in the call's
-  coalesced round trip (sluice.redis Coalescer), one script on a single Redis, two on
+  coalesced round trip (sluice.redisdirect Coalescer), one script on a single Redis, two on
   a cluster (the stream is in a slot of its own).
 
     sluice:{<tenant>}:response:<id>          hash: by (its creator), and row (Row as
@@ -54,7 +54,8 @@ from redis.exceptions import RedisError
 from inference import queue as q
 from inference.jobs import Keep
 from sluice.errors import store_unavailable
-from sluice.redis import Coalescer, ScriptBatch, is_cluster, sync_redis
+from sluice.redis import ScriptBatch, is_cluster, sync_redis
+from sluice.redisdirect import Coalescer
 from sluice.streamwriter import STREAMS
 from sluice.ttlcache import AsyncTTLCache
 

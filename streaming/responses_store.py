@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from governance.privacy import redactor, redactor_now
 from inference.jobs import Keep
 from sluice.errors import NotFound
-from sluice.redis import Coalescer
+from sluice.redisdirect import Coalescer
 from streaming import responses_copy
 from streaming.gateway import queue_unavailable
 from streaming.models import StoredResponse

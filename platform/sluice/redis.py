@@ -14,8 +14,7 @@ A cluster that cannot be reached at all fails as `ClusterUnavailable`, a
 redis.ConnectionError, as a single Redis that cannot be reached does (redis-py raises
 RedisClusterException there, which is not a RedisError): every caller's handling of
 Redis failing (a retriable 503, a loop that waits and retries) applies unchanged.
-DirectConnection and Coalescer (the hot path's own round trips) are in sluice.redisdirect
-and importable from here.
+DirectConnection and Coalescer (the hot path's own round trips) are in sluice.redisdirect.
 """
 
 from __future__ import annotations
@@ -399,14 +398,3 @@ class ScriptBatch:
 @functools.cache
 def sha1(source: str) -> str:
     return hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-
-
-def __getattr__(name: str) -> Any:
-    # DirectConnection and Coalescer live in sluice.redisdirect (which imports this
-    # module), importable from here as before.
-    if name in ("DirectConnection", "Coalescer", "NotSent"):
-        from sluice import redisdirect
-        return getattr(redisdirect, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-

@@ -1,4 +1,4 @@
-"""The Coalescer (platform/sluice/redis.py), which sends the gateway's admission and
+"""The Coalescer (platform/sluice/redisdirect.py), which sends the gateway's admission and
 enqueue scripts: concurrent calls' scripts leave in one write on a connection of the
 coalescer's own, a batch in flight does not hold back the next ones (up to a bound),
 errors stay with their call, and a dead or stalled connection costs one batch at most.
@@ -15,7 +15,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from sluice.redis import Coalescer
+from sluice.redisdirect import Coalescer
 from tests.conftest import RELAYED
 from tests.replycutter import ReplyCutter
 

@@ -314,7 +314,8 @@ def test_direct_round_trips_go_to_each_slots_node_and_follow_a_failover(
     failed over, a script for it and the router's read of a stream in it still get their
     answer (the redirection goes through redis-py's cluster client, which moves the next
     round trips to the new master)."""
-    from sluice.redis import Coalescer, DirectConnection, async_client
+    from sluice.redis import async_client
+    from sluice.redisdirect import Coalescer, DirectConnection
     from tests.sluice.test_redis_cluster_failover import fail_over, masters_with_replicas
 
     echo = "return {KEYS[1], ARGV[1]}"

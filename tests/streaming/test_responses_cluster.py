@@ -16,7 +16,8 @@ import pytest
 from sluice import redis as sluice_redis
 from sluice.errors import NotFound
 from sluice.localinfra import StartedCluster, start_redis_cluster
-from sluice.redis import Coalescer, async_client, sync_client
+from sluice.redis import async_client, sync_client
+from sluice.redisdirect import Coalescer
 from streaming import responses_writer
 from streaming.models import StoredResponse
 from streaming.responses_copy import STREAM, copy_key

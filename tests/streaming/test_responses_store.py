@@ -27,7 +27,8 @@ from django.test.utils import CaptureQueriesContext
 
 from sluice import streamwriter
 from sluice.errors import NotFound, PermissionDenied
-from sluice.redis import Coalescer, async_redis, sync_redis
+from sluice.redis import async_redis, sync_redis
+from sluice.redisdirect import Coalescer
 from streaming import responses_store, responses_writer
 from streaming.responses_copy import STREAM, copy_key
 from streaming.responses_store import (
