@@ -20,12 +20,14 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from governance import metrics  # noqa: E402
+from governance.cluster_metrics import ClusterCollector  # noqa: E402
 from sluice import gctuning, telemetry  # noqa: E402
 from sluice.bodylimit import BodyLimit  # noqa: E402
 from sluice.websocket_urls import websocket_urlpatterns  # noqa: E402
 from streaming.asgi import LeanApp  # noqa: E402
 
 telemetry.setup("sluice-api")
+metrics.add_collector(ClusterCollector())  # /metrics shows the cluster's state too
 lean = LeanApp()
 # Django reads a whole body before its middleware runs: the limits go in front of it.
 django_guarded = BodyLimit(django_http)

@@ -102,7 +102,7 @@ SITES: dict[tuple[str, str], Callable[[], Iterator[list[str]]]] = {
         lambda t: quota.keys_for(t, _quotas(4))),
     ("governance/live.py", "quota.PEEK_LUA"): lambda: _per_tenant(
         lambda t: quota.keys_for(t, _quotas(1))),
-    ("governance/metrics.py", "quota.PEEK_LUA"): lambda: _per_tenant(
+    ("governance/cluster_metrics.py", "quota.PEEK_LUA"): lambda: _per_tenant(
         lambda t: quota.keys_for(t, _quotas(1))),
     ("governance/live.py", "breaker.PEEK_LUA"): lambda: _per_deployment(breaker.keys),
     ("governance/recorder.py", "quota.SETTLE_LUA"): lambda: _per_tenant(
