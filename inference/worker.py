@@ -51,7 +51,7 @@ from typing import Any
 import redis
 
 from inference import queue as q
-from inference.engine.admission import Admission, running_share
+from inference.engine.admission import BatchScheduler, running_share
 from inference.engine.engine import OVERLAP_MIN_STEP_S, Engine
 from inference.engine.entries import (
     Pending,
@@ -105,10 +105,10 @@ class Worker:
         self.writer = Writer(client, spec.name, self.id)
         # An idle embedding worker waits up to max_wait_ms for a fuller batch.
         self._gather = isinstance(self.runtime, EmbeddingRuntime)
-        self.admission = Admission(self.intake, self.outbox, self.health,
-                                   max_batch_size=spec.max_batch_size,
-                                   max_deliveries=spec.max_deliveries,
-                                   share=running_share(spec))
+        self.scheduler = BatchScheduler(self.intake, self.outbox, self.health,
+                                        max_batch_size=spec.max_batch_size,
+                                        max_deliveries=spec.max_deliveries,
+                                        share=running_share(spec))
         self.preempted = 0  # running requests paused for another tenant (tests, debugging)
 
     @property
@@ -119,7 +119,7 @@ class Worker:
     @property
     def admitted(self) -> deque[list[str]]:
         """The request ids of the most recent admissions (tests and debugging)."""
-        return self.admission.admitted
+        return self.scheduler.admitted
 
     @property
     def backlog(self) -> list[Pending]:
@@ -238,10 +238,10 @@ class Worker:
     # -- admission -----------------------------------------------------------------
     def _admit(self) -> None:
         if self.inputs is not None:  # a chat runtime's rows can be paused
-            self._preempt(self.admission.preempt(self.active))
+            self._preempt(self.scheduler.preempt(self.active))
             for rid in self.output.expired_parked(q.now_ms()):
                 self.intake.take([self.output.finish_parked(rid, "deadline")])
-        chosen = self.admission.next(self.active)
+        chosen = self.scheduler.next(self.active)
         if not chosen:
             return
         if isinstance(self.runtime, EmbeddingRuntime):

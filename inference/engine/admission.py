@@ -1,7 +1,8 @@
-"""Admission: which entries of the backlog start running now, for any worker (the model
-worker, inference/worker.py, and the upstream worker, inference/upstream/worker.py).
+"""The batch scheduler: which entries of the backlog start running now, and which running
+requests give way, for any worker (the model worker, inference/worker.py, and the
+upstream worker, inference/upstream/worker.py).
 
-`Admission.next(running)` (each loop iteration, with the backlog non-empty):
+`BatchScheduler.next(running)` (each loop iteration, with the backlog non-empty):
 - answers the entries whose deadline passed in the queue (an `expired_in_queue` final
   in the outbox; they leave the backlog);
 - asks the scheduler (inference/scheduler.py `admit`, pure) what joins the `running`
@@ -10,7 +11,7 @@ worker, inference/worker.py, and the upstream worker, inference/upstream/worker.
   delivery alone;
 - takes what it chose out of the backlog, opens its batch span (health) and returns it;
   the caller starts it (and answers, through the outbox, any it cannot start).
-`Admission.preempt(running)` (a worker that can pause a running request: the model
+`BatchScheduler.preempt(running)` (a worker that can pause a running request: the model
 worker) asks the scheduler (`preempt`) which running requests give way to tenants
 waiting below their share; the caller pauses them and hands them back with `requeue`.
 `admitted` keeps the request ids of the recent admissions (tests and debugging).
@@ -53,7 +54,7 @@ def running_share(spec: DeploymentSpec) -> float:
     return float(settings.SLUICE_TENANT_RUNNING_SHARE)
 
 
-class Admission:
+class BatchScheduler:
     def __init__(self, intake: Intake, outbox: Outbox, health: Health, *,
                  max_batch_size: int, max_deliveries: int, share: float = 1.0,
                  reserve: int = 0) -> None:

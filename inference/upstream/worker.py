@@ -62,7 +62,7 @@ import redis
 import uvloop
 
 from inference import queue as q
-from inference.engine.admission import Admission, running_share
+from inference.engine.admission import BatchScheduler, running_share
 from inference.engine.entries import (
     Pending,
     RequestError,
@@ -126,16 +126,16 @@ class UpstreamWorker:
         self._calls: Calls | None = None  # made on the loop, by run()
         self._news: asyncio.Event | None = None  # a call had an event, or ended
         self._event_wait_s = min(_MAX_EVENT_WAIT_S, max(0.001, spec.max_wait_ms / 1000))
-        self.admission = Admission(self.intake, self.outbox, self.health,
-                                   max_batch_size=self.spec.max_batch_size,
-                                   max_deliveries=spec.max_deliveries,
-                                   share=running_share(spec),
-                                   reserve=min(_RESERVE, self.spec.max_batch_size - 1))
+        self.scheduler = BatchScheduler(self.intake, self.outbox, self.health,
+                                        max_batch_size=self.spec.max_batch_size,
+                                        max_deliveries=spec.max_deliveries,
+                                        share=running_share(spec),
+                                        reserve=min(_RESERVE, self.spec.max_batch_size - 1))
 
     @property
     def admitted(self) -> deque[list[str]]:
         """The request ids of the most recent admissions (tests and debugging)."""
-        return self.admission.admitted
+        return self.scheduler.admitted
 
     @property
     def backlog(self) -> list[Pending]:
@@ -275,7 +275,7 @@ class UpstreamWorker:
 
     # -- calls ---------------------------------------------------------------------
     def _admit(self) -> None:
-        chosen = self.admission.next(self.active)
+        chosen = self.scheduler.next(self.active)
         for pending in chosen:
             try:
                 self._start(pending)
