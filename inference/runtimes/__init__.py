@@ -1,11 +1,18 @@
-"""Model runtimes behind one small interface (see base.py), and the loader."""
+"""Model runtimes behind one small interface (see base.py), and the loader: the one
+place that knows every runtime class (a runtime's module knows only itself and its
+bases)."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from inference.runtimes.base import ChatRuntime, EmbeddingRuntime
 from inference.spec import DeploymentSpec, RuntimeName
+
+if TYPE_CHECKING:
+    from inference.runtimes.causal_lm import CausalLMRuntime
+    from inference.runtimes.kv import DecodeOptions
 
 
 def load_runtime(spec: DeploymentSpec) -> ChatRuntime | EmbeddingRuntime:
@@ -23,18 +30,31 @@ def load_runtime(spec: DeploymentSpec) -> ChatRuntime | EmbeddingRuntime:
 
         torch.set_num_threads(int(threads))
     if spec.runtime in (RuntimeName.TINY_CAUSAL_LM, RuntimeName.CAUSAL_LM):
-        from inference.runtimes.causal_lm import runtime_class, tiny_causal_lm
+        from inference.runtimes.causal_lm import tiny_llama
         from inference.runtimes.kv import DecodeOptions
 
         # The decode path and the KV cache's size (spec.extra; kv.py lists the keys).
         options = DecodeOptions.parse(spec.extra, max_batch_size=spec.max_batch_size)
+        runtime = causal_lm_class(options)
         if spec.runtime == RuntimeName.TINY_CAUSAL_LM:
-            return tiny_causal_lm(device=device, max_context=spec.max_context,
-                                  options=options)
-        return runtime_class(options).from_folder(resolve(spec.weights), device=device,
-                                                  max_context=spec.max_context,
-                                                  options=options)
+            model, tokenizer = tiny_llama(max_context=spec.max_context)
+            return runtime(model, tokenizer, device=device, max_context=spec.max_context,
+                           options=options)
+        return runtime.from_folder(resolve(spec.weights), device=device,
+                                   max_context=spec.max_context, options=options)
     from inference.runtimes.encoder import EncoderRuntime
 
     return EncoderRuntime.from_folder(resolve(spec.weights), device=device,
                                       max_context=spec.max_context)
+
+
+def causal_lm_class(options: DecodeOptions) -> type[CausalLMRuntime]:
+    """The causal LM runtime that decodes as `options` say: over a shared, growing KV
+    cache (causal_lm.py), or over preallocated slots (static_lm.py, "decode": "static")."""
+    if options.static:
+        from inference.runtimes.static_lm import StaticCausalLMRuntime
+
+        return StaticCausalLMRuntime
+    from inference.runtimes.causal_lm import CausalLMRuntime
+
+    return CausalLMRuntime

@@ -355,10 +355,10 @@ def weights_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def tiny_causal_lm(*, device: str, max_context: int, seed: int = 0,
-                   options: DecodeOptions | None = None) -> CausalLMRuntime:
-    """SmolLM2's architecture and tokenizer at a toy size with random weights: loads in
-    about a second, for tests. Its output is gibberish by design."""
+def tiny_llama(*, max_context: int, seed: int = 0) -> tuple[Any, Any]:
+    """SmolLM2's architecture and tokenizer at a toy size with random weights (the model
+    and its tokenizer): loads in about a second, for tests. Its output is gibberish by
+    design."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from inference.weights import smollm2_tokenizer_dir
@@ -371,18 +371,7 @@ def tiny_causal_lm(*, device: str, max_context: int, seed: int = 0,
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    return runtime_class(options)(model, tokenizer, device=device, max_context=max_context,
-                                  options=options)
-
-
-def runtime_class(options: DecodeOptions | None) -> type[CausalLMRuntime]:
-    """The runtime that decodes as `options` say: this one, or the static one."""
-    if options is not None and options.static:
-        from inference.runtimes.static_lm import StaticCausalLMRuntime
-
-        return StaticCausalLMRuntime
-    return CausalLMRuntime
+    return LlamaForCausalLM(config), tokenizer
 
 
 def _log_softmax(logits: torch.Tensor, params: list[SamplingParams]
