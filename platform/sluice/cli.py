@@ -36,7 +36,9 @@ from sluice.servers import (
     http_command,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+# The checkout: the folder above this one that holds manage.py (wherever in the kernel
+# this module sits).
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "manage.py").is_file())
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 # Tests use their own Redis database index and a PostgreSQL `test_*` database that
 # pytest-django creates and drops, so they never touch a developer's data.
