@@ -236,7 +236,7 @@ def gateway_process(env: dict[str, str], *, output: Any = subprocess.DEVNULL,
     out."""
     port = free_port()
     proc = subprocess.Popen(
-        http_command(server, "sluice.asgi:application", host="127.0.0.1", port=port),
+        http_command(server, "sluice.root.asgi:application", host="127.0.0.1", port=port),
         cwd=REPO, env=env, stdout=output, stderr=output)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -283,7 +283,7 @@ def uvicorn_server() -> Iterator[int]:
 
     import uvicorn
 
-    from sluice.asgi import application
+    from sluice.root.asgi import application
 
     port = free_port()
     # Requests still open at the end are cancelled after 2 s, as `sluice run`'s servers

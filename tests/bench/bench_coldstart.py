@@ -74,7 +74,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", SETUP], cwd=REPO, env=env, check=True)
         port = free_port()
         logs = Path(state) / "sluice.log"
-        group.start("http", http_command(DEFAULT, "sluice.asgi:application",
+        group.start("http", http_command(DEFAULT, "sluice.root.asgi:application",
                                          host="127.0.0.1", port=port), output=logs)
         group.start("autoscaler", [sys.executable, str(REPO / "manage.py"), "autoscale"],
                     output=logs)

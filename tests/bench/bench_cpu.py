@@ -105,7 +105,7 @@ def main() -> None:
         key = bench.seed_demo(env)
         bench.govern_demo(env)
         port = free_port()
-        bench.start_sluice(group, http_command(args.server, "sluice.asgi:application",
+        bench.start_sluice(group, http_command(args.server, "sluice.root.asgi:application",
                                                host="127.0.0.1", port=port, workers=workers))
         bench.wait_http(f"http://127.0.0.1:{port}/healthz")
         script = Path(state) / "post.lua"

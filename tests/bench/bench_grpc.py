@@ -97,7 +97,7 @@ def main() -> None:
     try:
         key = seed_demo(env)
         http_port, grpc_port = free_port(), free_port()
-        start_sluice(group, http_command(DEFAULT, "sluice.asgi:application", host="127.0.0.1",
+        start_sluice(group, http_command(DEFAULT, "sluice.root.asgi:application", host="127.0.0.1",
                                          port=http_port))
         group.start("grpc", [sys.executable, str(REPO / "manage.py"), "rungrpc", "--address",
                              f"127.0.0.1:{grpc_port}"])

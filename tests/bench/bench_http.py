@@ -206,7 +206,7 @@ def main() -> None:
         key = seed_demo(env)
         bare_port, sluice_port = free_port(), free_port()
         start_bare(group, args.server, bare_port, workers=args.workers)
-        sluice = http_command(args.server, "sluice.asgi:application", host="127.0.0.1",
+        sluice = http_command(args.server, "sluice.root.asgi:application", host="127.0.0.1",
                               port=sluice_port, workers=args.workers)
         start_sluice(group, sluice, audit=False)
         wait_http(f"http://127.0.0.1:{bare_port}/")

@@ -191,7 +191,7 @@ def main() -> None:
         workers = default_workers(server)
         ports = {"tls": free_port(), "clear": free_port(), "uvicorn": free_port(),
                  "tls1": free_port()}
-        app = "sluice.asgi:application"
+        app = "sluice.root.asgi:application"
         group.start("sluice", http_command(server, app, host="127.0.0.1", port=ports["tls"],
                                            workers=workers, tls=tls))
         group.start("clear", http_command(server, app, host="127.0.0.1", workers=workers,

@@ -114,7 +114,7 @@ def main() -> None:
         key = bench.seed_demo(env)
         bench.govern_demo(env)
         port = free_port()
-        bench.start_sluice(group, http_command("uvicorn", "sluice.asgi:application",
+        bench.start_sluice(group, http_command("uvicorn", "sluice.root.asgi:application",
                                                host="127.0.0.1", port=port),
                            prefix=under_valgrind)
         bench.wait_http(f"http://127.0.0.1:{port}/healthz", timeout=600)

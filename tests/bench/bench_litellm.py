@@ -197,7 +197,7 @@ def main() -> None:
         key = seed_demo(env)
         govern_demo(env)
         sluice_port = free_port()
-        start_sluice(group, http_command(args.server, "sluice.asgi:application",
+        start_sluice(group, http_command(args.server, "sluice.root.asgi:application",
                                          host="127.0.0.1", port=sluice_port))
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         sluice_script = work / "sluice.lua"
@@ -208,7 +208,7 @@ def main() -> None:
                                           str(sluice_script))
         group.stop(first=FRONT)  # calls wrk left in flight finish on the running worker
         group = ProcessGroup(env)
-        start_sluice(group, http_command(args.server, "sluice.asgi:application",
+        start_sluice(group, http_command(args.server, "sluice.root.asgi:application",
                                          host="127.0.0.1", port=sluice_port, workers=2))
         wait_http(f"http://127.0.0.1:{sluice_port}/healthz")
         wrk(url, 8, 2, str(sluice_script))

@@ -134,7 +134,7 @@ def start(database_url: str | None, stack: contextlib.ExitStack, quick: bool) ->
     manage = [sys.executable, str(bench.REPO / "manage.py")]
     log = Path(state) / "processes.log"
     with contextlib.chdir(bench.REPO):
-        group.start("sluice", http_command("uvicorn", "sluice.asgi:application",
+        group.start("sluice", http_command("uvicorn", "sluice.root.asgi:application",
                                            host="127.0.0.1", port=port,
                                            workers=default_workers("uvicorn")), output=log)
         group.start("grpc", [*manage, "rungrpc", "--address", f"127.0.0.1:{grpc_port}"],

@@ -49,7 +49,7 @@ def serve(repo: str, db: str) -> None:
         key = bench.seed_demo(env)
         bench.govern_demo(env)
         port = free_port()
-        bench.start_sluice(group, http_command("uvicorn", "sluice.asgi:application",
+        bench.start_sluice(group, http_command("uvicorn", "sluice.root.asgi:application",
                                                host="127.0.0.1", port=port, workers=1))
         bench.wait_http(f"http://127.0.0.1:{port}/healthz")
         print(json.dumps({"port": port, "key": key}), flush=True)

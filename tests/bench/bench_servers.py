@@ -90,7 +90,8 @@ def main() -> None:
                      output=Path(state) / "worker.log")
         for round_ in range(args.rounds):
             order = names[round_ % 3:] + names[:round_ % 3]
-            for app, label in (("bare_asgi:app", "bare"), ("sluice.asgi:application", "sluice")):
+            for app, label in (("bare_asgi:app", "bare"),
+                               ("sluice.root.asgi:application", "sluice")):
                 for name in order:
                     port = free_port()
                     group = ProcessGroup(env)

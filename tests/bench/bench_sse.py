@@ -166,7 +166,7 @@ def _round(args: argparse.Namespace, env: dict[str, str], key: str) -> dict[str,
     group = ProcessGroup(env)
     try:
         port = free_port()
-        gateway = group.start("sluice", http_command(args.server, "sluice.asgi:application",
+        gateway = group.start("sluice", http_command(args.server, "sluice.root.asgi:application",
                                                      host="127.0.0.1", port=port,
                                                      workers=args.gateways))
         workers = tuple(

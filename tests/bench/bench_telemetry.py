@@ -127,7 +127,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode in modes:
                 group = ProcessGroup(modes[mode])
-                start_sluice(group, http_command(args.server, "sluice.asgi:application",
+                start_sluice(group, http_command(args.server, "sluice.root.asgi:application",
                                                  host="127.0.0.1", port=port), output=logs)
                 wait_http(f"{url}/healthz")
                 wrk(f"{url}/v1/chat/completions", 8, 2, str(script))  # warm-up

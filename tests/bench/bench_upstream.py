@@ -89,9 +89,9 @@ def main() -> None:
         up_port, front_port = free_port(), free_port()
         register_upstream(env, base_url=f"http://127.0.0.1:{up_port}/v1", key=key,
                           names=("up", "up-b") if args.worker_from else ("up",))
-        bench.start_sluice(group, http_command("uvicorn", "sluice.asgi:application",
+        bench.start_sluice(group, http_command("uvicorn", "sluice.root.asgi:application",
                                                host="127.0.0.1", port=up_port, workers=1))
-        group.start("front", http_command("uvicorn", "sluice.asgi:application",
+        group.start("front", http_command("uvicorn", "sluice.root.asgi:application",
                                           host="127.0.0.1", port=front_port, workers=1))
         group.start("upstream worker", [sys.executable, str(bench.REPO / "manage.py"),
                                         "runworker", "--deployment", "up"])

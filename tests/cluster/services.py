@@ -197,7 +197,7 @@ class Platform:
 
     def start_gateway(self, node: Node) -> str:
         """The HTTP gateway on `node`, once its /healthz answers: its base URL."""
-        proc = node.spawn(http_command(DEFAULT_SERVER, "sluice.asgi:application",
+        proc = node.spawn(http_command(DEFAULT_SERVER, "sluice.root.asgi:application",
                                        host=node.address, port=HTTP_PORT),
                           self.logs.of(node), env=self.env(node), cwd=REPO)
         base = node.url("http", HTTP_PORT)

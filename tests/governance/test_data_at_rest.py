@@ -30,9 +30,9 @@ from governance.models import AuditEvent, AuditExport
 from governance.tasks import conversations_retention
 from inference import queue as q
 from inference.jobs import encode_event
-from sluice.cli import private_state
 from sluice.errors import NotFound
 from sluice.redis import sync_client
+from sluice.root.cli import private_state
 from streaming import files
 from streaming.batches import batch_list
 from streaming.models import Batch, BatchStatus, StoredFile

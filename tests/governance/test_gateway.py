@@ -104,7 +104,7 @@ def test_each_key_has_its_own_bucket(live: Live, org: Org) -> None:
 
 def _gateway_process(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "sluice.asgi:application", "--host", "127.0.0.1",
+        [sys.executable, "-m", "uvicorn", "sluice.root.asgi:application", "--host", "127.0.0.1",
          "--port", str(port), "--log-level", "warning", "--lifespan", "off"],
         cwd=REPO, env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -56,6 +56,6 @@ def test_the_gateway_runs_the_run_commands_server() -> None:
     gateway = next(d for d in _docs() if d["kind"] == "Deployment"
                    and d["metadata"]["name"] == "sluice-gateway")
     command = gateway["spec"]["template"]["spec"]["containers"][0]["command"]
-    expected = http_command(DEFAULT, "sluice.asgi:application", host="0.0.0.0",  # noqa: S104
+    expected = http_command(DEFAULT, "sluice.root.asgi:application", host="0.0.0.0",  # noqa: S104
                             port=8000)
     assert command[1:] == expected[1:]  # the interpreter's path aside

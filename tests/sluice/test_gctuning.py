@@ -15,7 +15,7 @@ from tests.conftest import REPO, process_env
 
 
 def test_the_asgi_app_freezes_start_up_and_raises_the_young_threshold() -> None:
-    probe = ("import gc, json; before = gc.get_freeze_count(); import sluice.asgi; "
+    probe = ("import gc, json; before = gc.get_freeze_count(); import sluice.root.asgi; "
              "print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold()]))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=process_env(),
                          capture_output=True, text=True, check=True, timeout=120)

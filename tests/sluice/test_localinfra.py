@@ -61,7 +61,7 @@ def test_private_postgres_from_pgserver(tmp_path: Path) -> None:
 def test_the_cluster_pass_selects_files_that_exist_and_leaves_out_only_its_own() -> None:
     """The test command's cluster pass names paths of this repository: a renamed test
     file must not drop out of it (or back in) unnoticed."""
-    from sluice.cli import CLUSTER_PASS_LEAVES_OUT, CLUSTER_PASS_TESTS, REPO
+    from sluice.root.cli import CLUSTER_PASS_LEAVES_OUT, CLUSTER_PASS_TESTS, REPO
 
     missing = [p for p in (*CLUSTER_PASS_TESTS, *CLUSTER_PASS_LEAVES_OUT)
                if not (REPO / p).exists()]
@@ -79,7 +79,7 @@ def test_the_cluster_pass_runs_under_ci_or_when_asked(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from sluice.cli import _cluster_mode
+    from sluice.root.cli import _cluster_mode
 
     for name in ("CI", "SLUICE_TEST_REDIS_CLUSTER"):
         monkeypatch.delenv(name, raising=False)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sluice.api import api
+from sluice.root.api import api
 from sluice.schemas import MAX_ID
 from tenants.models import ApiKey, Conversation
 from tenants.roles import Role

@@ -62,7 +62,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         "REDIS_URL": f"redis://127.0.0.1:{dead_redis_port}/0",
         "PYTHONUNBUFFERED": "1",
     })
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "run", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.root.cli", "run", "--port", str(port),
                              "--grpc-port", str(grpc_port)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

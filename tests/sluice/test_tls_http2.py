@@ -37,9 +37,9 @@ from inference import cache as registry_cache
 from inference.models import Deployment
 from inference.worker import Worker
 from sluice import servers
-from sluice.grpcserver import build
 from sluice.localinfra import free_port
 from sluice.redis import sync_client
+from sluice.root.grpcserver import build
 from sluice.servers import Tls, choose, http_command
 from sluice.settings import tls as tls_settings
 from streaming.protos import inference_pb2 as pb
@@ -109,7 +109,7 @@ def edge(tls: Tls | None, server: str, *, verify: ssl.SSLContext | bool = True
     of its own on a free loopback port, once /healthz answers: its base URL."""
     port = free_port()
     proc = subprocess.Popen(
-        http_command(server, "sluice.asgi:application", host="127.0.0.1", port=port,
+        http_command(server, "sluice.root.asgi:application", host="127.0.0.1", port=port,
                      tls=tls), cwd=REPO, env=process_env(),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"

@@ -20,8 +20,8 @@ from inference import cache as registry_cache
 from inference.models import Deployment
 from inference.weights import MINILM
 from inference.worker import Worker
-from sluice.grpcserver import build
 from sluice.redis import sync_client
+from sluice.root.grpcserver import build
 from tenants import cache as auth_cache
 from tests.conftest import uvicorn_server
 

@@ -15,7 +15,7 @@ from channels.testing import WebsocketCommunicator
 
 from governance import audit
 from governance.models import AuditEvent
-from sluice.asgi import application
+from sluice.root.asgi import application
 from streaming.gateway import shared_gateway
 from tenants.roles import Role
 from tests.conftest import Org, make_org

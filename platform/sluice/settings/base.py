@@ -50,8 +50,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
-ROOT_URLCONF = "sluice.urls"
-ASGI_APPLICATION = "sluice.asgi.application"
+ROOT_URLCONF = "sluice.root.urls"
+ASGI_APPLICATION = "sluice.root.asgi.application"
 
 TEMPLATES = [
     {

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from sluice.grpcserver import serve
+from sluice.root.grpcserver import serve
 
 
 class Command(BaseCommand):

@@ -23,7 +23,7 @@ from governance import metrics  # noqa: E402
 from governance.cluster_metrics import ClusterCollector  # noqa: E402
 from sluice import gctuning, telemetry  # noqa: E402
 from sluice.bodylimit import BodyLimit  # noqa: E402
-from sluice.websocket_urls import websocket_urlpatterns  # noqa: E402
+from sluice.root.websocket_urls import websocket_urlpatterns  # noqa: E402
 from streaming.asgi import LeanApp  # noqa: E402
 
 telemetry.setup("sluice-api")

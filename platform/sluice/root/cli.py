@@ -131,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                   settings.SLUICE_GRPC_TLS_KEY_FILE)):
                 if pair is not None and pair.cert_file:
                     pair.check()
-            serving = http_command(server, "sluice.asgi:application", host=args.host,
+            serving = http_command(server, "sluice.root.asgi:application", host=args.host,
                                    port=args.port, tls=tls, http=settings.SLUICE_HTTP_VERSION,
                                    workers=args.workers or default_workers(server))
         except ValueError as exc:

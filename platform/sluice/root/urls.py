@@ -3,9 +3,9 @@ from __future__ import annotations
 from django.urls import include, path
 
 from sluice import health
-from sluice.api import api
 from sluice.errors import BadRequest, NotFound, ServerError
 from sluice.responses import error_response
+from sluice.root.api import api
 from tenants import views as tenant_views
 
 urlpatterns = [
