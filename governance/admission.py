@@ -37,7 +37,6 @@ from inference import jobs
 from inference.client import InferenceClient
 from inference.jobs import FinalEvent
 from inference.spec import DeploymentSpec
-from sluice import telemetry
 from sluice.aio import finish_or_cancel
 from sluice.errors import (
     ApiError,
@@ -47,6 +46,7 @@ from sluice.errors import (
     Unavailable,
     audit_unavailable,
 )
+from sluice.observability import telemetry
 from sluice.ttlcache import AsyncTTLCache
 from tenants.principal import Principal
 

@@ -33,8 +33,8 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.utils import timezone
 
 from governance.models import AuditChain, AuditEvent
-from governance.redaction import redact
 from sluice import wirejson
+from sluice.pii.redaction import redact
 from sluice.redis import sync_redis
 from sluice.streamwriter import STREAMS, Entry, StreamWriter
 

@@ -25,10 +25,10 @@ from governance.models import (
     RedactionPattern,
 )
 from governance.ranges import sane
-from governance.redaction import UnsafePattern, compile_tenant_pattern
 from inference.models import Deployment
 from sluice.db import async_db
 from sluice.epoch import Epoch
+from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
 from sluice.ttlcache import AsyncTTLCache
 
 EPOCH_KEY = "sluice:gov:epoch"

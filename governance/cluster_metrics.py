@@ -1,6 +1,6 @@
 """The cluster's state as Prometheus families, read from Redis (and the policy tables)
 at scrape time by whichever process is scraped; the composition root adds the
-collector to /metrics (governance/metrics.py add_collector).
+collector to /metrics (platform/sluice/observability/metrics.py add_collector).
 
     sluice_queue_depth{deployment}, sluice_queue_oldest_age_seconds{deployment}
     sluice_workers{deployment}, sluice_workers_in_rotation{deployment}

@@ -3,7 +3,7 @@
 The policy (tenants/privacy.py: redact or not, set by a tenant admin, audited; on by
 default) applies to conversation turns, batch output and error files and batch
 metadata. Redaction here is the same engine as the audit log's
-(governance/redaction.py) with the tenant's own patterns added.
+(platform/sluice/pii/redaction.py) with the tenant's own patterns added.
 
 For the async hot path the tenant's flag is cached in-process for
 SLUICE_POLICY_CACHE_TTL_S; a policy change bumps tenants.privacy.EPOCH_KEY on commit
@@ -20,9 +20,9 @@ from typing import Any
 from django.conf import settings
 
 from governance.cache import load_tenant, tenant_policies
-from governance.redaction import redact
 from sluice.db import async_db
 from sluice.epoch import Epoch
+from sluice.pii.redaction import redact
 from sluice.ttlcache import AsyncTTLCache
 from tenants.principal import Principal
 from tenants.privacy import EPOCH_KEY, policy_of

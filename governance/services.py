@@ -27,9 +27,9 @@ from governance.models import (
     RedactionPattern,
 )
 from governance.ranges import check as check_ranges
-from governance.redaction import UnsafePattern, compile_tenant_pattern
 from inference.queue import guard_key
 from sluice.errors import PermissionDenied, Unprocessable
+from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
 from sluice.redis import sync_redis
 from sluice.validation import validate
 from tenants.principal import Principal

@@ -67,7 +67,8 @@ from inference.runtimes import load_runtime
 from inference.runtimes.base import ChatRuntime, EmbeddingRuntime, NewSequence
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.upstream.worker import UpstreamWorker
-from sluice import gctuning, telemetry
+from sluice import gctuning
+from sluice.observability import telemetry
 from sluice.processes import set_on_signals
 from sluice.redis import sync_client
 

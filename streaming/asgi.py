@@ -17,11 +17,11 @@ from django.conf import settings
 from pydantic import TypeAdapter, ValidationError
 from redis.exceptions import RedisError
 
-from governance.observe import served
 from inference.jobs import FINAL_EVENTS, Event, FinalEvent
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest, NotFound, ServerError
-from sluice.telemetry import RequestScope
+from sluice.observability.observe import served
+from sluice.observability.telemetry import RequestScope
 from streaming import apis, bodies, choices, replay
 from streaming.call import Call
 from streaming.gateway import error_from_event, queue_unavailable, shared_gateway

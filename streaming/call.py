@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from governance import audit, metrics
-from sluice import telemetry
+from governance import audit
 from sluice.errors import ApiError
+from sluice.observability import metrics, telemetry
 from streaming import bodies
 from streaming.gateway import Gateway, queue_unavailable
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest

@@ -56,9 +56,9 @@ import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
 from redis.exceptions import RedisError
 
-from governance.observe import served
 from inference.jobs import DoneEvent
 from sluice.errors import ApiError, BadRequest, PermissionDenied, ServerError
+from sluice.observability.observe import served
 from streaming import bodies
 from streaming.call import Call
 from streaming.gateway import Gateway, error_from_event, queue_unavailable, shared_gateway

@@ -40,7 +40,6 @@ from inference.jobs import (
 from inference.routing import Route
 from inference.selectors import alias_route
 from inference.spec import DeploymentSpec, Kind, MaxTokensPolicy, RuntimeName
-from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import (
     ApiError,
@@ -52,6 +51,7 @@ from sluice.errors import (
     Unauthenticated,
     Unavailable,
 )
+from sluice.observability import telemetry
 from streaming import choices, max_tokens_policy, replay
 from streaming.prompting import (
     chat_job,

@@ -26,11 +26,11 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
-from governance.observe import served
 from inference.selectors import usable_models
-from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
+from sluice.observability import telemetry
+from sluice.observability.observe import served
 from streaming import bodies
 from streaming.call import Call
 from streaming.gateway import Gateway, error_from_event

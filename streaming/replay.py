@@ -36,9 +36,9 @@ from pydantic import BaseModel
 
 from governance import audit
 from inference import queue as q
-from sluice import telemetry
 from sluice.db import async_db
 from sluice.errors import BadRequest, NotFound, PermissionDenied
+from sluice.observability import telemetry
 from tenants.conversations import conversation_get
 from tenants.principal import Principal
 from tenants.roles import Action

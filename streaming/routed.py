@@ -53,8 +53,8 @@ from inference.jobs import Continuation, ErrorEvent
 from inference.routing import Plan, Route, Skip, backoff_s, plan
 from inference.spec import DeploymentSpec, Kind, RuntimeName
 from inference.upstream.body import continues
-from sluice import telemetry
 from sluice.errors import ApiError, BadRequest, Unavailable
+from sluice.observability import telemetry
 from streaming.prompting import prompt_bound
 
 if TYPE_CHECKING:

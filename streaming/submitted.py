@@ -17,12 +17,11 @@ from typing import Any, cast
 from opentelemetry.trace import Status, StatusCode
 from redis.exceptions import RedisError
 
-from governance import metrics
 from governance.admission import Admission
 from inference.client import RequestHandle
 from inference.jobs import Continuation, DeltaEvent, ErrorEvent, Event, FinalEvent
 from inference.spec import DeploymentSpec
-from sluice import telemetry
+from sluice.observability import metrics, telemetry
 from streaming import choices, replay
 from streaming.routed import Routed, retriable_failure
 from tenants.principal import Principal

@@ -30,8 +30,8 @@ from django.test import Client
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from sluice import telemetry
 from sluice.localinfra import free_port
+from sluice.observability import telemetry
 from sluice.redis import is_cluster_url, sync_redis
 from sluice.servers import DEFAULT as DEFAULT_SERVER
 from sluice.servers import http_command

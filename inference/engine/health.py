@@ -38,7 +38,7 @@ from inference import queue as q
 from inference.engine.entries import Pending
 from inference.memory import MemoryGuard
 from inference.spec import DeploymentSpec
-from sluice import telemetry
+from sluice.observability import telemetry
 
 
 class Measured(Protocol):

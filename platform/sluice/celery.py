@@ -17,6 +17,6 @@ app.autodiscover_tasks()
 @worker_init.connect
 def _telemetry(**_: object) -> None:
     """Batch jobs run through the gateway pipeline: their spans and logs need ids."""
-    from sluice import telemetry
+    from sluice.observability import telemetry
 
     telemetry.setup("sluice-celery")

@@ -33,7 +33,7 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         # Messages may quote what the caller sent: redacted like everything emitted.
-        from governance.redaction import redact
+        from sluice.pii.redaction import redact
 
         body = error_body(redact(self.message), type=self.type, code=self.code,
                           param=self.param)

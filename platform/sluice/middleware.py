@@ -8,9 +8,9 @@ from collections.abc import Callable
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
-from governance.observe import served
 from sluice.bodylimit import route_limit
 from sluice.errors import BadRequest, PayloadTooLarge, error_body
+from sluice.observability.observe import served
 from sluice.responses import error_response, json_response
 
 

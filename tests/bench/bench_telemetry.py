@@ -81,7 +81,7 @@ def micro() -> tuple[float, float]:
     django.setup()
     from opentelemetry.sdk.trace import TracerProvider
 
-    from governance.observe import LogSampler
+    from sluice.observability.observe import LogSampler
 
     sampler = LogSampler(per_second=20, slow_s=2.0, critical=("/v1/auth/", "/api/v1/"))
     n = 200_000

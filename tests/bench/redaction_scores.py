@@ -1,5 +1,5 @@
 """Recall and precision of the redaction engine on the labelled corpus
-(tests/governance/redaction_corpus.py): per recognizer, per form issue #28 found missed,
+(tests/sluice/redaction_corpus.py): per recognizer, per form issue #28 found missed,
 per category of negatives (how many texts it left untouched), and the time to redact a
 megabyte. `-v` lists every miss and false positive.
 
@@ -21,8 +21,8 @@ import django  # noqa: E402
 
 django.setup()
 
-from governance.redaction import RECOGNIZERS, find, redact  # noqa: E402
-from tests.governance.redaction_corpus import negatives, positives, score  # noqa: E402
+from sluice.pii.redaction import RECOGNIZERS, find, redact  # noqa: E402
+from tests.sluice.redaction_corpus import negatives, positives, score  # noqa: E402
 
 
 def main() -> None:

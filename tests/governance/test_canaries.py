@@ -18,8 +18,8 @@ import pytest
 from django.apps import apps
 
 from governance import audit, exports
-from governance.logredact import RedactingFilter
 from governance.models import AuditExport
+from sluice.pii.logredact import RedactingFilter
 from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live

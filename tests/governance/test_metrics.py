@@ -10,8 +10,9 @@ import pytest
 from openai import OpenAI, RateLimitError
 from prometheus_client.parser import text_string_to_metric_families
 
-from governance import audit, metrics
+from governance import audit
 from governance.models import Quota, RateLimitPolicy, RateLimitScope
+from sluice.observability import metrics
 from tenants.roles import Role
 from tests.conftest import eventually, make_org
 from tests.streaming.conftest import Live

@@ -11,9 +11,9 @@ import time
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from governance.logredact import RedactingFilter
-from governance.observe import LogSampler, served
-from sluice import telemetry
+from sluice.observability import telemetry
+from sluice.observability.observe import LogSampler, served
+from sluice.pii.logredact import RedactingFilter
 
 
 def _logger() -> tuple[logging.Logger, io.StringIO]:

@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from inference.autoscaler import HUNG_AFTER_S, Autoscaler
 from inference.supervisor import preload
-from sluice import telemetry
+from sluice.observability import telemetry
 from sluice.processes import set_on_signals
 from sluice.redis import sync_client
 

@@ -19,10 +19,10 @@ django_http = get_asgi_application()  # sets Django up before the imports below
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
-from governance import metrics  # noqa: E402
 from governance.cluster_metrics import ClusterCollector  # noqa: E402
-from sluice import gctuning, telemetry  # noqa: E402
+from sluice import gctuning  # noqa: E402
 from sluice.bodylimit import BodyLimit  # noqa: E402
+from sluice.observability import metrics, telemetry  # noqa: E402
 from sluice.root.websocket_urls import websocket_urlpatterns  # noqa: E402
 from streaming.asgi import LeanApp  # noqa: E402
 

@@ -242,7 +242,7 @@ CLUSTER_PASS_LEAVES_OUT = (
     "tests/inference/test_detokenize.py", "tests/inference/test_runtimes.py",
     "tests/inference/test_scheduler.py", "tests/inference/test_cuda_graphs.py",
     "tests/inference/test_static_cache.py", "tests/inference/test_runtime_kv.py",
-    "tests/governance/test_redaction.py", "tests/sluice/test_wirejson.py",
+    "tests/sluice/test_redaction.py", "tests/sluice/test_wirejson.py",
     "tests/sluice/test_redis_cluster.py", "tests/sluice/test_redis_cluster_failover.py",
     "tests/sluice/test_redis_cluster_urls.py", "tests/sluice/test_localinfra.py",
     "tests/sluice/test_deploy_manifests.py", "tests/sluice/test_processes.py",

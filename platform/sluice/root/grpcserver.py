@@ -30,8 +30,9 @@ from django.conf import settings
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sluice import gctuning, telemetry
+from sluice import gctuning
 from sluice.aio import finish_or_cancel
+from sluice.observability import telemetry
 from sluice.redis import async_redis
 from streaming.grpc_service import SERVICE, InferenceServicer, ObservingInterceptor
 from streaming.protos import inference_pb2, inference_pb2_grpc

@@ -137,9 +137,9 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
-                   "json": {"()": "sluice.telemetry.JsonFormatter"}},
+                   "json": {"()": "sluice.observability.telemetry.JsonFormatter"}},
     # Every record passes the redaction engine before a handler writes it.
-    "filters": {"redact": {"()": "governance.logredact.RedactingFilter"}},
+    "filters": {"redact": {"()": "sluice.pii.logredact.RedactingFilter"}},
     "handlers": {"console": {"class": "logging.StreamHandler",
                              "formatter": "plain" if env_str("SLUICE_LOG_FORMAT", "json") == "text"
                              else "json",

@@ -1,5 +1,6 @@
 """Telemetry: log format and access-log sampling, the /metrics guard. Tracing itself is
-configured by the OpenTelemetry variables and SLUICE_TRACING (see sluice/telemetry.py)."""
+configured by the OpenTelemetry variables and SLUICE_TRACING (see
+sluice/observability/telemetry.py)."""
 
 from __future__ import annotations
 

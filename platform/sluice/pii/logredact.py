@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from governance.redaction import redact
+from sluice.pii.redaction import redact
 
 
 class RedactingFilter(logging.Filter):

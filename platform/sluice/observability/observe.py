@@ -24,8 +24,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from governance import metrics
-from sluice import telemetry
+from sluice.observability import metrics, telemetry
 
 access_logger = logging.getLogger("sluice.access")
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from governance.redaction import UnsafePattern, compile_tenant_pattern, find, redact
 from sluice.errors import BadRequest, NotFound
-from tests.governance.redaction_corpus import NEGATIVES, Sample, positives, score
+from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern, find, redact
+from tests.sluice.redaction_corpus import NEGATIVES, Sample, positives, score
 
 POSITIVES = positives()
 

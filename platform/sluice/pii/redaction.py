@@ -9,7 +9,7 @@ in the input: every pattern is anchored on the boundary of its own character cla
 lookbehind), so each run of characters is tried from its start once, and every
 repetition is bounded or possessive, so no attempt backtracks beyond a constant.
 Candidates are then validated in Python on bounded spans (the checks and the context
-labels are in governance/pii_patterns.py):
+labels are in platform/sluice/pii/patterns.py):
 
 - US SSN: AAA-GG-SSSS (or spaces), letters may touch it ("ssn-536-42-7151"), digits may
   not. Valid: area not 000, 666 or 9xx; group not 00; serial not 0000. Invalid ones and
@@ -49,7 +49,7 @@ from typing import Any
 import phonenumbers
 from django.conf import settings
 
-from governance.pii_patterns import (
+from sluice.pii.patterns import (
     IBAN_LENGTHS,
     card_issuer,
     iban_valid,

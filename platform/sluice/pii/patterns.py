@@ -1,4 +1,4 @@
-"""What the redaction recognizers (governance/redaction.py) check a candidate against:
+"""What the redaction recognizers (platform/sluice/pii/redaction.py) check a candidate against:
 the checksums and number plans of the identifiers, and the words around a number that
 make an ambiguous one personal data.
 

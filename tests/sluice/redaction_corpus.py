@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from governance.pii_patterns import IBAN_LENGTHS, luhn
-from governance.redaction import Span
+from sluice.pii.patterns import IBAN_LENGTHS, luhn
+from sluice.pii.redaction import Span
 
 
 @dataclass(frozen=True)
