@@ -148,7 +148,7 @@ class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind"
     logprobs: int | None = None
     stream: bool = True
     count_only: bool = False
-    # Structured generation (inference/grammar.py), checked by the gateway.
+    # Structured generation (inference/structured/grammar.py), checked by the gateway.
     tools: list[ToolSpec] = []
     tool_choice: str = "auto"  # "auto", "required", or a function's name
     parallel_tool_calls: bool = True

@@ -1,5 +1,5 @@
 """Which deployments a call to a model alias tries, in which order. Pure: no I/O, no
-clock, the random source passed in, so it is tested alone (like inference/scheduler.py).
+clock, the random source passed in, so it is tested alone (like inference/engine/scheduler.py).
 
 An alias (inference/models.py ModelAlias) has weighted targets and ordered fallbacks.
 `plan` orders them for one call:

@@ -23,7 +23,7 @@ The `Worker` wires the parts of inference/engine/ (each module states its contra
               holds the backlog, looks up cancellations, hands entries back
   admission.py
               which waiting requests start now, and which running ones give way to
-              tenants below their share (inference/scheduler.py, pure, decides)
+              tenants below their share (inference/engine/scheduler.py, pure, decides)
   inputs.py   a job into the engine's sequence (prompt, sampling, grammar)
   engine.py   the runtime's sequences and steps, overlapped on the model thread
   output.py   tokens into events: detokenizing, stop strings, logprobs, finishes
@@ -51,7 +51,7 @@ from typing import Any
 import redis
 
 from inference import queue as q
-from inference.engine.admission import BatchScheduler, running_share
+from inference.engine.batch_scheduler import BatchScheduler, running_share
 from inference.engine.engine import OVERLAP_MIN_STEP_S, Engine
 from inference.engine.entries import (
     Pending,

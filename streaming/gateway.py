@@ -28,7 +28,6 @@ from governance.admission import Admission, Governor
 from governance.privacy import stored_messages
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
-from inference.grammar_check import GrammarChecker
 from inference.jobs import (
     ChatJob,
     EmbedJob,
@@ -40,6 +39,7 @@ from inference.jobs import (
 from inference.routing import Route
 from inference.selectors import alias_route
 from inference.spec import DeploymentSpec, Kind, MaxTokensPolicy, RuntimeName
+from inference.structured.grammar_check import GrammarChecker
 from sluice.db import async_db
 from sluice.errors import (
     ApiError,

@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from inference.grammar import TOOL_MARKER, call_text
 from inference.jobs import ChatJob, Message, MessageToolCall
 from inference.spec import DeploymentSpec
+from inference.structured.grammar import TOOL_MARKER, call_text
 from sluice.errors import BadRequest
 from streaming.schemas import ChatCompletionRequest
 from streaming.structured import structured_body, tool_prompt

@@ -1,9 +1,9 @@
 """Tools and response formats of a chat request, checked at the gateway: what the worker
-gets to build the reply's grammar (inference/grammar.py), and the system prompt that
+gets to build the reply's grammar (inference/structured/grammar.py), and the system prompt that
 tells the model how to write a call. `structured_body` takes the request's structure
 (cheap checks only, the structural pre-check of its schemas included);
 `check_grammar`, after the call's admission, compiles its grammar
-in a bounded child process (inference/grammar_check.py)."""
+in a bounded child process (inference/structured/grammar_check.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from inference import grammar
-from inference.grammar import CUSTOM_END, TOOL_MARKER, call_text
-from inference.grammar_check import (
+from inference.jobs import ChatJob, ResponseFormat, ToolSpec
+from inference.structured import grammar
+from inference.structured.grammar import CUSTOM_END, TOOL_MARKER, call_text
+from inference.structured.grammar_check import (
     GrammarChecker,
     GrammarUnavailable,
     PlanRequest,
     TooComplex,
     precheck,
 )
-from inference.jobs import ChatJob, ResponseFormat, ToolSpec
 from sluice.errors import BadRequest, Unavailable
 from streaming.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
 
@@ -34,7 +34,7 @@ def tool_prompt(tools: list[ToolSpec], *, parallel: bool) -> list[dict[str, str]
 
     A function's call is TOOL_MARKER and `{"name": ..., "arguments": ...}`; a custom
     tool's is TOOL_MARKER, `{"name": ...}`, a newline, the raw input and CUSTOM_END
-    (inference/grammar.py; the grammar, not this prompt, holds the model to it)."""
+    (inference/structured/grammar.py; the grammar, not this prompt, holds the model to it)."""
     functions = [{"name": t.name, "description": t.description,
                   "parameters": t.parameters or {}} for t in tools if t.kind != "custom"]
     custom = [{"name": t.name, "description": t.description,

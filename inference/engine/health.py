@@ -8,7 +8,7 @@ it), with these fields:
   max_batch              the deployment's max_batch_size
   mem_used, mem_total    the runtime's memory reading (bytes)
   batches                batches admitted since the worker started
-  in_rotation            the memory guard's verdict (inference/memory.py)
+  in_rotation            the memory guard's verdict (inference/engine/memory.py)
   kv_capacity_tokens     the runtime's KV cache capacity in tokens, when it sets one,
   kv_used_tokens         and the tokens it holds now
 The same round trip adds the batch sizes admitted since the last beat to the
@@ -36,7 +36,7 @@ from opentelemetry.trace import Link, Span, SpanKind
 
 from inference import queue as q
 from inference.engine.entries import Pending
-from inference.memory import MemoryGuard
+from inference.engine.memory import MemoryGuard
 from inference.spec import DeploymentSpec
 from sluice.observability import telemetry
 

@@ -6,7 +6,7 @@ the row that will collect its output (inference/engine/output.py). The prompt is
 job's `prompt` as it is when given (a legacy completion: no chat template, no history),
 else its instructions (leading system messages), `history` and other `messages` through
 the model's chat template, the oldest history dropped until the reply fits. A job with
-tools or a response format gets its grammar (inference/constraint.py). A `count_only`
+tools or a response format gets its grammar (inference/structured/constraint.py). A `count_only`
 job is prepared for its prompt's token count alone.
 
 A text longer than the context could hold is cut before it is encoded (`_prompt`): the
@@ -35,7 +35,7 @@ from inference.jobs import (
 from inference.runtimes.base import ChatRuntime, SamplingParams, TorchModel
 
 if TYPE_CHECKING:
-    from inference.constraint import Constraint, Vocabulary
+    from inference.structured.constraint import Constraint, Vocabulary
 
 
 @dataclass
@@ -131,7 +131,7 @@ class InputProcessor:
             return None
         tools = bool(job.tools)
         # torch- and llguidance-side code, imported when a constraint is asked for.
-        from inference.constraint import Constraint, Vocabulary, plan_for
+        from inference.structured.constraint import Constraint, Vocabulary, plan_for
 
         code = "invalid_tool_schema" if tools else "invalid_response_format"
         runtime = self.runtime

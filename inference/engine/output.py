@@ -3,8 +3,8 @@ inference/jobs.py (vLLM v1's OutputProcessor, with our stop rules).
 
 Per token of a row: the end-of-sequence token ends it (stop, or tool_calls when its
 grammar was writing calls); otherwise the token is detokenized incrementally
-(inference/detokenize.py), its logprobs entry taken from the runtime when the job asked
-for them (inference/logprobs.py), and the new text checked against the stop strings:
+(inference/engine/detokenize.py), its logprobs entry taken from the runtime when the job asked
+for them (inference/engine/logprobs.py), and the new text checked against the stop strings:
 text is cut before the first stop string found, and anything that may be the start of
 one is held back, so the caller never sees half a stop sequence. The row then ends at
 its token budget (length), at its deadline (a 504), when its grammar's value is
@@ -32,18 +32,16 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from inference import queue as q
-from inference.detokenize import Detokenizer
+from inference.engine.detokenize import Detokenizer
 from inference.engine.entries import (
     Pending,
     RequestError,
     expired_in_generation,
     not_finite,
 )
-from inference.engine.toolstream import CallText, read_calls
+from inference.engine.logprobs import TokenTexts
 from inference.engine.writer import Outbox
-from inference.grammar import CUSTOM_END
 from inference.jobs import DeltaEvent, DoneEvent, ErrorEvent, ToolCall, ToolDelta, usage
-from inference.logprobs import TokenTexts
 from inference.runtimes.base import (
     FAILED,
     ChatRuntime,
@@ -51,9 +49,11 @@ from inference.runtimes.base import (
     NewSequence,
     SamplingParams,
 )
+from inference.structured.grammar import CUSTOM_END
+from inference.structured.toolstream import CallText, read_calls
 
 if TYPE_CHECKING:
-    from inference.constraint import Constraint
+    from inference.structured.constraint import Constraint
 
 
 @dataclass

@@ -76,7 +76,7 @@ class NewSequence:
     # The last `generated` ids of prompt_ids were produced by an earlier delivery of this
     # request (a worker that died): the sequence continues after them.
     generated: int = 0
-    # Restricts what may be generated (inference.constraint.Constraint), if set.
+    # Restricts what may be generated (inference.structured.constraint.Constraint), if set.
     constraint: Any = None
 
 

@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 import torch
 from transformers import DynamicCache
 
-from inference import masks as grammar_masks
 from inference.runtimes.base import (
     FAILED,
     ChatRuntime,
@@ -40,6 +39,7 @@ from inference.runtimes.base import (
 )
 from inference.runtimes.kv import DecodeOptions, kv_bytes_per_token, kv_capacity
 from inference.runtimes.sampling import generator_for, sample
+from inference.structured import masks as grammar_masks
 
 T = TypeVar("T")
 

@@ -33,8 +33,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     or +infinity, or all -infinity (a model's numerical fault on that sequence: no
     token can be drawn from them, and argmax would pick a made-up one). The other rows
     are sampled as if it were not there. A row with a masking constraint
-    (inference.constraint.Constraint) samples only among the tokens its grammar allows:
-    `masks` (inference.masks.Masks) were computed for these constraints beside the
+    (inference.structured.constraint.Constraint) samples only among the tokens its grammar allows:
+    `masks` (inference.structured.masks.Masks) were computed for these constraints beside the
     forward pass, or are computed here when None; every constraint that is not done
     is advanced with its row's token. `counts`: per row, how often it has generated each token, for
     its presence and frequency penalties (None: the row has none); the penalties and
@@ -47,7 +47,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if _bias(logits, params) or adjusted:
         chosen = logits.argmax(dim=-1)
     if constraints is not None and any(c is not None for c in constraints):
-        from inference import masks as grammar_masks
+        from inference.structured import masks as grammar_masks
 
         masks = masks if masks is not None else grammar_masks.now(constraints)
         if masks is not None:

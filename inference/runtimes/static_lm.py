@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from inference import masks as grammar_masks
 from inference.runtimes.base import FAILED, KVRefusal, NewSequence
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.runtimes.graphs import (
@@ -40,6 +39,7 @@ from inference.runtimes.graphs import (
 )
 from inference.runtimes.kv import DecodeOptions
 from inference.runtimes.slots import SlotCache
+from inference.structured import masks as grammar_masks
 
 
 class StaticCausalLMRuntime(CausalLMRuntime):

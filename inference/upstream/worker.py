@@ -7,7 +7,7 @@ deployments). The delivery contract is inference/worker.py's, through the same p
 
   intake      (inference/engine/intake.py) reading, reaping dead workers' entries,
               dead letters, the backlog, cancel flags, what an earlier delivery streamed
-  admission   (inference/engine/admission.py, over inference/scheduler.py) priorities,
+  admission   (inference/engine/batch_scheduler.py, over inference/engine/scheduler.py) priorities,
               tenant fairness, each tenant's share of the calls in flight while
               others wait, the last delivery alone, deadlines in the queue
   writer      (inference/engine/writer.py) events before acks, each final once
@@ -62,7 +62,7 @@ import redis
 import uvloop
 
 from inference import queue as q
-from inference.engine.admission import BatchScheduler, running_share
+from inference.engine.batch_scheduler import BatchScheduler, running_share
 from inference.engine.entries import (
     Pending,
     RequestError,

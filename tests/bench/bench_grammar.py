@@ -3,7 +3,7 @@ unconstrained, measured in the same run, and what the masks cost per step.
 
 For each model and batch size B, B rows with distinct prompts decode greedily through
 `CausalLMRuntime.add/step/drop`. Constrained, every row has a Constraint built as the
-worker builds it (`inference.constraint.plan_for` of the request body): even rows a
+worker builds it (`inference.structured.constraint.plan_for` of the request body): even rows a
 structured answer of the pydantic `Order` schema (tests/inference/grammar_corpus.py's
 "pydantic_order": an array of $ref objects, a bounded string, a number, anyOf with null),
 odd rows a required call of one of two tools (`tool_choice: "required"`, no parallel
@@ -56,13 +56,13 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from inference import masks  # noqa: E402
-from inference.constraint import Constraint, Vocabulary, plan_for  # noqa: E402
-from inference.grammar import Plan, Tool, plan  # noqa: E402
 from inference.runtimes import load_runtime  # noqa: E402
 from inference.runtimes.base import NewSequence, SamplingParams  # noqa: E402
 from inference.runtimes.causal_lm import CausalLMRuntime  # noqa: E402
 from inference.spec import DeploymentSpec, RuntimeName  # noqa: E402
+from inference.structured import masks  # noqa: E402
+from inference.structured.constraint import Constraint, Vocabulary, plan_for  # noqa: E402
+from inference.structured.grammar import Plan, Tool, plan  # noqa: E402
 from inference.weights import SMOLLM2, pick_device  # noqa: E402
 from tests.inference.grammar_corpus import SCHEMAS  # noqa: E402
 

@@ -252,7 +252,7 @@ class Watch:
             for pid in process_tree(root):
                 with contextlib.suppress(OSError):
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                    checker = b"inference.grammar_check" in cmd
+                    checker = b"inference.structured.grammar_check" in cmd
                     found[pid] = f"{name}/grammar_check" if checker else name
         return found
 

@@ -11,7 +11,7 @@ import redis
 from governance import breaker
 from governance.breaker import Outcome, Snapshot, State
 from governance.models import BreakerPolicy
-from inference.memory import MemoryGuard
+from inference.engine.memory import MemoryGuard
 
 DEP = "brk"
 

@@ -13,9 +13,10 @@ from typing import Any, cast
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
-from inference.constraint import Constraint, Vocabulary
-from inference.engine.toolstream import CallText, read_calls
-from inference.grammar import (
+from inference.jobs import ChatJob, ToolSpec
+from inference.runtimes.causal_lm import CausalLMRuntime
+from inference.structured.constraint import Constraint, Vocabulary
+from inference.structured.grammar import (
     CUSTOM_END,
     TOOL_MARKER,
     GrammarError,
@@ -24,9 +25,13 @@ from inference.grammar import (
     plan,
     split_calls,
 )
-from inference.grammar_check import MAX_TOTAL_DEFINITION_BYTES, PlanRequest, TooComplex, precheck
-from inference.jobs import ChatJob, ToolSpec
-from inference.runtimes.causal_lm import CausalLMRuntime
+from inference.structured.grammar_check import (
+    MAX_TOTAL_DEFINITION_BYTES,
+    PlanRequest,
+    TooComplex,
+    precheck,
+)
+from inference.structured.toolstream import CallText, read_calls
 from streaming.structured import tool_prompt
 from tests.inference.test_grammar import generate, tiny, vocab  # noqa: F401 (fixtures)
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.detokenize import Detokenizer
+from inference.engine.detokenize import Detokenizer
 from inference.weights import smollm2_tokenizer_dir
 
 # ASCII words and spaces, accents, CJK and emoji: byte-level BPE splits the last two into

@@ -23,12 +23,12 @@ from inference.engine.health import Health
 from inference.engine.inputs import InputProcessor
 from inference.engine.intake import Intake
 from inference.engine.output import OutputProcessor, done_event
+from inference.engine.scheduler import admit, expired
 from inference.engine.writer import Outbox, Writer
 from inference.jobs import ChatJob, DeltaEvent, Event
 from inference.runtimes import load_runtime
 from inference.runtimes.base import ChatRuntime, NewSequence, SamplingParams
 from inference.runtimes.echo import EOS, EchoRuntime
-from inference.scheduler import admit, expired
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import heartbeats
 from tests.conftest import eventually

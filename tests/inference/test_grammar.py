@@ -11,13 +11,13 @@ from collections.abc import Iterator
 import jsonschema
 import pytest
 
-from inference import masks
-from inference.constraint import Constraint, Vocabulary
-from inference.grammar import TOOL_MARKER, GrammarError, Tool, plan
 from inference.runtimes import load_runtime
 from inference.runtimes.base import NewSequence, SamplingParams
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.spec import DeploymentSpec, RuntimeName
+from inference.structured import masks
+from inference.structured.constraint import Constraint, Vocabulary
+from inference.structured.grammar import TOOL_MARKER, GrammarError, Tool, plan
 from tests.inference.grammar_corpus import REFUSED, SCHEMAS
 
 BUDGET = 96
@@ -264,8 +264,8 @@ def test_smollm2_answers_a_weather_question_with_a_call_and_others_in_text() -> 
 def test_properties_are_written_in_the_schemas_own_order(vocab: Vocabulary) -> None:
     """The worker's plan keeps each schema's key order (llguidance writes properties in
     it): a schema listing zeta before alpha gets zeta first."""
-    from inference.constraint import plan_for
     from inference.jobs import ChatJob, ToolSpec
+    from inference.structured.constraint import plan_for
 
     ordered = {"type": "object", "properties": {"zeta": {"const": 1}, "alpha": {"const": 2}},
                "required": ["zeta", "alpha"], "additionalProperties": False}

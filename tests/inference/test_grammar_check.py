@@ -1,4 +1,4 @@
-"""The gateway's bounded grammar checks (inference/grammar_check.py): cheap refusals of
+"""The gateway's bounded grammar checks (inference/structured/grammar_check.py): cheap refusals of
 the obvious bombs, a budget and a memory cap that end a child which compiles too long,
 verdicts cached, one tenant's check never in front of another's. Real child processes
 and the real llguidance compiler."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from inference import grammar_check
-from inference.grammar import GrammarError, Tool
-from inference.grammar_check import GrammarChecker, PlanRequest, TooComplex, precheck
+from inference.structured import grammar_check
+from inference.structured.grammar import GrammarError, Tool
+from inference.structured.grammar_check import GrammarChecker, PlanRequest, TooComplex, precheck
 
 
 def bomb(n: int, *, salt: str = "") -> dict[str, Any]:

@@ -63,12 +63,12 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch() -> None:
 
 
 def test_a_masked_row_samples_only_what_its_grammar_allows_and_advances() -> None:
-    """Row 2's grammar mask (inference.masks) allows token 3 alone: sampled at
+    """Row 2's grammar mask (inference.structured.masks) allows token 3 alone: sampled at
     temperature 1 it is 3, its constraint is advanced with it, and the unmasked rows
     sample as before."""
     import numpy as np
 
-    from inference.masks import Masks
+    from inference.structured.masks import Masks
 
     class Row:
         done, masking, advanced = False, True, -1

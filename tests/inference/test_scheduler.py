@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from inference.scheduler import admit, pick, preempt, share_cap
+from inference.engine.scheduler import admit, pick, preempt, share_cap
 
 
 @dataclass(frozen=True)

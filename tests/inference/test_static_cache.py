@@ -15,8 +15,6 @@ import random
 import pytest
 import torch
 
-from inference.constraint import Constraint, Vocabulary
-from inference.grammar import plan
 from inference.runtimes import load_runtime
 from inference.runtimes.base import FAILED, KVCapacityError, NewSequence, SamplingParams
 from inference.runtimes.causal_lm import CausalLMRuntime
@@ -24,6 +22,8 @@ from inference.runtimes.graphs import batch_bucket, graph_batch_sizes, length_bu
 from inference.runtimes.kv import DecodeOptions
 from inference.runtimes.static_lm import StaticCausalLMRuntime
 from inference.spec import DeploymentSpec, RuntimeName
+from inference.structured.constraint import Constraint, Vocabulary
+from inference.structured.grammar import plan
 from inference.weights import SMOLLM2
 
 TEXTS = ["hi", "tell me a story about a dragon and a knight in a castle far away",

@@ -1,4 +1,4 @@
-"""Reading tool calls while they are written (inference/engine/toolstream.py): every
+"""Reading tool calls while they are written (inference/structured/toolstream.py): every
 prefix of a reply's text gives calls whose arguments only grow, and the whole text
 gives each call's arguments exactly as written."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from inference.engine.toolstream import CallText, read_calls
-from inference.grammar import TOOL_MARKER
+from inference.structured.grammar import TOOL_MARKER
+from inference.structured.toolstream import CallText, read_calls
 
 FIRST = '{"name": "get_weather", "arguments": {"city": "Zürich}", "days": [1, 2]}}'
 SECOND = '{"name": "noop", "arguments": {}}'

@@ -1,7 +1,7 @@
 """One tenant's abuse of the shared gateway, on every API and transport, while another
 tenant calls the same deployment: the abuse is refused cheaply with its own clear error
 (what a structural pre-check cannot tell is compiled only after the call's admission,
-inference/grammar_check.py), and the other tenant's calls all succeed.
+inference/structured/grammar_check.py), and the other tenant's calls all succeed.
 (The figures under load: tests/bench/bench_neighbours.py.)"""
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ def _share(name: str, default: float) -> float:
 
 
 # While other tenants wait, one tenant runs at most this share of a deployment's batch
-# (inference/scheduler.py); alone it may use all of it. A deployment's spec may override.
+# (inference/engine/scheduler.py); alone it may use all of it. A deployment's spec may override.
 SLUICE_TENANT_RUNNING_SHARE = _share("SLUICE_TENANT_RUNNING_SHARE", 0.5)
 
-# Callers' schemas are compiled in child processes (inference/grammar_check.py): this
+# Callers' schemas are compiled in child processes (inference/structured/grammar_check.py): this
 # many per gateway process, each check within this budget and address-space headroom
 # (over: 400 `schema_too_complex`, the child replaced).
 SLUICE_GRAMMAR_CHECK_PROCESSES = env_int("SLUICE_GRAMMAR_CHECK_PROCESSES", 2, minimum=1)

@@ -3,7 +3,7 @@ llguidance (the engine vLLM and SGLang use), never by code of our own.
 
 Torch-free: the gateway validates every schema with this before anything is queued
 (llguidance checks a grammar without a tokenizer), and the worker compiles the same
-grammar text into matchers (inference/constraint.py).
+grammar text into matchers (inference/structured/constraint.py).
 
 What a constrained reply looks like (the tool prompt tells the model the same):
 - a function call is `{"name": <a declared function>, "arguments": <its parameters>}`;

@@ -1,11 +1,11 @@
 """One sequence's grammar state during generation, and the vocabulary it is checked
-against: llguidance matchers over the runtime's own tokenizer (inference/grammar.py
+against: llguidance matchers over the runtime's own tokenizer (inference/structured/grammar.py
 makes the grammars).
 
 A Constraint is advanced with every token its sequence generates (`advance`, by the
 sampler on the model thread) and read by the worker (`kind`, `complete`, `calls`). Its
 masks are computed for a whole batch at once, on llguidance's threads, while the model
-runs its forward pass (inference/masks.py). Contract:
+runs its forward pass (inference/structured/masks.py). Contract:
 - `masking`: the next token must be one the matcher allows (mask it); False while an
   "auto" reply has not begun a call yet, and once the constraint is `done`;
 - `done`: nothing more to constrain: the grammar is complete (`complete`), the reply
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
-from inference.grammar import TOOL_MARKER, Plan, job_plan, split_calls
 from inference.jobs import ChatJob, decode_job, encode_job
+from inference.structured.grammar import TOOL_MARKER, Plan, job_plan, split_calls
 
 _CLOSERS = frozenset('"}],')
 

@@ -5,7 +5,7 @@ upstream worker, inference/upstream/worker.py).
 `BatchScheduler.next(running)` (each loop iteration, with the backlog non-empty):
 - answers the entries whose deadline passed in the queue (an `expired_in_queue` final
   in the outbox; they leave the backlog);
-- asks the scheduler (inference/scheduler.py `admit`, pure) what joins the `running`
+- asks the scheduler (inference/engine/scheduler.py `admit`, pure) what joins the `running`
   requests: priorities, tenant fairness rotating from the last admitted tenant, each
   tenant's share of the running slots while others wait, a request on its last
   delivery alone;
@@ -33,8 +33,8 @@ from inference.engine.entries import Pending, expired_in_queue
 from inference.engine.health import Health
 from inference.engine.intake import Intake
 from inference.engine.output import error_event
+from inference.engine.scheduler import admit, expired, preempt, share_cap
 from inference.engine.writer import Outbox
-from inference.scheduler import admit, expired, preempt, share_cap
 from inference.spec import DeploymentSpec
 
 

@@ -1,5 +1,5 @@
 """Tool calls read while they are written: the calls begun so far in the text of a reply
-generated under a tools grammar (inference/grammar.py), so the output processor can
+generated under a tools grammar (inference/structured/grammar.py), so the output processor can
 stream each call's arguments (a custom tool's input) as the model writes them (OpenAI's
 and Anthropic's streams do) and end with exactly the text it streamed.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from inference.grammar import CUSTOM_END, TOOL_MARKER
+from inference.structured.grammar import CUSTOM_END, TOOL_MARKER
 
 _NAME = '{"name": '
 _ARGUMENTS = ', "arguments": '

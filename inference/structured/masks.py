@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from inference.constraint import Constraint, Vocabulary
+from inference.structured.constraint import Constraint, Vocabulary
 
 _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-masks")
 _SHIFTS = torch.arange(32, dtype=torch.int32)

@@ -14,8 +14,8 @@ and its fuel limits do not bound it. So:
   schema bytes across a request than MAX_TOTAL_SCHEMA_BYTES, more custom tools' grammar
   (Lark, regex) bytes than MAX_TOTAL_DEFINITION_BYTES, more intersected patterns
   than MAX_INTERSECTED_PATTERNS, more pattern text than MAX_PATTERN_CHARS;
-- the rest is compiled (inference/grammar.py `plan`, exactly what the worker compiles)
-  in a child process (`python -m inference.grammar_check`) whose address space is capped
+- the rest is compiled (inference/structured/grammar.py `plan`, exactly what the worker compiles)
+  in a child process (`python -m inference.structured.grammar_check`) whose address space is capped
   at its size after imports plus `memory_mb`; a child that passes `budget_s`, runs out of
   memory or dies is killed and replaced, and the verdict is `TooComplex`;
 - verdicts (both kinds) are cached by the request's hash, so a schema sent again costs a
@@ -42,8 +42,8 @@ from typing import Any
 
 import msgspec
 
-from inference.grammar import MAX_SCHEMA_BYTES, GrammarError, Tool, plan, plan_args
 from inference.jobs import ChatJob
+from inference.structured.grammar import MAX_SCHEMA_BYTES, GrammarError, Tool, plan, plan_args
 
 MAX_TOTAL_SCHEMA_BYTES = 256 * 1024  # every tool's parameters and the response format
 MAX_INTERSECTED_PATTERNS = 8  # `pattern`s one `allOf` intersects (8: ~5 ms to check)
@@ -267,7 +267,7 @@ class GrammarChecker:
         """A new child, once it has imported the compiler (its start-up, seconds on a
         busy machine, is not part of any check's budget)."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "inference.grammar_check", str(self.memory_mb),
+            sys.executable, "-m", "inference.structured.grammar_check", str(self.memory_mb),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL, limit=1 << 20)
         child = _Child(proc)
