@@ -21,9 +21,9 @@ Delivery is at-least-once with no duplicates visible to the caller:
 The `Worker` wires the parts of inference/engine/ (each module states its contract):
   intake.py   reads entries (XREADGROUP), reaps dead workers' entries, dead-letters,
               holds the backlog, looks up cancellations, hands entries back
-  admission.py
+  batch_scheduler.py
               which waiting requests start now, and which running ones give way to
-              tenants below their share (inference/engine/scheduler.py, pure, decides)
+              tenants below their share (scheduler.py, pure, decides)
   inputs.py   a job into the engine's sequence (prompt, sampling, grammar)
   engine.py   the runtime's sequences and steps, overlapped on the model thread
   output.py   tokens into events: detokenizing, stop strings, logprobs, finishes

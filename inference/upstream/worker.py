@@ -7,9 +7,9 @@ deployments). The delivery contract is inference/worker.py's, through the same p
 
   intake      (inference/engine/intake.py) reading, reaping dead workers' entries,
               dead letters, the backlog, cancel flags, what an earlier delivery streamed
-  admission   (inference/engine/batch_scheduler.py, over inference/engine/scheduler.py) priorities,
-              tenant fairness, each tenant's share of the calls in flight while
-              others wait, the last delivery alone, deadlines in the queue
+  scheduling  (inference/engine/batch_scheduler.py, over inference/engine/scheduler.py)
+              priorities, tenant fairness, each tenant's share of the calls in flight
+              while others wait, the last delivery alone, deadlines in the queue
   writer      (inference/engine/writer.py) events before acks, each final once
   health      (inference/engine/health.py) heartbeats, the memory guard, batch spans
 and, in place of the model's parts, the calls (inference/upstream/calls.py): one task
