@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from sluice.pii.redaction import redact
+
 
 class ApiError(Exception):
     status: ClassVar[int] = 500
@@ -33,8 +35,6 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         # Messages may quote what the caller sent: redacted like everything emitted.
-        from sluice.pii.redaction import redact
-
         body = error_body(redact(self.message), type=self.type, code=self.code,
                           param=self.param)
         if self.details:
