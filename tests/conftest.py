@@ -39,6 +39,7 @@ from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
 from tenants.roles import Role
 from tenants.services import apikey_create
+from tests import parallel
 
 T = TypeVar("T")
 PASSWORD = "correct horse battery staple"
@@ -57,11 +58,27 @@ RELAYED = pytest.mark.single_redis("a reply-cutting relay in front of one Redis 
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get(parallel.WORKER)
+    if worker and os.environ.get(parallel.MARK) != worker:
+        raise pytest.UsageError(
+            f"xdist worker {worker} has no Redis of its own: its settings must be "
+            "tests.settings (tests/parallel.py), not DJANGO_SETTINGS_MODULE="
+            f"{os.environ.get('DJANGO_SETTINGS_MODULE')}")
     config.addinivalue_line("markers", "single_redis(reason): runs on a single Redis only "
                             "(skipped when REDIS_URL is a Redis Cluster), for the reason given")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        # A module whose tests share a module-scoped fixture (a server, a model, a
+        # cluster of namespaces) runs whole on one xdist worker: split, each worker
+        # would build the fixture again.
+        closure = getattr(item, "_fixtureinfo", None)
+        defs = closure.name2fixturedefs.values() if closure is not None else ()
+        if item.get_closest_marker("xdist_group") is None and any(
+                d and d[-1].scope == "module" for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if not is_cluster_url(settings.REDIS_URL):
         return
     for item in items:
