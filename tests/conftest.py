@@ -64,6 +64,9 @@ def pytest_configure(config: pytest.Config) -> None:
             f"xdist worker {worker} has no Redis of its own: its settings must be "
             "tests.settings (tests/parallel.py), not DJANGO_SETTINGS_MODULE="
             f"{os.environ.get('DJANGO_SETTINGS_MODULE')}")
+    # Also without pytest-xdist (`-p no:xdist`): the hook below sets it.
+    config.addinivalue_line("markers", "xdist_group(name): the tests of a group run on one "
+                            "xdist worker")
     config.addinivalue_line("markers", "single_redis(reason): runs on a single Redis only "
                             "(skipped when REDIS_URL is a Redis Cluster), for the reason given")
 

@@ -32,7 +32,7 @@ from tenants.roles import Role
 from tests.conftest import RELAYED, Org, make_org, principal_for, process_env
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 REPO = Path(__file__).resolve().parents[2]
 
 

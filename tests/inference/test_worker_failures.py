@@ -28,7 +28,7 @@ from sluice.redis import sync_client
 from tests.inference.conftest import ProcessWorkers, Result, chat, collect, run, unique
 from tests.reference import tiny_reply
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def prompt(i: int) -> str:
