@@ -64,24 +64,11 @@ def pytest_configure(config: pytest.Config) -> None:
             f"xdist worker {worker} has no Redis of its own: its settings must be "
             "tests.settings (tests/parallel.py), not DJANGO_SETTINGS_MODULE="
             f"{os.environ.get('DJANGO_SETTINGS_MODULE')}")
-    # Also without pytest-xdist (`-p no:xdist`): the hook below sets it.
-    config.addinivalue_line("markers", "xdist_group(name): the tests of a group run on one "
-                            "xdist worker")
     config.addinivalue_line("markers", "single_redis(reason): runs on a single Redis only "
                             "(skipped when REDIS_URL is a Redis Cluster), for the reason given")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        # A module whose tests share a module-scoped fixture (a server, a model, a
-        # cluster of namespaces) runs whole on one xdist worker: split, each worker
-        # would build the fixture again.
-        closure = getattr(item, "_fixtureinfo", None)
-        defs = closure.name2fixturedefs.values() if closure is not None else ()
-        if item.get_closest_marker("xdist_group") is None and any(
-                d and d[-1].scope == "module" for d in defs):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if not is_cluster_url(settings.REDIS_URL):
         return
     for item in items:

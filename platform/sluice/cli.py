@@ -252,9 +252,13 @@ def _names_tests(pytest_args: list[str]) -> bool:
 
 def _parallel(pytest_args: list[str]) -> tuple[list[str], int]:
     """pytest-xdist's options for a run and its number of workers: as many as the cores
-    this process may use, tests grouped by `xdist_group` (`--dist loadgroup`), unless
-    the arguments choose (`-n 0` runs serially; `-p no:xdist` too).
-    tests/parallel.py says what each worker owns."""
+    this process may use, unless the arguments choose (`-n 0` runs serially; `-p
+    no:xdist` too). Each module runs whole on one worker (`--dist loadfile`, the
+    largest first): a module-scoped fixture (a server, a model, a cluster of network
+    namespaces) is built once, and a module's tests keep their order. (`xdist_group`
+    and `--dist loadgroup` have no effect with pytest 9.2: xdist 3.8 marks a group in
+    a node id attribute pytest no longer reads.) tests/parallel.py says what each
+    worker owns."""
     given = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     given.add_argument("-n", "--numprocesses")
     given.add_argument("--tx", action="append")
@@ -263,7 +267,7 @@ def _parallel(pytest_args: list[str]) -> tuple[list[str], int]:
     known, _ = given.parse_known_args(pytest_args)
     if "no:xdist" in known.p:
         return [], 0
-    dist = [] if known.dist else ["--dist", "loadgroup"]
+    dist = [] if known.dist else ["--dist", "loadfile"]
     if known.tx:
         return dist, len(known.tx)
     if known.numprocesses is None:

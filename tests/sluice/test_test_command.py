@@ -55,8 +55,8 @@ def test_a_worker_that_cannot_have_its_own_redis_is_an_error(env: dict[str, str]
 
 
 @pytest.mark.parametrize(("args", "options", "workers"), [
-    (["-k", "jwt"], ["-n", "CORES", "--dist", "loadgroup"], "CORES"),
-    (["-n", "0"], [], 0), (["-n3"], ["--dist", "loadgroup"], 3),
+    (["-k", "jwt"], ["-n", "CORES", "--dist", "loadfile"], "CORES"),
+    (["-n", "0"], [], 0), (["-n3"], ["--dist", "loadfile"], 3),
     (["-n", "2", "--dist", "load"], [], 2), (["-p", "no:xdist"], [], 0)])
 def test_a_run_has_a_worker_per_core_unless_the_arguments_say(
         args: list[str], options: list[str], workers: int | str) -> None:
