@@ -6,8 +6,8 @@ worker its own PostgreSQL database (test_<name>_gw0, _gw1, ...) by itself.
 `isolate(environ)` rewrites the environment of a worker process before Django's settings
 are read (tests/settings.py calls it first), and the processes a test starts inherit it:
 
-- SLUICE_TEST_REDIS_URLS, a comma-separated list (the test command's cluster pass: one
-  cluster per worker), gives worker i its item i as REDIS_URL;
+- SLUICE_TEST_REDIS_URLS, a space-separated list (the test command's cluster pass: one
+  cluster per worker; a cluster URL has commas), gives worker i its item i as REDIS_URL;
 - otherwise worker i takes REDIS_URL's database number less i (15, 14, ... for the test
   command's default 15; a database below 0 is an error, never a wrap onto a developer's
   database 0), and SLUICE_CELERY_REDIS_URL / SLUICE_CHANNELS_REDIS_URL, when set, the
@@ -59,11 +59,11 @@ def isolate(environ: MutableMapping[str, str]) -> None:
     if not worker or environ.get(MARK) == worker:
         return
     index = worker_index(worker)
-    listed = [url for url in environ.get(URLS, "").split(",") if url.strip()]
+    listed = environ.get(URLS, "").split()
     if listed:
         if index >= len(listed):
             raise RuntimeError(f"{URLS} names {len(listed)} Redis URLs: none for {worker}")
-        environ["REDIS_URL"] = listed[index].strip()
+        environ["REDIS_URL"] = listed[index]
     else:
         environ["REDIS_URL"] = shifted(environ.get("REDIS_URL", ""), index)
     for name in _SIDE_URLS:

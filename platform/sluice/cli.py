@@ -309,7 +309,7 @@ def _cluster_pass(pytest_args: list[str], env: dict[str, str]) -> int:
         selection = [] if _names_tests(pytest_args) else ["-m", "cluster"]
         return _pytest([*parallel, *selection, *pytest_args], {
             **env, "REDIS_URL": clusters[0].url,
-            "SLUICE_TEST_REDIS_URLS": ",".join(c.url for c in clusters),
+            "SLUICE_TEST_REDIS_URLS": " ".join(c.url for c in clusters),
             "SLUICE_CELERY_REDIS_URL": env["REDIS_URL"],
             "SLUICE_CHANNELS_REDIS_URL": env["REDIS_URL"]},
             ", ".join(c.name for c in clusters))

@@ -33,11 +33,12 @@ def test_each_worker_gets_its_own_redis_databases_and_state_dir(tmp_path: Path) 
 
 def test_listed_urls_go_one_per_worker_and_a_process_that_is_no_worker_is_left_alone(
         ) -> None:
-    urls = "redis+cluster://127.0.0.1:7000/,redis+cluster://127.0.0.1:7100/"
-    env = {"REDIS_URL": "redis+cluster://127.0.0.1:7000/", parallel.URLS: urls,
-           parallel.WORKER: "gw1"}
+    urls = ("redis+cluster://127.0.0.1:7000,127.0.0.1:7001/ "
+            "redis+cluster://127.0.0.1:7100,127.0.0.1:7101/")
+    env = {"REDIS_URL": "redis+cluster://127.0.0.1:7000,127.0.0.1:7001/",
+           parallel.URLS: urls, parallel.WORKER: "gw1"}
     parallel.isolate(env)
-    assert env["REDIS_URL"] == "redis+cluster://127.0.0.1:7100/"
+    assert env["REDIS_URL"] == "redis+cluster://127.0.0.1:7100,127.0.0.1:7101/"
     alone = {"REDIS_URL": "redis://127.0.0.1:6379/3"}
     parallel.isolate(alone)
     assert alone == {"REDIS_URL": "redis://127.0.0.1:6379/3"}
