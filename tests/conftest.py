@@ -39,6 +39,7 @@ from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
 from tenants.roles import Role
 from tenants.services import apikey_create
+from tests import parallel
 
 T = TypeVar("T")
 PASSWORD = "correct horse battery staple"
@@ -57,6 +58,12 @@ RELAYED = pytest.mark.single_redis("a reply-cutting relay in front of one Redis 
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get(parallel.WORKER)
+    if worker and os.environ.get(parallel.MARK) != worker:
+        raise pytest.UsageError(
+            f"xdist worker {worker} has no Redis of its own: its settings must be "
+            "tests.settings (tests/parallel.py), not DJANGO_SETTINGS_MODULE="
+            f"{os.environ.get('DJANGO_SETTINGS_MODULE')}")
     config.addinivalue_line("markers", "single_redis(reason): runs on a single Redis only "
                             "(skipped when REDIS_URL is a Redis Cluster), for the reason given")
 

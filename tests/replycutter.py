@@ -23,6 +23,7 @@ class ReplyCutter:
         self.sent = bytearray()  # every byte the clients sent, to count commands in
         self.connections = 0  # client connections relayed
         self.writes = 0  # reads of client data (one per client write, when not split)
+        self.upstreams: list[str] = []  # host:port of each relayed connection to Redis
         self.server: asyncio.Server | None = None
 
     def commands(self, name: bytes) -> int:
@@ -39,6 +40,8 @@ class ReplyCutter:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(*self.target)
         self.connections += 1
+        host, port = up_writer.get_extra_info("sockname")[:2]
+        self.upstreams.append(f"{host}:{port}")
         cutting = False
 
         async def upward() -> None:

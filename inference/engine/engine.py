@@ -12,7 +12,8 @@ Contract with the loop (the only caller; one thread):
   sequences made and were not handed out yet (the caller handles them, then `drop`s
   the sequences), so what the runtime computed for them is neither lost nor seen twice;
 - `settle()` ends a step still running when the batch has ended; `abandon()` forgets
-  every sequence; `embed(texts)` is an embedding runtime's whole batch.
+  every sequence; `close()` drops every sequence and ends the model thread;
+  `embed(texts)` is an embedding runtime's whole batch.
 
 Overlap (vLLM's asynchronous scheduling): steps at least `overlap_min_step_s` long (a
 model's forward pass) run on the model thread, the next one starting as soon as the
@@ -161,6 +162,12 @@ class Engine:
         self.rows.clear()
 
     def close(self, *, wait: bool) -> None:
+        """Stop: every sequence leaves the runtime, then the model thread ends. A runtime
+        may outlive its engine (a worker restarted in the same process, a test's shared
+        runtime): it is left empty, its KV cache free. With `wait` False a step still
+        running is not waited for, and the runtime, which it is using, is left as is."""
+        if wait or self._stepping is None or self._stepping.done():
+            self.abandon()
         self._model.shutdown(wait=wait)
 
     def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], list[int]]:

@@ -17,7 +17,7 @@ from tenants.models import ApiKey, Member, Tenant
 from tenants.roles import Role
 from tests.conftest import PASSWORD, Org, signed_in
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.cluster]
 
 
 

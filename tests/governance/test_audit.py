@@ -28,7 +28,7 @@ from tests.conftest import Org, make_org, principal_for
 from tests.streaming.conftest import Live
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.cluster]
 
 
 def events(chain: str) -> list[AuditEvent]:

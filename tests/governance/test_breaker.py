@@ -13,6 +13,8 @@ from governance.breaker import Outcome, Snapshot, State
 from governance.models import BreakerPolicy
 from inference.engine.memory import MemoryGuard
 
+pytestmark = pytest.mark.cluster
+
 DEP = "brk"
 
 

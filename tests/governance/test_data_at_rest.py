@@ -45,6 +45,8 @@ from tenants.roles import Role
 from tests.conftest import Org, assert_openai_error, eventually, make_org, principal_for
 from tests.streaming.conftest import Live
 
+pytestmark = pytest.mark.cluster
+
 SSN, IBAN, CARD = "219-09-9999", "DE89 3704 0044 0532 0130 00", "4111 1111 1111 1111"
 # The same values as they may be stored without separators.
 NEEDLES = [SSN, IBAN, CARD, "219099999", "DE89370400440532013000", "4111111111111111"]

@@ -29,10 +29,17 @@ from sluice.localinfra import free_port
 from sluice.redis import sync_client
 from tenants.models import ApiKey
 from tenants.roles import Role
-from tests.conftest import RELAYED, Org, make_org, principal_for, process_env
+from tests.conftest import (
+    RELAYED,
+    Org,
+    eventually,
+    make_org,
+    principal_for,
+    process_env,
+)
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -462,7 +469,12 @@ def test_usage_is_counted_and_rolled_up_idempotently(live: Live, org: Org) -> No
     for text in ("one", "three"):
         client.chat.completions.create(**chat_body(text))
     client.embeddings.create(model="minilm", input=["a b c"])
-    time.sleep(0.5)  # the gateway writes usage counters every 0.1 s
+    def counted() -> bool:  # the gateway writes its usage counters every 0.1 s
+        usage.rollup()
+        rows = {r.model: r.requests for r in UsageRecord.objects.filter(tenant=org.tenant)}
+        return rows.get("echo") == 2 and rows.get("minilm") == 1
+
+    eventually(counted, 10, what="the gateway's usage counters")
     assert usage.rollup() >= 2
     assert usage.rollup() >= 2  # again: the same totals, not doubled
     rows = {r.model: r for r in UsageRecord.objects.filter(tenant=org.tenant)}
@@ -540,8 +552,9 @@ def test_calls_are_refused_not_served_unaudited_while_the_audit_log_cannot_keep_
     assert refused.status_code == 503 and refused.code == "audit_unavailable", refused
     assert refused.response.headers["retry-after"] == "5"
     assert served >= 20
-    time.sleep(0.5)  # the last served calls' events reach the stream (0.1 s flushes)
-    backlog = rds.xlen(audit.STREAM)
+    # The last served calls' events reach the stream (0.1 s flushes).
+    backlog = eventually(lambda: rds.xlen(audit.STREAM) >= served and rds.xlen(audit.STREAM),
+                         10, what="the served calls' audit events")
     assert backlog >= 20
     for _ in range(5):
         again = call()

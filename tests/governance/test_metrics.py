@@ -17,6 +17,8 @@ from tenants.roles import Role
 from tests.conftest import eventually, make_org
 from tests.streaming.conftest import Live
 
+pytestmark = pytest.mark.cluster
+
 pytestmark = pytest.mark.slow
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -24,6 +24,8 @@ from governance.quota import (
     shadow_hits,
 )
 
+pytestmark = pytest.mark.cluster
+
 
 def q(pk: int, **kw: Any) -> Quota:
     row = Quota(**kw)

@@ -27,6 +27,8 @@ from governance.ratelimit import (
 )
 from sluice.redis import sync_client
 
+pytestmark = pytest.mark.cluster
+
 
 def take(rds: redis.Redis, buckets: list[Bucket], costs: list[float], *,
          clock: float | None = None, mode: str = "check") -> Any:

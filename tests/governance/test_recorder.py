@@ -30,7 +30,7 @@ from tenants.roles import Role
 from tests.conftest import RELAYED, make_org, principal_for
 from tests.replycutter import ReplyCutter
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.cluster]
 
 
 def flush_cut_then_retried(retries: bool, before: Callable[[Recorder], None],

@@ -28,6 +28,8 @@ from streaming import batch_runner, responses_copy
 from streaming.models import Batch
 from tenants import throttle
 
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parents[2]
 APPS = ["inference", "governance", "tenants", "streaming", "frontend", "platform/sluice"]
 TENANTS = ["alice", "b", "x-1", "a" * 63]

@@ -25,6 +25,7 @@ from inference.jobs import ChatJob
 from inference.spec import DeploymentSpec
 from inference.worker import Worker, heartbeats
 from sluice.redis import sync_client
+from tests import runtimes
 
 # The live gateway (uvicorn + in-thread workers) for the autoscaler tests.
 from tests.streaming.conftest import live  # noqa: F401
@@ -52,20 +53,31 @@ def unique(prefix: str) -> str:
 
 @pytest.fixture
 def thread_worker(rds: redis.Redis) -> Iterator[Callable[..., Worker]]:
-    """Start a Worker in a thread of this process (real Redis, real runtime)."""
+    """Start a Worker in a thread of this process (real Redis, real runtime: the one
+    given, else one lent by tests/runtimes.py)."""
     started: list[tuple[Worker, threading.Thread]] = []
 
+    lent: set[int] = set()  # the workers whose runtime came from tests/runtimes.py
+
     def start(spec: DeploymentSpec, **kwargs: Any) -> Worker:
+        pooled = "runtime" not in kwargs
+        if pooled:
+            kwargs["runtime"] = runtimes.take(spec)
         worker = Worker(spec, sync_client(str(settings.REDIS_URL)), **kwargs)
         thread = threading.Thread(target=worker.run, kwargs={"drain_s": 2}, daemon=True)
         thread.start()
         started.append((worker, thread))
+        if pooled:
+            lent.add(id(worker))
         return worker
 
     yield start
-    for worker, thread in started:
+    for worker, _thread in started:
         worker.stopping.set()
+    for worker, thread in started:
         thread.join(10)
+        if id(worker) in lent and not thread.is_alive():
+            runtimes.give_back(worker.spec, worker.runtime)
 
 
 @dataclass

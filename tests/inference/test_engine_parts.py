@@ -34,6 +34,8 @@ from inference.worker import heartbeats
 from tests.conftest import eventually
 from tests.inference.conftest import chat, unique
 
+pytestmark = pytest.mark.cluster
+
 
 def echo_spec(**kw: Any) -> DeploymentSpec:
     return DeploymentSpec(unique("echo"), RuntimeName.ECHO, **kw)

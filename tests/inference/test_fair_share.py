@@ -25,6 +25,8 @@ from tests.conftest import eventually
 from tests.inference.conftest import chat, collect, run, unique
 from tests.inference.test_engine_parts import Harness, request
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture(scope="module")
 def tiny() -> ChatRuntime:

@@ -18,6 +18,8 @@ from sluice.redis import is_cluster
 from tests.inference.conftest import chat, unique
 from tests.inference.test_engine_parts import request
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 def keep() -> Keep:

@@ -29,6 +29,8 @@ from tests.conftest import RELAYED
 from tests.inference.conftest import Result, chat, collect, run, unique
 from tests.replycutter import ReplyCutter
 
+pytestmark = pytest.mark.cluster
+
 StartWorker = Callable[..., Worker]
 
 

@@ -16,7 +16,7 @@ from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import Org, assert_openai_error
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.cluster]
 
 
 @pytest.fixture(autouse=True)

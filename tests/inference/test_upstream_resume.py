@@ -16,7 +16,7 @@ from tests.inference.conftest import ProcessWorkers, run
 from tests.inference.test_upstream_worker import killed_mid_reply, org, upstream_spec  # noqa: F401  (org: a fixture)
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 CARRIED = Continuation(text="The quick", seq=9, completion_tokens=9)

@@ -33,7 +33,7 @@ from tests.conftest import REPO, Org, eventually, make_org, process_env
 from tests.inference.conftest import ProcessWorkers, Result, collect, run
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture

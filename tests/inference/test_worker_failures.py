@@ -1,7 +1,8 @@
 """Worker processes dying: kill -9 mid-batch answers every request exactly once with the
 full, duplicate-free output; a request that keeps killing workers is dead-lettered, and
 a poison request is dead-lettered without its neighbours; a worker whose model raises
-hands its requests back at once; SIGTERM drains and hands the rest back uncounted."""
+hands its requests back at once; SIGTERM drains and hands the rest back uncounted; a
+stopped worker leaves its runtime empty."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import redis
 
 from inference import queue as q
 from inference.client import InferenceClient
-from inference.runtimes.base import SamplingParams
+from inference.runtimes.base import ChatRuntime, SamplingParams
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.spec import DeploymentSpec, RuntimeName
 from inference.worker import Worker
@@ -27,7 +28,7 @@ from sluice.redis import sync_client
 from tests.inference.conftest import ProcessWorkers, Result, chat, collect, run, unique
 from tests.reference import tiny_reply
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def prompt(i: int) -> str:
@@ -298,3 +299,48 @@ def test_a_poison_request_is_dead_lettered_without_its_neighbours(
     assert [r.text for r in results] == expected
     assert len(crashes) == spec.max_deliveries, crashes
     assert rds.xlen(q.dead_key(spec.name)) == 1
+
+
+@pytest.mark.parametrize("runtime", [RuntimeName.ECHO, RuntimeName.TINY_CAUSAL_LM])
+def test_a_stopped_worker_leaves_its_runtime_empty_for_the_next_one(
+        rds: redis.Redis, redis_url: str, runtime: RuntimeName) -> None:
+    """A worker stopped mid-stream with no time to drain hands its requests back and
+    drops every sequence from its runtime, KV cache included, so that a runtime can
+    outlive its worker: a second worker on the same runtime starts from an empty one
+    and finishes each request with exactly its uninterrupted reply."""
+    spec = DeploymentSpec(unique("stop"), runtime, max_batch_size=4, echo_token_delay_ms=20)
+    texts = [f"request {i}: tell me about the sea" for i in range(3)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = ([t[:24] for t in texts] if runtime == RuntimeName.ECHO  # a byte a token
+                else [tiny_reply(t, params) for t in texts])
+    first = Worker(spec, sync_client(redis_url), block_ms=50)
+    shared = first.runtime
+    assert isinstance(shared, ChatRuntime)
+    stopped = threading.Thread(target=first.run, kwargs={"drain_s": 0}, daemon=True)
+    stopped.start()
+    second = Worker(spec, sync_client(redis_url), runtime=shared, block_ms=50)
+    left: list[str] = []
+
+    async def go(client: InferenceClient) -> list[Result]:
+        handles = [await client.submit(spec, tenant="t", timeout_s=60,
+                                       job=chat(t, max_tokens=24, ignore_eos=True))
+                   for t in texts]
+        deadline = time.monotonic() + 30
+        while len(first.active) < len(texts):  # all three running on the first worker
+            assert time.monotonic() < deadline, "the first worker did not start them"
+            await asyncio.sleep(0.01)
+        first.stopping.set()
+        await asyncio.to_thread(stopped.join, 15)
+        assert not stopped.is_alive()
+        left.extend(shared.active)
+        left.append(str(shared.kv_used_tokens() or ""))
+        threading.Thread(target=second.run, kwargs={"drain_s": 1}, daemon=True).start()
+        return await asyncio.gather(*[collect(h) for h in handles])
+
+    try:
+        results = run(go, redis_url)
+    finally:
+        second.stopping.set()
+    assert left == [""], "the stopped worker left sequences (or KV cache) in its runtime"
+    assert [r.text for r in results] == expected
+    assert all(r.final["t"] == "done" for r in results)

@@ -14,7 +14,7 @@ from sluice.localinfra import free_port
 from tenants import apikeys
 from tests.conftest import ApiClient, gateway_process, process_env
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.cluster]
 
 
 def test_healthz_is_ok_without_auth(anon: ApiClient) -> None:

@@ -58,17 +58,6 @@ def test_private_postgres_from_pgserver(tmp_path: Path) -> None:
         started.stop()
 
 
-def test_the_cluster_pass_selects_files_that_exist_and_leaves_out_only_its_own() -> None:
-    """The test command's cluster pass names paths of this repository: a renamed test
-    file must not drop out of it (or back in) unnoticed."""
-    from sluice.root.cli import CLUSTER_PASS_LEAVES_OUT, CLUSTER_PASS_TESTS, REPO
-
-    missing = [p for p in (*CLUSTER_PASS_TESTS, *CLUSTER_PASS_LEAVES_OUT)
-               if not (REPO / p).exists()]
-    assert not missing, missing
-    assert all(p.startswith(CLUSTER_PASS_TESTS) for p in CLUSTER_PASS_LEAVES_OUT)
-
-
 @pytest.mark.parametrize(("flag", "env", "mode"), [
     (None, {}, "off"), (None, {"CI": "true"}, "also"), ("off", {"CI": "true"}, "off"),
     (None, {"SLUICE_TEST_REDIS_CLUSTER": "1"}, "also"),

@@ -23,6 +23,7 @@ from inference.worker import Worker
 from sluice.redis import sync_client
 from sluice.root.grpcserver import build
 from tenants import cache as auth_cache
+from tests import runtimes
 from tests.conftest import uvicorn_server
 
 
@@ -50,7 +51,8 @@ def live(transactional_db: None) -> Iterator[Live]:
     workers: dict[str, Worker] = {}
     threads = []
     for deployment in specs[:3]:
-        worker = Worker(deployment.to_spec(), sync_client(settings.REDIS_URL),
+        spec = deployment.to_spec()
+        worker = Worker(spec, sync_client(settings.REDIS_URL), runtime=runtimes.take(spec),
                         block_ms=200)
         thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
         thread.start()
@@ -63,20 +65,25 @@ def live(transactional_db: None) -> Iterator[Live]:
     audit.drain(settle_s=0)
     for worker in workers.values():
         worker.stopping.set()
-    for thread in threads:
+    for worker, thread in zip(workers.values(), threads, strict=True):
         thread.join(10)
+        if not thread.is_alive():
+            runtimes.give_back(worker.spec, worker.runtime)
 
 
 def _tiny_worker(name: str, max_context: int) -> Iterator[str]:
     """The toy-weights chat model deployed as `name`, served by a worker thread."""
     spec = Deployment.objects.create(name=name, runtime="tiny_causal_lm",
                                      max_context=max_context, max_batch_size=4).to_spec()
-    worker = Worker(spec, sync_client(settings.REDIS_URL), block_ms=200)
+    worker = Worker(spec, sync_client(settings.REDIS_URL), runtime=runtimes.take(spec),
+                    block_ms=200)
     thread = threading.Thread(target=worker.run, kwargs={"drain_s": 1}, daemon=True)
     thread.start()
     yield name
     worker.stopping.set()
     thread.join(10)
+    if not thread.is_alive():
+        runtimes.give_back(spec, worker.runtime)
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from tenants.services import apikey_create
 from tests.conftest import Org, eventually, make_org, principal_for
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture

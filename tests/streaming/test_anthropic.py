@@ -20,7 +20,7 @@ from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 WEATHER: Any = {"name": "get_weather", "description": "Current weather for a city",
            "input_schema": {"type": "object", "properties": {

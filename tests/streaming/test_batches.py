@@ -34,7 +34,7 @@ from tenants.services import apikey_revoke
 from tests.conftest import REPO, eventually, make_org, process_env
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def jsonl(lines: list[dict[str, Any]]) -> io.BytesIO:

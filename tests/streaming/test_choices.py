@@ -31,7 +31,7 @@ from tenants.roles import Role
 from tests.conftest import Org, make_org, principal_for
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 HELLO = [{"role": "user", "content": "hello, three choices"}]
 WEATHER = {"type": "function", "function": {

@@ -27,7 +27,7 @@ from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live, assert_quota_exhausted, assert_rate_limited
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def test_conversation_keeps_history_and_trims_it(live: Live, tiny: str) -> None:

@@ -28,7 +28,7 @@ from tenants.roles import Role
 from tests.conftest import REPO, Org, eventually, make_org, process_env
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture

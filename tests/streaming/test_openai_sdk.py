@@ -21,7 +21,7 @@ from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from tenants.services import apikey_create
 from tests.conftest import PASSWORD, Org, make_org, principal_for
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 TEXT = "the quarterly numbers are in the vault "
 
 

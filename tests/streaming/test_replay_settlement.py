@@ -30,7 +30,7 @@ from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 SLOW = "slow-echo"  # 50 ms a token: a call of N characters runs N x 50 ms
 
 

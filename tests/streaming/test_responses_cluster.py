@@ -25,7 +25,7 @@ from streaming.responses_store import response_delete, response_get, response_sa
 from tenants.roles import Role
 from tests.conftest import Org, make_org, principal_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.cluster]
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ from tenants.roles import Role
 from tests.conftest import Org, eventually, make_org, principal_for
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.cluster]
 
 
 @pytest.fixture(autouse=True)

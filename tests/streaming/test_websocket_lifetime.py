@@ -24,7 +24,7 @@ from tenants.services import apikey_revoke
 from tests.conftest import Org, make_org, principal_for
 from tests.streaming.conftest import Live
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 IDLE_S = 60.0  # the requirement: a socket held a minute by the clock
 SLOW_TOKEN_S = 0.05  # slow-echo's per-token delay (tests/streaming/conftest.py)

@@ -29,6 +29,8 @@ from tenants.roles import Role
 from tenants.services import member_sign_in
 from tests.conftest import PASSWORD, Org, make_org, uvicorn_server
 
+pytestmark = pytest.mark.cluster
+
 WRONG = "not-the-password-0xC0FFEE"
 
 

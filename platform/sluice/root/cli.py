@@ -23,7 +23,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sluice.localinfra import Started, ensure_postgres, ensure_redis, start_redis_cluster
+from sluice.localinfra import (
+    Started,
+    StartedCluster,
+    ensure_postgres,
+    ensure_redis,
+    start_redis_cluster,
+)
 from sluice.private_files import DIR_MODE, FILE_MODE, narrow
 from sluice.processes import ProcessGroup
 from sluice.servers import DEFAULT as DEFAULT_SERVER
@@ -228,30 +234,6 @@ Press Ctrl-C to stop.
 """
 
 
-# The cluster pass (issue #32): what runs a second time on a private Redis Cluster. Every
-# directory whose tests drive the Redis under test; left out: the browser tests
-# (tests/frontend/*browser*), benches, the netns multi-node test (tests/cluster, which
-# builds its own cluster), deploy/image tests, and the files that are pure CPU (model
-# runtimes, grammar, sampling, redaction) or start a Redis of their own (the cluster
-# tests, the zero-setup fallbacks, the run command, the Redis-restart faults).
-# docs/REDIS_CLUSTER.md, "Testing on both backends".
-CLUSTER_PASS_TESTS = ("tests/governance", "tests/inference", "tests/streaming",
-                      "tests/tenants", "tests/resilience", "tests/sluice", "tests/frontend")
-CLUSTER_PASS_LEAVES_OUT = (
-    "tests/inference/test_grammar.py", "tests/inference/test_sampling.py",
-    "tests/inference/test_detokenize.py", "tests/inference/test_runtimes.py",
-    "tests/inference/test_scheduler.py", "tests/inference/test_cuda_graphs.py",
-    "tests/inference/test_static_cache.py", "tests/inference/test_runtime_kv.py",
-    "tests/sluice/test_redaction.py", "tests/sluice/test_wirejson.py",
-    "tests/sluice/test_redis_cluster.py", "tests/sluice/test_redis_cluster_failover.py",
-    "tests/sluice/test_redis_cluster_urls.py", "tests/sluice/test_localinfra.py",
-    "tests/sluice/test_deploy_manifests.py", "tests/sluice/test_processes.py",
-    "tests/sluice/test_run_command.py", "tests/resilience/test_faults.py",
-    "tests/frontend/test_browser.py", "tests/frontend/test_csp_browser.py",
-    "tests/resilience/test_api_fuzz.py", "tests/resilience/test_websocket_fuzz.py",
-)
-
-
 def _cluster_mode(args: argparse.Namespace) -> str:
     """"off", "also" (after the single-Redis pass) or "only": --redis-cluster, else
     SLUICE_TEST_REDIS_CLUSTER (1/also, only, 0/off), else "also" under CI=true."""
@@ -270,6 +252,36 @@ def _names_tests(pytest_args: list[str]) -> bool:
                for a in pytest_args)
 
 
+def _parallel(pytest_args: list[str]) -> tuple[list[str], int]:
+    """pytest-xdist's options for a run and its number of workers: as many as the cores
+    this process may use, unless the arguments choose (`-n 0` runs serially; `-p
+    no:xdist` too). Each module runs whole on one worker (`--dist loadfile`, the
+    largest first): a module-scoped fixture (a server, a model, a cluster of network
+    namespaces) is built once, and a module's tests keep their order. (`xdist_group`
+    and `--dist loadgroup` have no effect with pytest 9.2: xdist 3.8 marks a group in
+    a node id attribute pytest no longer reads.) tests/parallel.py says what each
+    worker owns."""
+    given = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    given.add_argument("-n", "--numprocesses")
+    given.add_argument("--tx", action="append")
+    given.add_argument("--dist")
+    given.add_argument("-p", action="append", default=[])
+    known, _ = given.parse_known_args(pytest_args)
+    if "no:xdist" in known.p:
+        return [], 0
+    dist = [] if known.dist else ["--dist", "loadfile"]
+    if known.tx:
+        return dist, len(known.tx)
+    if known.numprocesses is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+        return ["-n", str(cores), *dist], cores
+    if known.numprocesses.isdigit():
+        workers = int(known.numprocesses)
+        return (dist if workers else []), workers
+    return dist, os.cpu_count() or 1  # "auto" / "logical": xdist counts
+
+
 def _pytest(pytest_args: list[str], env: Mapping[str, str], what: str) -> int:
     _say(f"pytest on {what}")
     began = time.monotonic()
@@ -285,20 +297,27 @@ def _pytest(pytest_args: list[str], env: Mapping[str, str], what: str) -> int:
 
 
 def _cluster_pass(pytest_args: list[str], env: dict[str, str]) -> int:
-    """The tests again with REDIS_URL on a private Redis Cluster (3 masters, 3 replicas),
-    Celery and Channels on the single Redis of the first pass (they cannot use a
-    cluster); with no tests named, CLUSTER_PASS_TESTS less CLUSTER_PASS_LEAVES_OUT."""
-    # A long node timeout: no test here fails a node over on purpose (the failover tests
-    # start clusters of their own), and a starved CI machine must not trigger one.
-    cluster = start_redis_cluster(masters=3, replicas=1, node_timeout_ms=15000)
+    """The tests marked `cluster` (all the tests named, when some are) again with
+    REDIS_URL on a private Redis Cluster (3 masters, 3 replicas) per xdist worker (a
+    cluster has one database: workers cannot share one), Celery and Channels on the
+    single Redis of the first pass (they cannot use a cluster)."""
+    parallel, workers = _parallel(pytest_args)
+    clusters: list[StartedCluster] = []
     try:
-        selection = [] if _names_tests(pytest_args) else [
-            *CLUSTER_PASS_TESTS, *(f"--ignore={path}" for path in CLUSTER_PASS_LEAVES_OUT)]
-        return _pytest([*selection, *pytest_args], {
-            **env, "REDIS_URL": cluster.url, "SLUICE_CELERY_REDIS_URL": env["REDIS_URL"],
-            "SLUICE_CHANNELS_REDIS_URL": env["REDIS_URL"]}, cluster.name)
+        # A long node timeout: no test here fails a node over on purpose (the failover
+        # tests start clusters of their own), and a starved CI machine must not trigger one.
+        for _ in range(max(workers, 1)):
+            clusters.append(start_redis_cluster(masters=3, replicas=1, node_timeout_ms=15000))
+        selection = [] if _names_tests(pytest_args) else ["-m", "cluster"]
+        return _pytest([*parallel, *selection, *pytest_args], {
+            **env, "REDIS_URL": clusters[0].url,
+            "SLUICE_TEST_REDIS_URLS": " ".join(c.url for c in clusters),
+            "SLUICE_CELERY_REDIS_URL": env["REDIS_URL"],
+            "SLUICE_CHANNELS_REDIS_URL": env["REDIS_URL"]},
+            ", ".join(c.name for c in clusters))
     finally:
-        cluster.stop()
+        for cluster in clusters:
+            cluster.stop()
 
 
 def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
@@ -320,7 +339,7 @@ def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
                 **os.environ,
                 "DATABASE_URL": db_url,
                 "REDIS_URL": redis_url,
-                "DJANGO_SETTINGS_MODULE": "sluice.settings.test",
+                "DJANGO_SETTINGS_MODULE": "tests.settings",
                 "SLUICE_STATE_DIR": state,
                 "PYTHONDONTWRITEBYTECODE": "1",
             }
@@ -330,7 +349,9 @@ def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
                     lint = subprocess.call([sys.executable, "-m", *tool], cwd=REPO, env=env)  # noqa: S603
                     if lint != 0:
                         return lint
-            code = 0 if cluster == "only" else _pytest(pytest_args, env, redis_url)
+            parallel = _parallel(pytest_args)[0]
+            code = 0 if cluster == "only" else _pytest([*parallel, *pytest_args], env,
+                                                       redis_url)
             if cluster != "off":
                 code = _cluster_pass(pytest_args, env) or code
         return code
