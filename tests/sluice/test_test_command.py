@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.cli import REPO, _parallel
+from sluice.root.cli import REPO, _parallel
 from tests import parallel
 
 
