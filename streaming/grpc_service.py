@@ -33,7 +33,8 @@ from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
 from streaming import bodies
 from streaming.call import Call
-from streaming.gateway import Gateway, error_from_event
+from streaming.fold import Delta, Failure, Final, Fold
+from streaming.gateway import Gateway
 from streaming.nesting import check_depth
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
@@ -205,33 +206,30 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             req = _chat_request(request)
             sub = await call.chat(req, timeout_s=self._timeout(context), stream=True)
             _trailing(context, sub)
-            rid, parts, finals = f"chatcmpl-{sub.handle.rid}", [], []
+            rid, parts = f"chatcmpl-{sub.handle.rid}", []
             tools = [bodies.ToolDeltas() for _ in range(sub.n)]
-            async with contextlib.aclosing(sub.events()) as events:
-                async for event in events:
-                    if event["t"] == "delta" and "tools" in event:
-                        i = event.get("i", 0)
-                        for calls in tools[i].pieces(event["tools"]):
-                            yield pb.ChatChunk(id=rid, index=i,
+            async with Fold(sub.events(), sub.n) as fold:
+                async for piece in fold:
+                    if isinstance(piece, Delta):
+                        for calls in tools[piece.i].pieces(piece.tools or []):
+                            yield pb.ChatChunk(id=rid, index=piece.i,
                                                tool_calls=_tool_deltas(calls))
-                    if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                        i = event.get("i", 0)
-                        if i == 0:
-                            parts.append(event["text"])
-                        yield pb.ChatChunk(id=rid, index=i, delta=event["text"],
-                                           logprobs=_logprobs(event.get("lp") or []))
-                    elif event["t"] == "error":
-                        raise error_from_event(event)  # with n > 1: the others cancelled
-                    elif event["t"] == "done":
-                        finals.append(event)
+                        if piece.text or piece.lp:
+                            if piece.i == 0:
+                                parts.append(piece.text)
+                            yield pb.ChatChunk(id=rid, index=piece.i, delta=piece.text,
+                                               logprobs=_logprobs(piece.lp or []))
+                    elif isinstance(piece, Failure):
+                        raise piece.error  # with n > 1: the others cancelled
+                    elif isinstance(piece, Final):
+                        final = piece.event
                         yield pb.ChatChunk(
-                            id=rid, index=event.get("i", 0),
-                            finish_reason=bodies.finish_reason(event),
+                            id=rid, index=piece.i, finish_reason=bodies.finish_reason(final),
                             tool_calls=_tool_calls(bodies.tool_calls(
-                                event.get("tool_calls") or [])),
+                                final.get("tool_calls") or [])),
                             # The stream's last chunk: every choice's usage.
-                            usage=_usage(bodies.usage(*finals))
-                            if len(finals) == sub.n else None)
+                            usage=_usage(bodies.usage(fold.usage()))
+                            if len(fold.finals) == sub.n else None)
             await call.remember("".join(parts))
 
     async def Embed(self, request: pb.EmbedRequest,

@@ -1,13 +1,14 @@
-"""The APIs the lean ASGI path serves beside Chat Completions and Embeddings (legacy
+"""The APIs the lean ASGI path serves (Chat Completions, Embeddings, legacy
 Completions, Responses, Anthropic Messages), each a codec over the one gateway call.
 
 An `Api` is registered under its path in APIS. The lean app (streaming/asgi.py) does
-for every one of them what it does for chat: authenticates the credential the API
-names (`credential`), throttles wrong ones, opens the call (streaming/call.py: the
-audit of a refusal, settlement, cancellation), reads the JSON body within the size and
-nesting limits, and sends any error in the API's own shape (`error`). `serve` does the
-rest: parse the body into the gateway's request (a 400 in the API's shape for anything
-wrong), admit it through `ctx.call`, and encode the call's events.
+the same for every one of them: authenticates the credential the API names
+(`credential`), throttles wrong ones, opens the call (streaming/call.py: the audit of a
+refusal, settlement, cancellation), reads the JSON body within the size and nesting
+limits, and sends any error in the API's own shape (`error`). `serve` does the rest:
+parse the body into the gateway's request (a 400 in the API's shape for anything
+wrong), admit it through `ctx.call`, and encode the call's events, read through the
+one fold (streaming/fold.py; a stream opened by streaming/sse.py).
 """
 
 from __future__ import annotations
@@ -73,5 +74,5 @@ def _load() -> None:
         importlib.import_module(f"streaming.apis.{name}")
 
 
-_MODULES: list[str] = ["completions", "messages", "responses"]
+_MODULES: list[str] = ["chat", "embeddings", "completions", "messages", "responses"]
 _load()

@@ -27,15 +27,14 @@ from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
 import orjson
-from django.conf import settings
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from inference.jobs import DoneEvent, Event, FinalEvent
+from inference.jobs import Event
 from sluice.errors import BadRequest
-from streaming import bodies
+from streaming import bodies, sse
 from streaming.apis import Api, Context, register
-from streaming.gateway import error_from_event
-from streaming.httpio import KeepAlive, Send, send_json
+from streaming.fold import Delta, Failure, Final, Fold
+from streaming.httpio import Send, send_json
 from streaming.schemas import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -122,11 +121,11 @@ class Completions(Api):
         # admitted when one is refused).
         subs = [await call.chat(as_chat(req, prompt), raw_prompt=True) for prompt in prompts]
         async with call.watching(ctx.receive, resumable=False):
-            events = _events(subs, req.n or 1)
+            fold = Fold(_events(subs, req.n or 1), len(prompts) * (req.n or 1))
             if req.stream:
-                await _stream(ctx.send, req, prompts, subs, events)
+                await _stream(ctx.send, req, prompts, subs, fold)
             else:
-                body = await _completion(req, prompts, subs, events)
+                body = await _completion(req, prompts, subs, fold)
                 await send_json(ctx.send, 200, body, subs[-1].headers)
 
 
@@ -253,84 +252,52 @@ def _base(req: CompletionRequest, subs: list[Submitted]) -> dict[str, Any]:
 
 
 async def _completion(req: CompletionRequest, prompts: list[str], subs: list[Submitted],
-                      events: AsyncGenerator[Event]) -> dict[str, Any]:
+                      fold: Fold) -> dict[str, Any]:
     n = req.n or 1
-    count = len(prompts) * n
-    texts: list[list[str]] = [[prompts[i // n]] if req.echo else [] for i in range(count)]
-    entries: list[list[dict[str, Any]]] = [[] for _ in range(count)]
-    finals: list[DoneEvent | None] = [None] * count
-    async with contextlib.aclosing(events):
-        async for event in events:
-            i = event.get("i", 0)
-            if event["t"] == "delta":
-                texts[i].append(event["text"])
-                entries[i] += event.get("lp") or ()
-            elif event["t"] == "error":
-                raise error_from_event(event)
-            elif event["t"] == "done":
-                finals[i] = event
-    done = bodies.all_done(finals)
-    return {**_base(req, subs), "choices": [
-        {"text": "".join(texts[i]), "index": i,
-         "logprobs": None if req.logprobs is None else legacy_logprobs(entries[i],
-                                                                       _Offsets()),
-         "finish_reason": bodies.finish_reason(done[i])} for i in range(count)],
-        "usage": bodies.usage(*done)}
+    reply = await fold.whole()
+    choices = []
+    for i, final in enumerate(reply.finals):
+        text = prompts[i // n] + reply.texts[i] if req.echo else reply.texts[i]
+        choices.append({"text": text, "index": i, "logprobs": None if req.logprobs is None
+                        else legacy_logprobs(reply.lps[i], _Offsets()),
+                        "finish_reason": bodies.finish_reason(final)})
+    return {**_base(req, subs), "choices": choices, "usage": bodies.usage(reply.usage())}
 
 
 async def _stream(send: Send, req: CompletionRequest, prompts: list[str],
-                  subs: list[Submitted], events: AsyncGenerator[Event]) -> None:
+                  subs: list[Submitted], fold: Fold) -> None:
     """SSE chunks of `text_completion` objects (choice i's with `index` i), a last
     usage chunk with `stream_options.include_usage`, then `data: [DONE]`."""
 
     n = req.n or 1
     base = _base(req, subs)
-    async with contextlib.aclosing(events):
-        first = await anext(events)  # an error before any output is a plain HTTP error
-        if first["t"] == "error":
-            raise error_from_event(first)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-            (b"x-request-id", subs[0].handle.rid.encode()),
-            *((k.encode(), v.encode()) for k, v in subs[-1].headers.items())]})
-        out = KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
 
+    def chunk(i: int, text: str, *, finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**base, "choices": [{"text": text, "index": i, "logprobs": logprobs,
+                                     "finish_reason": finish}]}
+
+    offsets = [_Offsets() for _ in range(len(prompts) * n)]
+    async with fold, sse.opened(send, fold, subs=subs) as out:
         async def emit(payload: dict[str, Any]) -> None:
             await out.send(b"data: %s\n\n" % orjson.dumps(payload))
 
-        def chunk(i: int, text: str, *, finish: str | None = None,
-                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-            return {**base, "choices": [{"text": text, "index": i, "logprobs": logprobs,
-                                         "finish_reason": finish}]}
-
-        offsets = [_Offsets() for _ in range(len(prompts) * n)]
-        finals: list[FinalEvent] = []
-        try:
-            if req.echo:
-                for i in range(len(prompts) * n):
-                    await emit(chunk(i, prompts[i // n]))
-            event: Event | None = first
-            while event is not None:
-                i = event.get("i", 0)
-                if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                    lp = None if req.logprobs is None else legacy_logprobs(
-                        event.get("lp") or [], offsets[i])
-                    await emit(chunk(i, event["text"], logprobs=lp))
-                elif event["t"] == "error":
-                    finals.append(event)
-                    await emit(error_from_event(event).body())
-                elif event["t"] == "done":
-                    finals.append(event)
-                    await emit(chunk(i, "", finish=bodies.finish_reason(event)))
-                event = await anext(events, None)
-            if req.stream_options is not None and req.stream_options.include_usage \
-                    and any(f["t"] == "done" for f in finals):
-                await emit({**base, "choices": [], "usage": bodies.usage(*finals)})
-        finally:
-            await out.close()
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
-                "more_body": False})
+        if req.echo:
+            for i in range(len(prompts) * n):
+                await emit(chunk(i, prompts[i // n]))
+        async for piece in fold:
+            if isinstance(piece, Delta) and (piece.text or piece.lp):
+                lp = None if req.logprobs is None else legacy_logprobs(
+                    piece.lp or [], offsets[piece.i])
+                await emit(chunk(piece.i, piece.text, logprobs=lp))
+            elif isinstance(piece, Failure):
+                await emit(piece.error.body())
+            elif isinstance(piece, Final):
+                await emit(chunk(piece.i, "", finish=bodies.finish_reason(piece.event)))
+        if req.stream_options is not None and req.stream_options.include_usage \
+                and fold.done:
+            await emit({**base, "choices": [], "usage": bodies.usage(fold.usage())})
+    await sse.last(send, out, b"data: [DONE]\n\n")
 
 
 register(Completions())

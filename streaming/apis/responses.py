@@ -24,23 +24,21 @@ Everything the caller got wrong is a 400 in OpenAI's shape naming the Responses 
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from typing import Annotated, Any, Literal
 
-from django.conf import settings
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from inference.jobs import DoneEvent, Event
+from inference.jobs import DoneEvent
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
-from streaming import bodies, responses_copy
+from streaming import bodies, responses_copy, sse
 from streaming.apis import Api, Context, hosted, register
 from streaming.apis.responses_input import chat_messages, given_tools, input_items, invalid
 from streaming.apis.responses_tools import OWN_TOOLS, ResponsesToolChoice, Tool, Toolset
-from streaming.gateway import error_from_event
-from streaming.httpio import KeepAlive, send_json
+from streaming.fold import Delta, Failure, Final, Fold
+from streaming.httpio import send_json
 from streaming.responses_store import response_context, response_keep, response_save
 from streaming.responses_wire import EventStream, Names, finished, output
 from streaming.schemas import ChatCompletionRequest, ClientHints, Effort, ModelName, Verbosity
@@ -268,42 +266,29 @@ class ResponsesApi(Api):
     async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
                       base: dict[str, Any], items: list[dict[str, Any]],
                       names: Names) -> None:
-        async with contextlib.aclosing(sub.events()) as events:
-            first = await anext(events)  # an error before any output is a plain HTTP error
-            if first["t"] == "error":
-                raise error_from_event(first)
+        fold = Fold(sub.events())
+        async with fold, sse.opened(ctx.send, fold, subs=[sub]) as out:
             # The attempt that answers (a model alias's next one when the first failed
             # before any event): its request's id is the response's.
             rid = sub.handle.rid
-            await ctx.send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-                (b"x-request-id", rid.encode()),
-                *((k.lower().encode(), v.encode()) for k, v in sub.headers.items())]})
-            out = KeepAlive(ctx.send, settings.SLUICE_SSE_HEARTBEAT_S)
             stream = EventStream(out, {**base, "id": f"resp_{rid}"}, rid, names)
-            try:
-                stream.start()
-                event: Event | None = first
-                while event is not None:
-                    if event["t"] == "delta":
-                        if event["text"]:
-                            stream.text(event["text"])
-                        if "tools" in event:
-                            stream.calls(event["tools"])
-                        await out.flush()
-                    elif event["t"] == "error":
-                        await self._finish(ctx, stream, req, items,
-                                           error=error_from_event(event))
-                    elif event["t"] == "done":
-                        # Kept by the worker under this response's id (a continuation
-                        # on another deployment is never kept: its reply began here).
-                        kept = "kept_at" in event and sub.handle.rid == rid
-                        await self._finish(ctx, stream, req, items, final=event, kept=kept)
-                    event = await anext(events, None)
-            finally:
-                await out.close()
-        await ctx.send({"type": "http.response.body", "body": out.take(), "more_body": False})
+            stream.start()
+            async for piece in fold:
+                if isinstance(piece, Delta):
+                    if piece.text:
+                        stream.text(piece.text)
+                    if piece.tools is not None:
+                        stream.calls(piece.tools)
+                    await out.flush()
+                elif isinstance(piece, Failure):
+                    await self._finish(ctx, stream, req, items, error=piece.error)
+                elif isinstance(piece, Final):
+                    # Kept by the worker under this response's id (a continuation on
+                    # another deployment is never kept: its reply began here).
+                    kept = "kept_at" in piece.event and sub.handle.rid == rid
+                    await self._finish(ctx, stream, req, items, final=piece.event,
+                                       kept=kept)
+        await sse.last(ctx.send, out)
 
     async def _finish(self, ctx: Context, stream: EventStream, req: ResponsesRequest,
                       items: list[dict[str, Any]], *, final: DoneEvent | None = None,
