@@ -2,13 +2,14 @@
 
     async with Call(gateway, principal, action="chat.completions", protocol="rest") as call:
         sub = await call.chat(req)           # admission and submission (or a refusal)
-        async for event in sub.events():     # the typed events (inference/jobs.py)
-            ...                              # the codec encodes them, nothing more
+        async with Fold(sub.events(), sub.n) as fold:  # the events as typed pieces
+            async for piece in fold:         # (streaming/fold.py)
+                ...                          # the codec encodes them, nothing more
         await call.remember(text)            # the conversation's turn
 
-The codecs (streaming/asgi.py's chat, streaming/apis/*, the gRPC servicer, the WebSocket
-consumer) parse a request into a call and encode its events; the block's exit does the
-rest, whatever the codec did:
+The codecs (streaming/apis/*, the gRPC servicer, the WebSocket consumer, the Batch API)
+parse a request into a call and encode its events; the block's exit does the rest,
+whatever the codec did:
 - an error before admission (bad input, rights, limits, quotas, shedding) is audited as
   a refused call; Redis failing under the call becomes the retriable 503
   `queue_unavailable` (audited too);
@@ -23,6 +24,8 @@ rest, whatever the codec did:
 - a call answered in one piece whose idempotent retry finds the first request
   cancelled runs afresh (Submitted.again); a stream that replays one ends with the
   retriable error `request_cancelled`.
+A resumed stream (`resume`) is no new call: its stored events are read again, for
+whoever may read the original, and audited as such.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from governance import audit, metrics
+from inference.jobs import Event
 from sluice import telemetry
-from sluice.errors import ApiError
-from streaming import bodies
+from sluice.errors import ApiError, NotFound
+from streaming import bodies, replay
 from streaming.gateway import Gateway, queue_unavailable
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 from streaming.submitted import Submitted
@@ -143,6 +147,26 @@ class Call:
         if sub.handle.replayed and not options.get("stream", req.stream):
             sub.again = chat  # a replay of a cancelled request runs afresh (Submitted)
         return sub
+
+    async def resume(self, rid: str, after: int, *, model: str,
+                     conversation: str | None = None) -> AsyncIterator[Event]:
+        """The stored events of an earlier stream (request `rid`; `model` the one it
+        named) for a client that has those up to seq `after`: only for whoever may read
+        the original (replay.authorize_resume; anyone else's is a NotFound), which re-
+        attaches it (no cancellation at its resume grace's end); audited as
+        `chat.completions.resume`. Nothing is regenerated or charged."""
+        self.action = "chat.completions.resume"
+        principal, client = self.principal, self.gateway.client
+        tenant = principal.tenant_slug
+        await replay.authorize_resume(principal, await client.owner_of(tenant, rid),
+                                      model=model, conversation=conversation)
+        if not await client.attach(tenant, rid):
+            raise NotFound("No resumable stream with that Last-Event-ID.",
+                           code="stream_not_found")
+        self.gateway.governor.recorder.audit(replay.resume_event(
+            principal, rid, model=model, after=after, protocol=self.protocol,
+            began=self.began))
+        return client.replay(tenant, rid, timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
 
     async def embed(self, req: EmbeddingRequest, *, timeout_s: float | None = None
                     ) -> Submitted:

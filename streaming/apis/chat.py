@@ -17,14 +17,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
-from django.conf import settings
 from pydantic import TypeAdapter, ValidationError
 
 from sluice.db import async_db
 from sluice.errors import BadRequest, NotFound
 from streaming import bodies, choices, replay, sse
 from streaming.apis import Api, Context, register
-from streaming.call import Call
 from streaming.fold import Delta, Failure, Final, Fold
 from streaming.httpio import Send, send_json
 from streaming.schemas import ChatCompletionRequest, ConversationId, parse
@@ -58,8 +56,12 @@ class Chat(Api):
             resume = (rid, req.last_offset)
         if req.stream and resume is not None:
             choices.check(req.n or 1, resume=True)
-            call.action = "chat.completions.resume"
-            await _resume(call, resume, req, ctx.send, conversation=conversation)
+            rid, after = resume
+            # From the first event: the ones the client has (seq <= after) are not sent
+            # again, but its tool calls' pieces among them say what it already holds.
+            events = await call.resume(rid, after, model=req.model,
+                                       conversation=conversation)
+            await _stream(ctx.send, Fold(events), [rid], req, replay=after)
             return
         header_conversation = headers.get("x-sluice-conversation-id")
         if header_conversation is not None and req.conversation_id is None:
@@ -83,26 +85,6 @@ class Chat(Api):
                 # Stored before the caller sees the reply: its next turn must find it.
                 await call.remember(body["choices"][0]["message"]["content"] or "")
                 await send_json(ctx.send, 200, body, sub.headers)
-
-
-async def _resume(call: Call, resume: tuple[str, int], req: ChatCompletionRequest,
-                  send: Send, *, conversation: str | None) -> None:
-    """The rest of an earlier stream, from its stored events: nothing regenerated.
-    Only for whoever may read the original (streaming/replay.py); audited."""
-    rid, after = resume
-    principal, gateway = call.principal, call.gateway
-    tenant, client = principal.tenant_slug, gateway.client
-    await replay.authorize_resume(principal, await client.owner_of(tenant, rid),
-                                  model=req.model, conversation=conversation)
-    if not await client.attach(tenant, rid):
-        raise NotFound("No resumable stream with that Last-Event-ID.",
-                       code="stream_not_found")
-    gateway.governor.recorder.audit(replay.resume_event(
-        principal, rid, model=req.model, after=after, protocol="sse", began=call.began))
-    # From the first event: the ones the client has (seq <= after) are not sent
-    # again, but its tool calls' pieces among them say what it already holds.
-    events = client.replay(tenant, rid, timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
-    await _stream(send, Fold(events), [rid], req, replay=after)
 
 
 async def _stream(send: Send, fold: Fold, rids: list[str], req: ChatCompletionRequest, *,
