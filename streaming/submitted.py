@@ -20,7 +20,17 @@ from redis.exceptions import RedisError
 from governance import metrics
 from governance.admission import Admission
 from inference.client import RequestHandle
-from inference.jobs import Continuation, DeltaEvent, ErrorEvent, Event, FinalEvent
+from inference.jobs import (
+    Continuation,
+    DeltaEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    is_delta,
+    is_done,
+    is_error,
+    is_final,
+)
 from inference.spec import DeploymentSpec
 from sluice import telemetry
 from streaming import choices, replay
@@ -109,8 +119,8 @@ class Submitted:
                 events = merged or cast(AsyncGenerator[Event], self.handle.events())
                 async with contextlib.aclosing(events):
                     async for event in events:
-                        if event["t"] == "done" or event["t"] == "error":
-                            if event["t"] == "error" and sent is not None \
+                        if is_final(event):
+                            if is_error(event) and sent is not None \
                                     and await self._fall_back(event, sent):
                                 retried = True
                                 break
@@ -126,9 +136,9 @@ class Submitted:
                             held.append(event)
                             continue
                         for out in [*(held or ()), event]:
-                            if sent is not None and out["t"] == "delta":
-                                sent.add(out)
-                            if out["t"] == "delta":
+                            if is_delta(out):
+                                if sent is not None:
+                                    sent.add(out)
                                 if first is None:
                                     first = time.perf_counter()
                                     span.add_event("first_token")
@@ -247,8 +257,8 @@ class Submitted:
         prompt, completion = ((final["usage"]["prompt_tokens"],
                                final["usage"]["completion_tokens"]) if final is not None
                               else (0, 0))
-        finish = final["finish"] if final is not None and final["t"] == "done" else ""
-        failed = final["code"] if final is not None and final["t"] == "error" else None
+        finish = final["finish"] if final is not None and is_done(final) else ""
+        failed = final["code"] if final is not None and is_error(final) else None
         now, end_ns = ended if ended is not None else (time.perf_counter(), None)
         if span.is_recording():
             span.set_attributes({
@@ -290,7 +300,7 @@ class _Sent:
 
 
 def _cancelled(event: FinalEvent) -> bool:
-    return event["t"] == "done" and event["finish"] == "cancelled"
+    return is_done(event) and event["finish"] == "cancelled"
 
 
 def cancelled_error(final: FinalEvent) -> ErrorEvent:

@@ -1,8 +1,10 @@
 """The transports and codecs only encode: none of them writes an audit event itself (the
 call and its settlement do: streaming/call.py, streaming/submitted.py) or reads a worker
 event's tag (`event["t"]`, `event.get("t")`) instead of the pieces of the one fold
-(streaming/fold.py). Checked on each module's syntax tree, so that no spelling or
-formatting of the same access escapes."""
+(streaming/fold.py). Outside inference/ (where events are made and defined), no module
+but the fold reads a tag at all: the pipeline asks inference/jobs.py's `is_final` and
+its kin. Checked on each module's syntax tree, so that no spelling or formatting of the
+same access escapes."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ ENCODERS = sorted({
     STREAMING / "files.py", STREAMING / "batches.py",
     *STREAMING.glob("apis/*.py"), *STREAMING.glob("batch_*.py"),
     *STREAMING.glob("responses_*.py")})
+# Every module of the gateway's apps and kernel but the fold (and inference/'s).
+GATEWAY = sorted(path for app in ("streaming", "governance", "tenants", "frontend",
+                                  "platform")
+                 for path in (ROOT / app).rglob("*.py")
+                 if path != STREAMING / "fold.py" and "migrations" not in path.parts)
 # What writes an audit event: the audit module's builders, a recorder's audit().
 AUDIT_MODULES = {"governance.audit", "governance.recorder"}
 AUDIT_NAMES = {"call_event", "resume_event", "recorder"}
@@ -27,6 +34,22 @@ AUDIT_NAMES = {"call_event", "resume_event", "recorder"}
 
 def violations(source: str) -> list[str]:
     """What in `source` reads an event's tag or writes an audit event, by line."""
+    found = tag_reads(source)
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute) and node.attr in AUDIT_NAMES:
+            found.append(f"{line}: audits (.{node.attr})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "audit":
+            found.append(f"{line}: audits (.audit())")
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            found += [f"{line}: imports {name}" for name in _imported(node)
+                      if name in AUDIT_MODULES or name.rsplit(".", 1)[-1] in AUDIT_NAMES]
+    return found
+
+
+def tag_reads(source: str) -> list[str]:
+    """Where `source` reads an event's tag, by line."""
     found = []
     for node in ast.walk(ast.parse(source)):
         line = getattr(node, "lineno", 0)
@@ -42,15 +65,9 @@ def violations(source: str) -> list[str]:
         elif isinstance(node, ast.Name | ast.Attribute) and \
                 (node.id if isinstance(node, ast.Name) else node.attr) == "FINAL_EVENTS":
             found.append(f"{line}: uses FINAL_EVENTS")
-        elif isinstance(node, ast.Attribute) and node.attr in AUDIT_NAMES:
-            found.append(f"{line}: audits (.{node.attr})")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "audit":
-            found.append(f"{line}: audits (.audit())")
-        elif isinstance(node, ast.Import | ast.ImportFrom):
+        elif isinstance(node, ast.ImportFrom):
             found += [f"{line}: imports {name}" for name in _imported(node)
-                      if name in AUDIT_MODULES or name.rsplit(".", 1)[-1] in AUDIT_NAMES
-                      or name.endswith(".FINAL_EVENTS")]
+                      if name.endswith(".FINAL_EVENTS")]
     return found
 
 
@@ -68,6 +85,12 @@ def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
 @pytest.mark.parametrize("path", ENCODERS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_an_encoder_neither_reads_event_tags_nor_audits(path: Path) -> None:
     assert violations(path.read_text()) == []
+
+
+def test_only_the_fold_reads_event_tags_outside_inference() -> None:
+    reads = {str(path.relative_to(ROOT)): found for path in GATEWAY
+             if (found := tag_reads(path.read_text()))}
+    assert reads == {}
 
 
 @pytest.mark.parametrize("source", [
@@ -91,5 +114,5 @@ def test_the_check_finds_each_spelling(source: str) -> None:
 
 def test_the_check_sees_the_fold_read_tags() -> None:
     """The check is no vacuous pass: it sees the fold, which does read them."""
-    assert violations((STREAMING / "fold.py").read_text())
-    assert len(ENCODERS) >= 20
+    assert tag_reads((STREAMING / "fold.py").read_text())
+    assert len(ENCODERS) >= 20 and len(GATEWAY) >= 150
