@@ -12,7 +12,7 @@ event into typed pieces, in order:
 - `Final(i, seq, event)`: choice `i` ended; `event["finish"]` says why (stop, length,
   tool_calls, cancelled), its tool calls whole, its usage;
 - `Failure(i, seq, error)`: choice `i` failed; `error` the ApiError to send or raise;
-- `Vectors(data)`: an embeddings call's vectors.
+- `Vectors(i, seq, data)`: an embeddings call's vectors.
 
 `seq` is the event's own (an SSE event id is `<rid>:<seq>`); `i` is 0 unless the call
 has several choices. The fold keeps what encoders need across pieces: each choice's
@@ -71,6 +71,8 @@ class Failure:
 
 @dataclass(slots=True)
 class Vectors:
+    i: int
+    seq: int
     data: list[list[float]]
 
 
@@ -167,7 +169,7 @@ class Fold:
         if event["t"] == "error":
             self._final(event)
             return Failure(event.get("i", 0), event["seq"], error_from_event(event))
-        return Vectors(event["data"])
+        return Vectors(event.get("i", 0), event["seq"], event["data"])
 
     def _final(self, event: FinalEvent) -> None:
         self.finals.append(event)

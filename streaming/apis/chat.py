@@ -126,8 +126,8 @@ async def _stream(send: Send, fold: Fold, rids: list[str], req: ChatCompletionRe
                 emit(i, "start", chunk(i, {"role": "assistant", "content": ""}))
         i = seq = 0
         async for piece in fold:
+            i, seq = piece.i, piece.seq
             if isinstance(piece, Delta):
-                i, seq = piece.i, piece.seq
                 if piece.tools is not None:
                     deltas = tools[i].pieces(piece.tools)
                     if deltas and (replay is None or seq > replay):
@@ -149,12 +149,10 @@ async def _stream(send: Send, fold: Fold, rids: list[str], req: ChatCompletionRe
                     out.add(b"".join((event_ids[i], b"%d" % seq, b"\ndata: ", text_heads[i],
                                       orjson.dumps(piece.text), text_tail)))
             elif isinstance(piece, Final):
-                i, seq = piece.i, piece.seq
                 if rest := tools[i].rest(piece.event):
                     emit(i, seq, chunk(i, {"tool_calls": rest}))
                 emit(i, seq, chunk(i, {}, bodies.finish_reason(piece.event)))
             elif isinstance(piece, Failure):
-                i, seq = piece.i, piece.seq
                 emit(i, seq, piece.error.body())
             await out.flush()
         if req.stream_options is not None and req.stream_options.include_usage \
