@@ -116,3 +116,12 @@ def test_the_check_sees_the_fold_read_tags() -> None:
     """The check is no vacuous pass: it sees the fold, which does read them."""
     assert tag_reads((STREAMING / "fold.py").read_text())
     assert len(ENCODERS) >= 20 and len(GATEWAY) >= 150
+
+
+def test_only_the_sse_start_writes_an_event_streams_headers() -> None:
+    """No codec writes an SSE preamble of its own (streaming/sse.py does, for all)."""
+    writers = sorted(str(path.relative_to(ROOT)) for path in GATEWAY
+                     for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.Constant) and isinstance(node.value, bytes)
+                     and b"text/event-stream" in node.value)
+    assert writers == ["streaming/sse.py"]
