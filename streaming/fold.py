@@ -20,10 +20,14 @@ final event (`finals`, done or failed, in arrival order), their usage summed
 (`usage()`), the prompt's count as the first event tells it (`prompt_tokens`).
 
     fold = Fold(sub.events(), n=sub.n)
-    async with fold:            # closes the events on leaving: a call left early
-        await fold.start()      # settles as one its consumer left; the first event's
-        async for piece in fold:    # error is raised (a plain HTTP error, no stream)
+    async with fold:                # leaving closes the events (Submitted.events)
+        await fold.start()          # the first event: its error is raised
+        async for piece in fold:
             if isinstance(piece, Delta): ...
+
+A codec that streams starts with `start` (streaming/sse.py does): an error before any
+output is then a plain error reply; one after it is a `Failure` piece. Leaving the
+block early (an error, the client gone) settles the call as one its consumer left.
 
 A reply in one piece is `await fold.whole()` (every choice's text, log-probabilities
 and final event; the first failure raised, a cancelled choice's cut reply the
