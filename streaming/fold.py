@@ -150,14 +150,19 @@ class Fold:
         elif first["t"] == "done":
             self.prompt_tokens = first["usage"]["prompt_tokens"]
 
-    async def __aiter__(self) -> AsyncIterator[Piece]:
-        if self._first is not None:
-            first, self._first = self._first, None
+    def __aiter__(self) -> Fold:
+        return self
+
+    async def __anext__(self) -> Piece:
+        first = self._first
+        if first is not None:
+            self._first = None
             if (piece := self.read(first)) is not None:
-                yield piece
+                return piece
         async for event in self._events:
             if (piece := self.read(event)) is not None:
-                yield piece
+                return piece
+        raise StopAsyncIteration
 
     def read(self, event: Event) -> Piece | None:
         """The piece of one event (None for a delta with nothing in it), noting a

@@ -18,8 +18,8 @@ reply's last message; a stream that raised sends none (its server ends the reply
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -35,22 +35,37 @@ _HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-@contextlib.asynccontextmanager
-async def opened(send: Send, fold: Fold, *, subs: Sequence[Submitted] = (),
+class opened:  # used as a function: `async with sse.opened(...)`
+    """See the module's docstring. A class, not a generator's context manager: it runs
+    for every streamed call."""
+
+    __slots__ = ("_fold", "_headers", "_out", "_request_id", "_send", "_subs")
+
+    def __init__(self, send: Send, fold: Fold, *, subs: Sequence[Submitted] = (),
                  request_id: str | None = None, headers: dict[str, str] | None = None
-                 ) -> AsyncIterator[KeepAlive]:
-    await fold.start()
-    rid = request_id if request_id is not None else subs[0].handle.rid if subs else None
-    own = [(b"x-request-id", rid.encode())] if rid is not None else []
-    if headers is None:
-        headers = subs[-1].headers if subs else {}
-    await send({"type": "http.response.start", "status": 200, "headers": [
-        *_HEADERS, *own, *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
-    out = KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
-    try:
-        yield out
-    finally:
-        await out.close()
+                 ) -> None:
+        self._send, self._fold, self._subs = send, fold, subs
+        self._request_id, self._headers = request_id, headers
+        self._out: KeepAlive | None = None
+
+    async def __aenter__(self) -> KeepAlive:
+        await self._fold.start()
+        subs, rid, headers = self._subs, self._request_id, self._headers
+        if rid is None and subs:
+            rid = subs[0].handle.rid
+        own = [(b"x-request-id", rid.encode())] if rid is not None else []
+        if headers is None:
+            headers = subs[-1].headers if subs else {}
+        await self._send({"type": "http.response.start", "status": 200, "headers": [
+            *_HEADERS, *own,
+            *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
+        self._out = KeepAlive(self._send, settings.SLUICE_SSE_HEARTBEAT_S)
+        return self._out
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._out is not None:
+            await self._out.close()
 
 
 async def last(send: Send, out: KeepAlive, tail: bytes = b"") -> None:
