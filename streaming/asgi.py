@@ -23,6 +23,7 @@ from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest, NotFound, ServerError
 from sluice.telemetry import RequestScope
 from streaming import apis, bodies, choices, replay
+from streaming.apis import chat_request
 from streaming.call import Call
 from streaming.gateway import error_from_event, queue_unavailable, shared_gateway
 from streaming.httpio import ClientGone, KeepAlive, Receive, Scope, Send, read_json
@@ -92,7 +93,8 @@ class LeanApp:
                                                     source=asgi_source(scope, headers))
         action = api.action if api else (
             "embeddings" if path == "/v1/embeddings" else "chat.completions")
-        async with Call(self.gateway, principal, action=action, protocol="rest") as call:
+        async with Call(self.gateway, principal, action=action, protocol="rest",
+                        params=api.params if api else chat_request.PARAMS) as call:
             data = await read_json(headers, receive)
             if api is not None:
                 await api.serve(apis.Context(self, call, data, headers, receive, send))
@@ -101,8 +103,7 @@ class LeanApp:
                 sub = await call.embed(emb)
                 await _send_json(send, 200, await bodies.embeddings(sub, emb), sub.headers)
             else:
-                await self._chat(call, parse(ChatCompletionRequest, data), headers,
-                                 receive, send)
+                await self._chat(call, chat_request.parsed(data), headers, receive, send)
 
     async def _chat(self, call: Call, req: ChatCompletionRequest, headers: dict[str, str],
                     receive: Receive, send: Send) -> None:
@@ -131,12 +132,14 @@ class LeanApp:
         header_conversation = headers.get("x-sluice-conversation-id")
         if header_conversation is not None and req.conversation_id is None:
             try:
-                req.conversation_id = TypeAdapter(ConversationId).validate_python(
+                header_conversation = TypeAdapter(ConversationId).validate_python(
                     header_conversation)
             except ValidationError:
                 raise BadRequest("X-Sluice-Conversation-Id is not a conversation id.",
                                  param="conversation_id") from None
-        sub = await call.chat(req, idempotency_key=headers.get("idempotency-key"))
+        sub = await call.chat(chat_request.call_request(
+            req, conversation_id=header_conversation,
+            idempotency_key=headers.get("idempotency-key")))
         if req.stream and sub.conversation_id is not None:
             await self.gateway.client.remember_stream(principal.tenant_slug,
                                                       sub.conversation_id, sub.handle.rid)

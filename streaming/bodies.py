@@ -11,6 +11,7 @@ from typing import Any
 
 from inference.jobs import DoneEvent, FinalEvent, ToolCall, ToolDelta
 from sluice.errors import ServerError
+from streaming.callrequest import CallRequest
 from streaming.gateway import error_from_event
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 from streaming.submitted import Submitted, cancelled_error
@@ -69,7 +70,7 @@ class ToolDeltas:
         return out
 
 
-def choice_logprobs(req: ChatCompletionRequest,
+def choice_logprobs(req: ChatCompletionRequest | CallRequest,
                     content: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A choice's (or a chunk's) `logprobs`: the tokens' entries, when asked for."""
     return {"content": content, "refusal": None} if req.logprobs else None
@@ -113,7 +114,8 @@ async def whole_reply(sub: Submitted) -> tuple[str, DoneEvent]:
     return "".join(parts), whole(final)
 
 
-async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
+async def chat_completion(sub: Submitted, req: ChatCompletionRequest | CallRequest
+                          ) -> dict[str, Any]:
     """A `chat.completion` from the call's events, one choice per sequence (`sub.n`);
     a worker error (of any choice) raises its ApiError."""
     # Plain loops, not comprehensions: this runs for every call, nearly all of them n = 1.

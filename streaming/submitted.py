@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from governance import metrics
 from governance.admission import Admission
 from inference.client import RequestHandle
-from inference.jobs import Continuation, DeltaEvent, ErrorEvent, Event, FinalEvent
+from inference.jobs import DeltaEvent, ErrorEvent, Event, FinalEvent
 from inference.spec import DeploymentSpec
 from sluice import telemetry
 from streaming import choices, replay
@@ -199,24 +199,12 @@ class Submitted:
         if routed is None or self.handle.replayed or not retriable_failure(failed) \
                 or sent.tools:
             return False
-        before = routed.resume
-        if sent.deltas:
-            # Billed once: the failed attempt is not (a platform failure); the
-            # continuation's final event bills these tokens as its completion's start
-            # and leaves them out of its prompt (inference/upstream/client.py).
-            routed.resume = Continuation(
-                text="".join(sent.text), seq=sent.next_seq,
-                completion_tokens=failed["usage"]["completion_tokens"] or sent.deltas)
-        routed.note(self.spec.name, failed["status"], failed["code"])
-        this = routed.failed[-1]
-        routed.superseded = self.handle
-        attempt = await routed.next()
+        attempt = await routed.fall_back(failed, deployment=self.spec.name,
+                                         handle=self.handle, text="".join(sent.text),
+                                         deltas=sent.deltas, next_seq=sent.next_seq)
         if attempt is None:
-            routed.failed.remove(this)  # the call's answer: its audit event's own status
-            routed.resume = before
             return False
         if sent.deltas:
-            routed.continued.append(self.spec.name)
             attempt.handle.next_seq = sent.next_seq  # its events go on from there
             for text in self.admission.reply:  # the audit's excerpt: the whole reply
                 attempt.admission.note_reply(text)
