@@ -10,7 +10,7 @@ from typing import Any
 
 from inference.jobs import Message, MessageToolCall, ResponseFormat, ToolSpec
 from sluice.errors import BadRequest
-from streaming.callrequest import CallRequest, Params, args, json_schema, stops
+from streaming.callrequest import CallRequest, Params, json_schema, stops
 from streaming.schemas import ChatCompletionRequest, NamedToolChoice, parse
 
 PARAMS = Params({"max_output_tokens": "max_tokens",
@@ -21,6 +21,11 @@ PARAMS = Params({"max_output_tokens": "max_tokens",
 def parsed(data: Any) -> ChatCompletionRequest:
     """A chat body, or OpenAI's 400 naming the first field that is wrong."""
     return parse(ChatCompletionRequest, data)
+
+
+# The body's fields that the call's request has under the same name and meaning.
+_SAME = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "n",
+                   "seed", "top_logprobs", "parallel_tool_calls", "user", "metadata"})
 
 
 def call_request(req: ChatCompletionRequest, *, stream: bool | None = None,
@@ -34,6 +39,10 @@ def call_request(req: ChatCompletionRequest, *, stream: bool | None = None,
         choice, name = "function", req.tool_choice.function.name
     else:
         choice, name = req.tool_choice, None
+    # Only what the body set (most set few): the rest are the request's defaults.
+    same = {k: v for k in _SAME & req.model_fields_set if (v := getattr(req, k)) is not None}
+    if req.logit_bias:
+        same["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
     return CallRequest(
         model=req.model,
         messages=[native_message(m, f"messages.{i}") for i, m in enumerate(req.messages)],
@@ -42,17 +51,10 @@ def call_request(req: ChatCompletionRequest, *, stream: bool | None = None,
         stop=stops(req.stop), logprobs=bool(req.logprobs),
         stream=req.stream if stream is None else stream,
         include_usage=req.stream_options is not None and req.stream_options.include_usage,
-        tool_choice=choice, tool_name=name,
-        logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
-        response_format=_format(req),
-        **args(max_output_tokens=req.max_completion_tokens or req.max_tokens,
-               temperature=req.temperature, top_p=req.top_p,
-               presence_penalty=req.presence_penalty,
-               frequency_penalty=req.frequency_penalty, n=req.n, seed=req.seed,
-               top_logprobs=req.top_logprobs, parallel_tool_calls=req.parallel_tool_calls,
-               user=req.user, metadata=req.metadata,
-               conversation_id=req.conversation_id or conversation_id,
-               idempotency_key=idempotency_key, timeout_s=timeout_s))
+        tool_choice=choice, tool_name=name, response_format=_format(req),
+        max_output_tokens=req.max_completion_tokens or req.max_tokens,
+        conversation_id=req.conversation_id or conversation_id,
+        idempotency_key=idempotency_key, timeout_s=timeout_s, **same)
 
 
 def _format(req: ChatCompletionRequest) -> ResponseFormat | None:
