@@ -76,6 +76,7 @@ class LeanApp:
                              code="method_not_allowed")
         principal = await self.gateway.authenticate(api.credential(headers),
                                                     source=asgi_source(scope, headers))
-        async with Call(self.gateway, principal, action=api.action, protocol="rest") as call:
+        async with Call(self.gateway, principal, action=api.action, protocol="rest",
+                        params=api.params) as call:
             data = await read_json(headers, receive)
             await api.serve(apis.Context(self, call, data, headers, receive, send))

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from inference.jobs import DoneEvent, ToolCall, ToolDelta, Usage
+from streaming.callrequest import CallRequest
 from streaming.fold import Fold
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
 from streaming.submitted import Submitted
@@ -67,7 +68,7 @@ class ToolDeltas:
         return out
 
 
-def choice_logprobs(req: ChatCompletionRequest,
+def choice_logprobs(req: ChatCompletionRequest | CallRequest,
                     content: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A choice's (or a chunk's) `logprobs`: the tokens' entries, when asked for."""
     return {"content": content, "refusal": None} if req.logprobs else None
@@ -95,7 +96,8 @@ async def whole_reply(sub: Submitted) -> tuple[str, DoneEvent]:
     return reply.text, reply.final
 
 
-async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
+async def chat_completion(sub: Submitted, req: ChatCompletionRequest | CallRequest
+                          ) -> dict[str, Any]:
     """A `chat.completion` from the call's events, one choice per sequence (`sub.n`);
     a worker error (of any choice) raises its ApiError."""
     reply = await Fold(sub.events(), sub.n).whole()

@@ -59,12 +59,14 @@ from redis.exceptions import RedisError
 from governance.observe import served
 from sluice.errors import ApiError, BadRequest, PermissionDenied, ServerError
 from streaming import bodies
+from streaming.apis import chat_request
 from streaming.call import Call
+from streaming.callrequest import CallRequest
 from streaming.fold import Delta, Failure, Final, Fold
 from streaming.gateway import Gateway, queue_unavailable, shared_gateway
 from streaming.max_tokens_policy import CLAMPED_HEADER
 from streaming.nesting import MAX_JSON_DEPTH, check_depth
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse
+from streaming.schemas import EmbeddingRequest, parse
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.throttle import asgi_source
@@ -206,7 +208,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 await self._refuse(rid, exc)
                 return exc.status
             async with Call(self.gateway, principal, action=action,
-                            protocol="websocket") as call:
+                            protocol="websocket", params=chat_request.PARAMS) as call:
                 call.model = str(request.get("model", ""))[:100]
                 if kind == "embeddings.request":
                     emb = parse(EmbeddingRequest, request)
@@ -214,7 +216,8 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                     await self._send(rid, "embeddings.result",
                                      body=await bodies.embeddings(sub, emb))
                 else:
-                    await self._stream(rid, call, parse(ChatCompletionRequest, request))
+                    await self._stream(rid, call, chat_request.call_request(
+                        chat_request.parsed(request), stream=True))
             return 200
         except ApiError as exc:
             await self._error(rid, exc)
@@ -237,10 +240,10 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             raise PermissionDenied(f"Your role ({principal.role}) may not call models.")
         return principal
 
-    async def _stream(self, rid: str, call: Call, req: ChatCompletionRequest) -> None:
+    async def _stream(self, rid: str, call: Call, req: CallRequest) -> None:
         """The call's frames, each with its choice's `index`. A call's last `chat.done`
         carries its usage (with n > 1, every choice's summed; the others carry none)."""
-        sub = await call.chat(req, stream=True)
+        sub = await call.chat(req)
         parts: list[str] = []  # the first choice's text, for its conversation
         tools = [bodies.ToolDeltas() for _ in range(sub.n)]
         async with Fold(sub.events(), sub.n) as fold:

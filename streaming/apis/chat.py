@@ -22,10 +22,10 @@ from pydantic import TypeAdapter, ValidationError
 from sluice.db import async_db
 from sluice.errors import BadRequest, NotFound
 from streaming import bodies, choices, replay, sse
-from streaming.apis import Api, Context, register
+from streaming.apis import Api, Context, chat_request, register
 from streaming.fold import Delta, Failure, Final, Fold
 from streaming.httpio import Send, send_json
-from streaming.schemas import ChatCompletionRequest, ConversationId, parse
+from streaming.schemas import ChatCompletionRequest, ConversationId
 from streaming.submitted import Submitted
 from tenants.conversations import conversation_get
 
@@ -33,9 +33,10 @@ from tenants.conversations import conversation_get
 class Chat(Api):
     path = "/v1/chat/completions"
     action = "chat.completions"
+    params = chat_request.PARAMS
 
     async def serve(self, ctx: Context) -> None:
-        req = parse(ChatCompletionRequest, ctx.data)
+        req = chat_request.parsed(ctx.data)
         call, headers = ctx.call, ctx.headers
         gateway = call.gateway
         call.model = req.model
@@ -66,12 +67,14 @@ class Chat(Api):
         header_conversation = headers.get("x-sluice-conversation-id")
         if header_conversation is not None and req.conversation_id is None:
             try:
-                req.conversation_id = TypeAdapter(ConversationId).validate_python(
+                header_conversation = TypeAdapter(ConversationId).validate_python(
                     header_conversation)
             except ValidationError:
                 raise BadRequest("X-Sluice-Conversation-Id is not a conversation id.",
                                  param="conversation_id") from None
-        sub = await call.chat(req, idempotency_key=headers.get("idempotency-key"))
+        sub = await call.chat(chat_request.call_request(
+            req, conversation_id=header_conversation,
+            idempotency_key=headers.get("idempotency-key")))
         if req.stream and sub.conversation_id is not None:
             await gateway.client.remember_stream(principal.tenant_slug,
                                                  sub.conversation_id, sub.handle.rid)

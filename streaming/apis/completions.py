@@ -33,15 +33,10 @@ from inference.jobs import Event
 from sluice.errors import BadRequest
 from streaming import bodies, sse
 from streaming.apis import Api, Context, register
+from streaming.callrequest import MAX_CHOICES, CallRequest, Params, args, stops
 from streaming.fold import Delta, Failure, Final, Fold
 from streaming.httpio import Send, send_json
-from streaming.schemas import (
-    MAX_CHOICES,
-    ChatCompletionRequest,
-    ModelName,
-    StreamOptions,
-    validation_error,
-)
+from streaming.schemas import ModelName, StreamOptions, validation_error
 from streaming.submitted import Submitted
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for this API
@@ -110,6 +105,8 @@ class TextCompletion(BaseModel):
 class Completions(Api):
     path = "/v1/completions"
     action = "completions"
+    params = Params({"messages": "prompt", "max_output_tokens": "max_tokens",
+                     "top_logprobs": "logprobs"})
 
     async def serve(self, ctx: Context) -> None:
         req = parse(ctx.data)
@@ -119,7 +116,7 @@ class Completions(Api):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         # One admitted gateway call per prompt, all or none (the call cancels those
         # admitted when one is refused).
-        subs = [await call.chat(as_chat(req, prompt), raw_prompt=True) for prompt in prompts]
+        subs = [await call.chat(call_request(req, prompt)) for prompt in prompts]
         async with call.watching(ctx.receive, resumable=False):
             fold = Fold(_events(subs, req.n or 1), len(prompts) * (req.n or 1))
             if req.stream:
@@ -158,27 +155,18 @@ def parse(data: dict[str, Any]) -> CompletionRequest:
     return req
 
 
-_CHAT_PARAMS = {"messages": "prompt", "top_logprobs": "logprobs", "max_completion_tokens":
-                "max_tokens"}
-
-
-def as_chat(req: CompletionRequest, prompt: str) -> ChatCompletionRequest:
-    """The gateway's request for one prompt: the prompt as the single user message."""
-    fields: dict[str, Any] = {
-        "model": req.model, "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": req.max_tokens or DEFAULT_MAX_TOKENS, "stream": req.stream,
-        **req.model_dump(include={"temperature", "top_p", "n", "stop", "seed", "user",
-                                  "presence_penalty", "frequency_penalty", "logit_bias"},
-                         exclude_none=True)}
-    if req.logprobs is not None:
-        fields.update(logprobs=True, top_logprobs=req.logprobs)
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:  # checked above already; named as this API names it
-        error = validation_error(exc)
-        param = (error.param or "").split(".")[0]
-        raise BadRequest(error.message, param=_CHAT_PARAMS.get(param, param or None),
-                         code=error.code) from None
+def call_request(req: CompletionRequest, prompt: str) -> CallRequest:
+    """The call's request for one prompt: the prompt as the single user message, its
+    text the model's prompt as it is (`raw_prompt`)."""
+    return CallRequest(
+        model=req.model, messages=[{"role": "user", "content": prompt}],
+        max_output_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, stream=req.stream,
+        include_usage=req.stream_options is not None and req.stream_options.include_usage,
+        stop=stops(req.stop), logprobs=req.logprobs is not None, raw_prompt=True,
+        logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
+        **args(temperature=req.temperature, top_p=req.top_p, n=req.n, seed=req.seed,
+               user=req.user, presence_penalty=req.presence_penalty,
+               frequency_penalty=req.frequency_penalty, top_logprobs=req.logprobs))
 
 
 async def _events(subs: list[Submitted], n: int) -> AsyncGenerator[Event]:
