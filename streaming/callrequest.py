@@ -37,6 +37,7 @@ MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 TOOL_CHOICES = ("auto", "none", "required", "function")
+_CHOICES = frozenset({None, *TOOL_CHOICES})
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CONVERSATION = re.compile(r"^conv_[0-9a-f]{24}$")
@@ -160,11 +161,14 @@ def check(req: CallRequest) -> None:
             _invalid(f"messages[{i}].role", "one of " + ", ".join(sorted(ROLES)))
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         _invalid("max_output_tokens", "at least 1")
-    _between("temperature", req.temperature, 0, 2)
+    if not 0 <= req.temperature <= 2:
+        _invalid("temperature", "between 0 and 2")
     if not 0 < req.top_p <= 1:
         _invalid("top_p", "greater than 0 and at most 1")
-    _between("presence_penalty", req.presence_penalty, -2, 2)
-    _between("frequency_penalty", req.frequency_penalty, -2, 2)
+    if not -2 <= req.presence_penalty <= 2:
+        _invalid("presence_penalty", "between -2 and 2")
+    if not -2 <= req.frequency_penalty <= 2:
+        _invalid("frequency_penalty", "between -2 and 2")
     if not 1 <= req.n <= MAX_CHOICES:
         _invalid("n", f"between 1 and {MAX_CHOICES}")
     if len(req.stop) > MAX_STOPS:
@@ -174,9 +178,9 @@ def check(req: CallRequest) -> None:
             _invalid("top_logprobs", f"between 0 and {MAX_TOP_LOGPROBS}")
         if not req.logprobs:
             raise ParamError("", "top_logprobs", " requires logprobs to be true.")
-    if len(req.logit_bias) > MAX_LOGIT_BIAS or any(
+    if req.logit_bias and (len(req.logit_bias) > MAX_LOGIT_BIAS or any(
             not 0 <= token < 10**9 or not -100 <= bias <= 100
-            for token, bias in req.logit_bias.items()):
+            for token, bias in req.logit_bias.items())):
         _invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, each biased by "
                                "-100 to 100")
     if len(req.tools) > MAX_TOOLS:
@@ -184,18 +188,13 @@ def check(req: CallRequest) -> None:
     for i, tool in enumerate(req.tools):
         if not _TOOL_NAME.match(tool.name):
             _invalid(f"tools[{i}].name", "1 to 64 letters, digits, '_' or '-'")
-    if req.tool_choice not in (None, *TOOL_CHOICES) or (req.tool_choice == "function") != bool(
+    if req.tool_choice not in _CHOICES or (req.tool_choice == "function") != bool(
             req.tool_name):
         _invalid("tool_choice", "auto, none, required, or a tool's name")
     if req.user is not None and len(req.user) > 256:
         _invalid("user", "at most 256 characters")
     if req.conversation_id is not None and not _CONVERSATION.match(req.conversation_id):
         _invalid("conversation_id", "a conversation's id (conv_ and 24 hex digits)")
-
-
-def _between(param: str, value: float, low: float, high: float) -> None:
-    if not low <= value <= high:
-        _invalid(param, f"between {low} and {high}")
 
 
 def _invalid(param: str, what: str) -> None:
