@@ -35,7 +35,7 @@ from governance.models import BreakerPolicy, DegradeMode, Quota, RateLimitPolicy
 from governance.recorder import Recorder
 from inference import jobs
 from inference.client import InferenceClient
-from inference.jobs import FinalEvent
+from inference.jobs import FinalEvent, is_done, is_error, is_final
 from inference.spec import DeploymentSpec
 from sluice.aio import finish_or_cancel
 from sluice.errors import (
@@ -143,7 +143,7 @@ class Admission:
             completion_tokens=usage["completion_tokens"],
             request_id=self.request_id, trace_id=self.trace_id, request_text=self.request_text,
             response_text="".join(self.reply), patterns=self.patterns,
-            detail={"finish": final["finish"] if final is not None and final["t"] == "done"
+            detail={"finish": final["finish"] if final is not None and is_done(final)
                     else None, "probe": self.probe,
                     "degraded": self.max_tokens_cap is not None, **self.audit_detail(),
                     **self.notes}))
@@ -153,7 +153,7 @@ def call_status(final: FinalEvent | None, error: BaseException | None) -> int:
     """How a call ended, as an HTTP status: the worker's error status, 200 when it was
     done, else the error the consumer met (499 when the client left)."""
     if final is not None:
-        return final["status"] if final["t"] == "error" else 200
+        return final["status"] if is_error(final) else 200
     return error.status if isinstance(error, ApiError) else 499
 
 
@@ -390,7 +390,7 @@ class Governor:
                 with contextlib.suppress(ApiError, RedisError):
                     async for item in self.client.replay(adm.principal.tenant_slug, rid,
                                                          after_seq=2**62, timeout_s=timeout):
-                        if item["t"] == "done" or item["t"] == "error":
+                        if is_final(item):
                             event = item
             await adm.finish(event, error=error, charge=charge, replay=replay)
 

@@ -37,7 +37,7 @@ from enum import StrEnum
 from typing import Any
 
 from governance.models import BreakerPolicy
-from inference.jobs import FinalEvent
+from inference.jobs import FinalEvent, is_done, is_error
 from inference.queue import deployment_key
 from sluice.errors import DeadlineExceeded
 
@@ -63,11 +63,11 @@ def outcome_of(final: FinalEvent | None, status: int, *, error: BaseException | 
     if final is None:
         return (Outcome.FAILURE if isinstance(error, DeadlineExceeded) and not caller_deadline
                 else Outcome.IGNORED)
-    if caller_deadline and final["t"] == "error" and final["code"] == "deadline_exceeded":
+    if caller_deadline and is_error(final) and final["code"] == "deadline_exceeded":
         return Outcome.IGNORED
     if status >= 500:
         return Outcome.FAILURE
-    if status >= 400 or (final["t"] == "done" and final["finish"] == "cancelled"):
+    if status >= 400 or (is_done(final) and final["finish"] == "cancelled"):
         return Outcome.IGNORED
     return Outcome.SUCCESS
 

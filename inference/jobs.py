@@ -18,11 +18,14 @@ finds a request's final event by `"t":"done"` / `"t":"error"`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
 import msgspec
 
 from sluice import wirejson
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 # -- jobs ------------------------------------------------------------------------------
 
@@ -299,6 +302,25 @@ class EmbeddingEvent(TypedDict):
 Event = DeltaEvent | DoneEvent | ErrorEvent | EmbeddingEvent
 FinalEvent = DoneEvent | ErrorEvent
 FINAL_EVENTS = ("done", "error")  # the tags of the events that end a request
+
+
+# Outside inference/, events' tags are read through these and the gateway's one fold
+# over a call's events (streaming/fold.py), nowhere else.
+def is_delta(event: Event) -> TypeIs[DeltaEvent]:
+    return event["t"] == "delta"
+
+
+def is_done(event: Event) -> TypeIs[DoneEvent]:
+    return event["t"] == "done"
+
+
+def is_error(event: Event) -> TypeIs[ErrorEvent]:
+    return event["t"] == "error"
+
+
+def is_final(event: Event) -> TypeIs[FinalEvent]:
+    """Whether `event` ends its request (done or error)."""
+    return event["t"] == "done" or event["t"] == "error"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:

@@ -24,10 +24,11 @@ from typing import Any
 from governance.privacy import Redactor, redact_json
 from sluice.errors import ApiError, BadRequest, QuotaExceeded
 from streaming import bodies
+from streaming.apis import chat_request
 from streaming.call import Call
 from streaming.gateway import Gateway
 from streaming.nesting import MAX_JSON_DEPTH, json_depth
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse
+from streaming.schemas import EmbeddingRequest, parse
 from tenants.principal import Principal
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
@@ -185,14 +186,14 @@ async def call(gateway: Gateway, principal: Principal, endpoint: str,
     """One line through the pipeline: (200, OpenAI body, request id); a refusal or an
     error raises its ApiError."""
     embedding = endpoint == "/v1/embeddings"
-    async with Call(gateway, principal, protocol="batch",
+    async with Call(gateway, principal, protocol="batch", params=chat_request.PARAMS,
                     action="embeddings" if embedding else "chat.completions") as live:
         if embedding:
             emb = parse(EmbeddingRequest, body)
             sub = await live.embed(emb)
             return 200, await bodies.embeddings(sub, emb), sub.handle.rid
-        req = parse(ChatCompletionRequest, body)
+        req = chat_request.parsed(body)
         if req.stream:
             raise BadRequest("stream is not supported in a batch.", param="stream")
-        sub = await live.chat(req)
+        sub = await live.chat(chat_request.call_request(req))
         return 200, await bodies.chat_completion(sub, req), sub.handle.rid

@@ -1,19 +1,18 @@
-"""OpenAI response bodies built from a call's events: written once, for the REST
-adapter and the Batch API alike."""
+"""OpenAI response bodies built from a call's events (read through streaming/fold.py):
+written once, for the REST adapter, gRPC, WebSocket and the Batch API alike."""
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import struct
 import time
 from typing import Any
 
-from inference.jobs import DoneEvent, FinalEvent, ToolCall, ToolDelta
-from sluice.errors import ServerError
-from streaming.gateway import error_from_event
+from inference.jobs import DoneEvent, ToolCall, ToolDelta, Usage
+from streaming.callrequest import CallRequest
+from streaming.fold import Fold
 from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
-from streaming.submitted import Submitted, cancelled_error
+from streaming.submitted import Submitted
 
 
 def finish_reason(final: DoneEvent) -> str | None:
@@ -69,18 +68,15 @@ class ToolDeltas:
         return out
 
 
-def choice_logprobs(req: ChatCompletionRequest,
+def choice_logprobs(req: ChatCompletionRequest | CallRequest,
                     content: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A choice's (or a chunk's) `logprobs`: the tokens' entries, when asked for."""
     return {"content": content, "refusal": None} if req.logprobs else None
 
 
-def usage(*finals: FinalEvent) -> dict[str, int]:
-    """OpenAI's `usage` of final events: one call's, or its choices' summed."""
-    prompt = completion = 0
-    for final in finals:
-        prompt += final["usage"]["prompt_tokens"]
-        completion += final["usage"]["completion_tokens"]
+def usage(counted: Usage) -> dict[str, int]:
+    """OpenAI's `usage` of a call's (its choices' summed: `Fold.usage`)."""
+    prompt, completion = counted["prompt_tokens"], counted["completion_tokens"]
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -95,91 +91,36 @@ def message(text: str, final: DoneEvent) -> dict[str, Any]:
 
 async def whole_reply(sub: Submitted) -> tuple[str, DoneEvent]:
     """A one-choice call's whole text and its final event; a worker error raises its
-    ApiError (the codecs that answer in one piece share this). The events are read to
-    their end: leaving them at the final event would settle the call as one its
-    consumer left (Submitted.events)."""
-    parts: list[str] = []
-    final: FinalEvent | None = None
-    async with contextlib.aclosing(sub.events()) as events:
-        async for event in events:
-            if event["t"] == "delta":
-                parts.append(event["text"])
-            elif event["t"] == "done" or event["t"] == "error":
-                final = event
-    if final is None:
-        raise ServerError("The call ended without a final event.")
-    if final["t"] == "error":
-        raise error_from_event(final)
-    return "".join(parts), whole(final)
+    ApiError (the codecs that answer in one piece share this)."""
+    reply = await Fold(sub.events()).whole()
+    return reply.text, reply.final
 
 
-async def chat_completion(sub: Submitted, req: ChatCompletionRequest) -> dict[str, Any]:
+async def chat_completion(sub: Submitted, req: ChatCompletionRequest | CallRequest
+                          ) -> dict[str, Any]:
     """A `chat.completion` from the call's events, one choice per sequence (`sub.n`);
     a worker error (of any choice) raises its ApiError."""
-    # Plain loops, not comprehensions: this runs for every call, nearly all of them n = 1.
-    parts: list[list[str]] = []
-    logprobs: list[list[dict[str, Any]]] = []
-    finals: list[DoneEvent | None] = []
-    for _ in sub.handles:
-        parts.append([])
-        logprobs.append([])
-        finals.append(None)
-    events = sub.events()
-    async for event in events:
-        if event["t"] == "delta":
-            i = event.get("i", 0)
-            parts[i].append(event["text"])
-            logprobs[i] += event.get("lp") or ()
-        elif event["t"] == "error":
-            await events.aclose()  # with n > 1, the other choices are cancelled now
-            raise error_from_event(event)
-        elif event["t"] == "done":
-            finals[event.get("i", 0)] = event
-    done = all_done(finals)
+    reply = await Fold(sub.events(), sub.n).whole()
     choices = []
-    for i, final in enumerate(done):
-        choices.append({"index": i, "message": message("".join(parts[i]), final),
+    for i, final in enumerate(reply.finals):
+        choices.append({"index": i, "message": message(reply.texts[i], final),
                         "finish_reason": finish_reason(final),
-                        "logprobs": choice_logprobs(req, logprobs[i])})
+                        "logprobs": choice_logprobs(req, reply.lps[i])})
     body: dict[str, Any] = {
         "id": f"chatcmpl-{sub.handle.rid}", "object": "chat.completion",
         "created": int(time.time()), "model": req.model, "system_fingerprint": None,
-        "choices": choices, "usage": usage(*done),
+        "choices": choices, "usage": usage(reply.usage()),
     }
     if sub.conversation_id is not None:
         body["conversation_id"] = sub.conversation_id
     return body
 
 
-def all_done(finals: list[DoneEvent | None]) -> list[DoneEvent]:
-    """Every choice's final event (each choice ends with one, or the call raised), each
-    `whole`."""
-    done = [whole(final) for final in finals if final is not None]
-    if len(done) != len(finals):
-        raise ServerError("A choice ended without a final event.")
-    return done
-
-
-def whole(final: DoneEvent) -> DoneEvent:
-    """`final`, when its reply is whole; a cancelled request's cut reply is the
-    retriable error `request_cancelled` instead."""
-    if final["finish"] == "cancelled":
-        raise error_from_event(cancelled_error(final))
-    return final
-
-
 async def embeddings(sub: Submitted, req: EmbeddingRequest) -> dict[str, Any]:
-    vectors: list[list[float]] = []
-    tokens = 0
-    async for event in sub.events():
-        if event["t"] == "embedding":
-            vectors = event["data"]
-        elif event["t"] == "error":
-            raise error_from_event(event)
-        elif event["t"] == "done":
-            tokens = event["usage"]["prompt_tokens"]
+    reply = await Fold(sub.events()).whole()
+    tokens = reply.final["usage"]["prompt_tokens"]
     data = []
-    for i, vector in enumerate(vectors):
+    for i, vector in enumerate(reply.vectors):
         value: Any = vector
         if req.encoding_format == "base64":
             value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()

@@ -1,14 +1,16 @@
 """One API call's life after authentication, owned once for every API and transport.
 
-    async with Call(gateway, principal, action="chat.completions", protocol="rest") as call:
-        sub = await call.chat(req)           # admission and submission (or a refusal)
-        async for event in sub.events():     # the typed events (inference/jobs.py)
-            ...                              # the codec encodes them, nothing more
+    async with Call(gateway, principal, action="chat.completions", protocol="rest",
+                    params=PARAMS) as call:  # the API's names for neutral parameters
+        sub = await call.chat(req)           # a CallRequest: admission and submission
+        async with Fold(sub.events(), sub.n) as fold:  # the events as typed pieces
+            async for piece in fold:         # (streaming/fold.py)
+                ...                          # the codec encodes them, nothing more
         await call.remember(text)            # the conversation's turn
 
-The codecs (streaming/asgi.py's chat, streaming/apis/*, the gRPC servicer, the WebSocket
-consumer) parse a request into a call and encode its events; the block's exit does the
-rest, whatever the codec did:
+The codecs (streaming/apis/*, the gRPC servicer, the WebSocket consumer, the Batch API)
+parse a request into one CallRequest (streaming/callrequest.py) and encode the call's
+events; the block's exit does the rest, whatever the codec did:
 - an error before admission (bad input, rights, limits, quotas, shedding) is audited as
   a refused call; Redis failing under the call becomes the retriable 503
   `queue_unavailable` (audited too);
@@ -23,6 +25,8 @@ rest, whatever the codec did:
 - a call answered in one piece whose idempotent retry finds the first request
   cancelled runs afresh (Submitted.again); a stream that replays one ends with the
   retriable error `request_cancelled`.
+A resumed stream (`resume`) is no new call: its stored events are read again, for
+whoever may read the original, and audited as such.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from governance import audit
-from sluice.errors import ApiError
+from inference.jobs import Event
+from sluice.errors import ApiError, NotFound
 from sluice.observability import metrics, telemetry
-from streaming import bodies
+from streaming import bodies, replay
+from streaming.callrequest import NEUTRAL, CallRequest, Params
 from streaming.gateway import Gateway, queue_unavailable
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from streaming.schemas import EmbeddingRequest
 from streaming.submitted import Submitted
 from tenants.principal import Principal
 
@@ -55,11 +61,14 @@ _background: set[asyncio.Task[None]] = set()  # cancellations after the block
 class Call:
     """See the module docstring. `model` is what the refused call's audit names (set
     from the request as soon as it is parsed); `protocol` the audit's and metrics'
-    transport name ("rest", "sse", "grpc", "websocket", "batch")."""
+    transport name ("rest", "sse", "grpc", "websocket", "batch"); `params` the API's
+    names for the call request's neutral parameters (streaming/callrequest.py)."""
 
     def __init__(self, gateway: Gateway, principal: Principal, *, action: str,
-                 protocol: str, began: float | None = None) -> None:
+                 protocol: str, began: float | None = None,
+                 params: Params = NEUTRAL) -> None:
         self.gateway, self.principal, self.action = gateway, principal, action
+        self.params = params
         self._protocol = protocol
         self.began = time.monotonic() if began is None else began
         self.model = ""
@@ -129,20 +138,40 @@ class Call:
         self._notes.update(detail)
         self._headers.update(headers or {})
 
-    async def chat(self, req: ChatCompletionRequest, **options: Any) -> Submitted:
-        """Admit and submit a chat call (Gateway.chat's options: idempotency_key,
-        conversation_id, timeout_s, stream, raw_prompt, earlier). A call may admit
-        several (a legacy completion's prompts); a refusal of any is the call's."""
+    async def chat(self, req: CallRequest) -> Submitted:
+        """Admit and submit a chat call (Gateway.chat). A call may admit several (a
+        legacy completion's prompts); a refusal of any is the call's, naming its
+        parameter as the call's API does (`params`)."""
         self.model = req.model
 
         def chat() -> Awaitable[Submitted]:
             return self.gateway.chat(self.principal, req, protocol=self.protocol,
-                                     action=self.action, **options)
+                                     action=self.action)
 
         sub = await self._admit(chat())
-        if sub.handle.replayed and not options.get("stream", req.stream):
+        if sub.handle.replayed and not req.stream:
             sub.again = chat  # a replay of a cancelled request runs afresh (Submitted)
         return sub
+
+    async def resume(self, rid: str, after: int, *, model: str,
+                     conversation: str | None = None) -> AsyncIterator[Event]:
+        """The stored events of an earlier stream (request `rid`; `model` the one it
+        named) for a client that has those up to seq `after`: only for whoever may read
+        the original (replay.authorize_resume; anyone else's is a NotFound), which re-
+        attaches it (no cancellation at its resume grace's end); audited as
+        `chat.completions.resume`. Nothing is regenerated or charged."""
+        self.action = "chat.completions.resume"
+        principal, client = self.principal, self.gateway.client
+        tenant = principal.tenant_slug
+        await replay.authorize_resume(principal, await client.owner_of(tenant, rid),
+                                      model=model, conversation=conversation)
+        if not await client.attach(tenant, rid):
+            raise NotFound("No resumable stream with that Last-Event-ID.",
+                           code="stream_not_found")
+        self.gateway.governor.recorder.audit(replay.resume_event(
+            principal, rid, model=model, after=after, protocol=self.protocol,
+            began=self.began))
+        return client.replay(tenant, rid, timeout_s=settings.SLUICE_REQUEST_TIMEOUT_S)
 
     async def embed(self, req: EmbeddingRequest, *, timeout_s: float | None = None
                     ) -> Submitted:
@@ -152,14 +181,17 @@ class Call:
 
     async def _admit(self, admission: Awaitable[Submitted]) -> Submitted:
         self._admitting = True
-        sub = await admission
+        try:
+            sub = await admission
+        except ApiError as exc:
+            raise self.params.named(exc) from None
         sub.admission.notes.update(self._notes)
         sub.own_headers.update(self._headers)
         self.subs.append(sub)
         self._admitting = False
         return sub
 
-    async def count(self, req: ChatCompletionRequest) -> int:
+    async def count(self, req: CallRequest) -> int:
         """The prompt's tokens as the model's worker counts them (template and tool
         prompt included); admitted as a call, never charged."""
         self.model = req.model

@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from governance.admission import Admission
 from inference.client import RequestHandle
-from inference.jobs import FINAL_EVENTS, ChatJob, Event, FinalEvent, Job, usage
+from inference.jobs import ChatJob, Event, FinalEvent, Job, is_done, is_error, is_final, usage
 from sluice.aio import finish_or_cancel
 from sluice.errors import ApiError, BadRequest, DeadlineExceeded
 
@@ -118,7 +118,7 @@ async def merged(handles: list[RequestHandle]) -> AsyncGenerator[Event]:
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
-            if item["t"] in FINAL_EVENTS:
+            if is_final(item):
                 running -= 1
             yield item
     finally:
@@ -134,7 +134,7 @@ def combined(finals: list[FinalEvent]) -> FinalEvent | None:
     if len(finals) <= 1:
         return finals[0] if finals else None
     ordered = sorted(finals, key=lambda e: e.get("i", 0))
-    failed = [e for e in ordered if e["t"] == "error"]
+    failed = [e for e in ordered if is_error(e)]
     base = failed[0] if failed else ordered[0]
     finishes = [e.get("finish") for e in ordered]
     prompt = completion = 0
@@ -143,7 +143,7 @@ def combined(finals: list[FinalEvent]) -> FinalEvent | None:
         completion += event["usage"]["completion_tokens"]
     merged = base.copy()
     merged["usage"] = usage(prompt, completion)
-    if merged["t"] == "done" and "cancelled" in finishes:
+    if is_done(merged) and "cancelled" in finishes:
         merged["finish"] = "cancelled"
     return merged
 
@@ -173,7 +173,7 @@ async def _final_of(i: int, handle: RequestHandle) -> FinalEvent | None:
     with contextlib.suppress(ApiError, RedisError):
         async for event in handle.client.replay(handle.tenant, handle.rid,
                                                 after_seq=2**62, timeout_s=timeout):
-            if event["t"] == "done" or event["t"] == "error":
+            if is_final(event):
                 final = event
                 final["i"] = i
     return final

@@ -56,15 +56,17 @@ import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
 from redis.exceptions import RedisError
 
-from inference.jobs import DoneEvent
 from sluice.errors import ApiError, BadRequest, PermissionDenied, ServerError
 from sluice.observability.observe import served
 from streaming import bodies
+from streaming.apis import chat_request
 from streaming.call import Call
-from streaming.gateway import Gateway, error_from_event, queue_unavailable, shared_gateway
+from streaming.callrequest import CallRequest
+from streaming.fold import Delta, Failure, Final, Fold
+from streaming.gateway import Gateway, queue_unavailable, shared_gateway
 from streaming.max_tokens_policy import CLAMPED_HEADER
 from streaming.nesting import MAX_JSON_DEPTH, check_depth
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse
+from streaming.schemas import EmbeddingRequest, parse
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.throttle import asgi_source
@@ -206,7 +208,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 await self._refuse(rid, exc)
                 return exc.status
             async with Call(self.gateway, principal, action=action,
-                            protocol="websocket") as call:
+                            protocol="websocket", params=chat_request.PARAMS) as call:
                 call.model = str(request.get("model", ""))[:100]
                 if kind == "embeddings.request":
                     emb = parse(EmbeddingRequest, request)
@@ -214,7 +216,8 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                     await self._send(rid, "embeddings.result",
                                      body=await bodies.embeddings(sub, emb))
                 else:
-                    await self._stream(rid, call, parse(ChatCompletionRequest, request))
+                    await self._stream(rid, call, chat_request.call_request(
+                        chat_request.parsed(request), stream=True))
             return 200
         except ApiError as exc:
             await self._error(rid, exc)
@@ -237,41 +240,41 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             raise PermissionDenied(f"Your role ({principal.role}) may not call models.")
         return principal
 
-    async def _stream(self, rid: str, call: Call, req: ChatCompletionRequest) -> None:
+    async def _stream(self, rid: str, call: Call, req: CallRequest) -> None:
         """The call's frames, each with its choice's `index`. A call's last `chat.done`
         carries its usage (with n > 1, every choice's summed; the others carry none)."""
-        sub = await call.chat(req, stream=True)
+        sub = await call.chat(req)
         parts: list[str] = []  # the first choice's text, for its conversation
-        finals: list[DoneEvent] = []
         tools = [bodies.ToolDeltas() for _ in range(sub.n)]
-        events = sub.events()
-        async for event in events:
-            i = event.get("i", 0)
-            if event["t"] == "delta" and (event["text"] or event.get("lp") or "tools" in event):
-                if i == 0:
-                    parts.append(event["text"])
-                extra: dict[str, Any] = {"logprobs": event["lp"]} if "lp" in event else {}
-                if "tools" in event:
-                    if pieces := [c for cs in tools[i].pieces(event["tools"]) for c in cs]:
-                        extra["tool_calls"] = pieces
-                    elif not (event["text"] or event.get("lp")):
-                        continue
-                await self._send(rid, "chat.delta", index=i, delta=event["text"], **extra)
-            elif event["t"] == "error":
-                await events.aclose()  # with n > 1, the other choices are cancelled now
-                raise error_from_event(event)
-            elif event["t"] == "done":
-                finals.append(event)
-                done: dict[str, Any] = {"index": i,
-                                        "finish_reason": bodies.finish_reason(event)}
-                if event.get("tool_calls"):
-                    done["tool_calls"] = bodies.tool_calls(event["tool_calls"])
-                if len(finals) == sub.n:  # the call's last frame
-                    done["usage"] = bodies.usage(*finals)
-                    if CLAMPED_HEADER in sub.headers:
-                        done["max_tokens_clamped"] = int(sub.headers[CLAMPED_HEADER])
-                    await call.remember("".join(parts))
-                await self._send(rid, "chat.done", **done)
+        async with Fold(sub.events(), sub.n) as fold:
+            async for piece in fold:
+                if isinstance(piece, Delta):
+                    extra: dict[str, Any] = {"logprobs": piece.lp} if piece.lp is not None \
+                        else {}
+                    if piece.tools is not None:
+                        if calls := [c for cs in tools[piece.i].pieces(piece.tools)
+                                     for c in cs]:
+                            extra["tool_calls"] = calls
+                        elif not (piece.text or piece.lp):
+                            continue
+                    if piece.i == 0:
+                        parts.append(piece.text)
+                    await self._send(rid, "chat.delta", index=piece.i, delta=piece.text,
+                                     **extra)
+                elif isinstance(piece, Failure):
+                    raise piece.error  # with n > 1, the other choices are cancelled now
+                elif isinstance(piece, Final):
+                    final = piece.event
+                    done: dict[str, Any] = {"index": piece.i,
+                                            "finish_reason": bodies.finish_reason(final)}
+                    if final.get("tool_calls"):
+                        done["tool_calls"] = bodies.tool_calls(final["tool_calls"])
+                    if len(fold.finals) == sub.n:  # the call's last frame
+                        done["usage"] = bodies.usage(fold.usage())
+                        if CLAMPED_HEADER in sub.headers:
+                            done["max_tokens_clamped"] = int(sub.headers[CLAMPED_HEADER])
+                        await call.remember("".join(parts))
+                    await self._send(rid, "chat.done", **done)
 
     async def _send(self, rid: str | None, kind: str, **fields: Any) -> None:
         await self.send(text_data=json.dumps({"type": kind, "id": rid, **fields}))

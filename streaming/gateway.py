@@ -9,8 +9,9 @@
 Every adapter (REST, SSE, the WebSocket, gRPC, the Batch API) goes through here,
 through one call object (streaming/call.py), so each gets limits, quotas, breakers and
 audit at once; a chat call's `n` choices are fanned out here too (streaming/choices.py).
-The request becomes a typed job (streaming/prompting.py, inference/jobs.py); an
-admitted call is a Submitted (streaming/submitted.py).
+A chat call's request is a CallRequest (streaming/callrequest.py), which every codec
+builds once; it becomes one typed job per attempt (streaming/prompting.py,
+inference/jobs.py); an admitted call is a Submitted (streaming/submitted.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import Any, cast
 
-import msgspec
 from django.conf import settings
 from redis.exceptions import RedisError
 
@@ -33,7 +33,7 @@ from inference.jobs import (
     EmbedJob,
     ErrorEvent,
     Job,
-    Keep,
+    Message,
     default_max_tokens,
 )
 from inference.routing import Route
@@ -53,21 +53,16 @@ from sluice.errors import (
 )
 from sluice.observability import telemetry
 from streaming import choices, max_tokens_policy, replay
+from streaming.callrequest import CallRequest, check
 from streaming.prompting import (
     chat_job,
-    message_text,
-    native_message,
-    native_messages,
     prompt_bound,
+    prompt_of,
     refuse_unfitting,
     rendered,
 )
 from streaming.routed import Attempt, Routed, RoutedAdmission, call_bound
-from streaming.schemas import (
-    ChatCompletionRequest,
-    ChatMessage,
-    EmbeddingRequest,
-)
+from streaming.schemas import EmbeddingRequest
 from streaming.structured import check_grammar
 from streaming.submitted import Submitted
 from tenants.cache import authenticate_cached
@@ -234,121 +229,99 @@ class Gateway:
                             trimmed=call_bound(texts, max_tokens) if droppable else None,
                             timeout_s=limit, prompt_only=prompt_only)
 
-    async def chat(self, principal: Principal, req: ChatCompletionRequest, *,
-                   idempotency_key: str | None = None,
-                   conversation_id: str | None = None, protocol: str = "rest",
-                   timeout_s: float | None = None, stream: bool | None = None,
-                   action: str = "chat.completions", raw_prompt: bool = False,
-                   earlier: list[dict[str, Any]] | None = None,
-                   keep: Keep | None = None) -> Submitted:
+    async def chat(self, principal: Principal, req: CallRequest, *, protocol: str = "rest",
+                   action: str = "chat.completions") -> Submitted:
         """Admit and enqueue one chat call (`req.n` choices: streaming/choices.py).
-        `stream`: whether the caller consumes the reply token by token (default: the
-        request's own `stream`); when it does not, the worker sends the reply in one
-        piece at the end (no per-token events). `action`: the API's name in the call's
-        audit event. `raw_prompt` (a legacy completion): the last message's text is
-        the model's prompt as it is, without the chat template or any history.
-        `earlier`: chat messages before `req`'s that the worker may drop, oldest first,
-        until the prompt fits the model's context (the Responses API's truncation
-        "auto"); they go with the conversation's history. `keep`: the worker keeps the
-        reply with its final event (inference/jobs.py Keep; not a continuation's, whose
-        reply starts on another deployment)."""
+        `action`: the API's name in the call's audit event. A caller that does not
+        read the reply token by token (`req.stream` false) gets it in one piece at the
+        end (no per-token events). `req.earlier` joins the conversation's history: the
+        worker may drop it to fit. Errors name the request's neutral parameters
+        (streaming/callrequest.py)."""
+        check(req)
         target = await self._model(principal, req.model, Kind.CHAT)
-        if isinstance(target, DeploymentSpec):  # before the request is copied into a job
-            refuse_unfitting([message_text(m.content) for m in req.messages], target)
-        conversation_id = req.conversation_id or conversation_id
-        n = req.n or 1
-        choices.check(n, idempotency_key=idempotency_key, conversation_id=conversation_id)
-        history = (await async_db(conversation_history)(actor=principal,
-                                                        public_id=conversation_id)
-                   if conversation_id else [])
-        if earlier:
-            history = [*history, *(rendered(native_message(ChatMessage.model_validate(m),
-                                                           f"earlier.{i}"))
-                                   for i, m in enumerate(earlier))]
-        asked = req.max_completion_tokens or req.max_tokens
-        if req.top_logprobs is not None and not req.logprobs:
-            raise BadRequest("top_logprobs requires logprobs to be true.",
-                             param="top_logprobs", code="invalid_value")
-        job, turn = chat_job(req)
-        key, fingerprint = replay.idempotency(principal, idempotency_key, req, earlier)
-        stream = req.stream if stream is None else stream
+        if isinstance(target, DeploymentSpec):  # before the request becomes a prompt
+            refuse_unfitting([m["content"] for m in req.messages], target)
+        n, conversation_id = req.n, req.conversation_id
+        choices.check(n, idempotency_key=req.idempotency_key, conversation_id=conversation_id)
+        history = cast(list[Message], await async_db(conversation_history)(
+            actor=principal, public_id=conversation_id) if conversation_id else [])
+        if req.earlier:
+            history = [*history, *(cast(Message, rendered(m)) for m in req.earlier)]
+        droppable = [m["content"] for m in history]
+        prompt = prompt_of(req)
+        key, fingerprint = replay.idempotency(principal, req)
 
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
             """The call on deployment `spec` (an alias call's attempt: `routed`)."""
             # An upstream server gets the caller's messages and its tools natively (the
             # tool prompt is for Sluice's own models).
-            attempt = msgspec.structs.replace(job, messages=native_messages(req)) \
-                if spec.runtime == RuntimeName.OPENAI_UPSTREAM else job
-            prompt = [m["content"] for m in attempt.messages]
-            if routed is not None:  # a direct call's was refused before its job
-                refuse_unfitting(prompt, spec)
+            messages = req.messages if spec.runtime == RuntimeName.OPENAI_UPSTREAM \
+                else prompt.messages
+            texts = [m["content"] for m in messages]
+            if routed is not None:  # a direct call's was refused before its prompt
+                refuse_unfitting(texts, spec)
             clamps = spec.max_tokens_policy == MaxTokensPolicy.CLAMP or \
                 (routed is not None and routed.clamps)
-            fitted, clamped = max_tokens_policy.fit(asked, spec, prompt, clamps=clamps)
+            fitted, clamped = max_tokens_policy.fit(req.max_output_tokens, spec, texts,
+                                                    clamps=clamps)
             max_tokens = fitted or min(default_max_tokens(spec.max_context),
                                        spec.max_output_tokens or spec.max_context)
-            texts = prompt + [m.get("content", "") for m in history]
             # One admission for every choice: one request, n times the tokens.
-            admission = await self._admit(principal, spec, action, protocol, attempt,
-                                          tokens=n * (prompt_bound(texts, spec) + max_tokens),
-                                          routed=routed)
+            admission = await self._admit(
+                principal, spec, action, protocol, prompt.structure, messages,
+                tokens=n * (prompt_bound(texts + droppable, spec) + max_tokens),
+                routed=routed)
             if admission.max_tokens_cap is not None:
                 max_tokens = min(max_tokens, admission.max_tokens_cap)
             if clamped:
                 admission.headers[max_tokens_policy.CLAMPED_HEADER] = str(max_tokens)
-            if raw_prompt:
-                attempt = msgspec.structs.replace(attempt, prompt=attempt.messages[-1]["content"],
-                                                  messages=[])
-            else:
-                # Older turns; the worker drops the oldest until the prompt fits (exact
-                # token counts with the model's own tokenizer).
-                attempt = msgspec.structs.replace(attempt, history=history)
             # After another deployment's reply was cut: its continuation (routed.py).
             resume = routed.resume if routed else None
-            attempt = msgspec.structs.replace(attempt, max_tokens=max_tokens, stream=stream,
-                                              resume=resume,
-                                              keep=keep if resume is None else None)
+            job = chat_job(req, prompt, messages, history=history, max_tokens=max_tokens,
+                           resume=resume)
             if routed is not None:
                 await routed.supersede(key)
             handle, *more = await self._submit(
-                principal, spec, choices.jobs(attempt, n), admission,
-                timeout_s=routed.left_s() if routed is not None else timeout_s,
+                principal, spec, choices.jobs(job, n), admission,
+                timeout_s=routed.left_s() if routed is not None else req.timeout_s,
                 # A continuation's stream holds only the reply's end: no replay of it.
-                idempotency_key=key if routed is None or routed.resume is None else None,
+                idempotency_key=key if resume is None else None,
                 fingerprint=fingerprint,
                 owner=replay.ownership(principal, req.model, conversation_id)
-                if stream and n == 1 else None)
-            return Submitted(principal, spec, handle, admission, conversation_id, turn, more,
-                             routed=routed, idempotency_key=key)
+                if req.stream and n == 1 else None)
+            return Submitted(principal, spec, handle, admission, conversation_id,
+                             prompt.turn, more, routed=routed, idempotency_key=key)
 
         if isinstance(target, DeploymentSpec):
             return await on(target)
         return await self._routed(
-            target, Kind.CHAT, on, texts=[m["content"] for m in job.messages],
-            droppable=[m["content"] for m in history],
-            max_tokens=asked, timeout_s=timeout_s, prompt_only=raw_prompt)
+            target, Kind.CHAT, on, texts=[m["content"] for m in prompt.messages],
+            droppable=droppable, max_tokens=req.max_output_tokens, timeout_s=req.timeout_s,
+            prompt_only=req.raw_prompt)
 
-    async def count(self, principal: Principal, req: ChatCompletionRequest, *,
+    async def count(self, principal: Principal, req: CallRequest, *,
                     action: str, protocol: str = "rest") -> Submitted:
         """Admit and enqueue a count of `req`'s prompt as the worker tokenizes it (the
         messages `chat` would send, tool prompt included; nothing generated): its final
         event's usage has the count. Admitted as a call (role, model access, limits,
         shedding) and settled without charge."""
+        check(req)
         target = await self._model(principal, req.model, Kind.CHAT)
         if isinstance(target, DeploymentSpec):
-            refuse_unfitting([message_text(m.content) for m in req.messages], target)
-        job, _turn = chat_job(req)
+            refuse_unfitting([m["content"] for m in req.messages], target)
+        prompt = prompt_of(req)
 
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
             if routed is not None:
-                refuse_unfitting([m["content"] for m in job.messages], spec)
-            admission = await self._admit(principal, spec, action, protocol, job, tokens=0,
+                refuse_unfitting([m["content"] for m in prompt.messages], spec)
+            admission = await self._admit(principal, spec, action, protocol,
+                                          prompt.structure, prompt.messages, tokens=0,
                                           routed=routed)
             # max_tokens 1: a worker that predates count_only still reports the exact
             # prompt count, after generating a single token.
             [handle] = await self._submit(
-                principal, spec, [msgspec.structs.replace(
-                    job, max_tokens=1, stream=False, count_only=True)], admission,
+                principal, spec, [chat_job(req, prompt, prompt.messages, history=[],
+                                           max_tokens=1, count_only=True)], admission,
                 timeout_s=routed.left_s() if routed is not None else None)
             return Submitted(principal, spec, handle, admission, charge=False, routed=routed)
 
@@ -358,21 +331,22 @@ class Gateway:
                                   timeout_s=None)
 
     async def _admit(self, principal: Principal, spec: DeploymentSpec, action: str,
-                     protocol: str, job: ChatJob, *, tokens: int,
-                     routed: Routed | None = None) -> Admission:
+                     protocol: str, structure: ChatJob, messages: list[Message], *,
+                     tokens: int, routed: Routed | None = None) -> Admission:
         """The call admitted (limits, quotas, shedding, breaker), then its grammar
-        compiled: a caller's schema costs nothing before its call is admitted, and a
-        refused one is a refused call (its admission released)."""
+        (`structure`'s) compiled: a caller's schema costs nothing before its call is
+        admitted, and a refused one is a refused call (its admission released)."""
         admission = await self.governor.admit(principal, spec, tokens=tokens)
         try:
-            await check_grammar(job, checker=self.grammars, tenant=principal.tenant_slug)
+            await check_grammar(structure, checker=self.grammars,
+                                tenant=principal.tenant_slug)
         except BaseException:
             await admission.release()
             raise
         if routed is not None:
             admission = routed.admission(admission)
         admission.action, admission.protocol = action, protocol
-        admission.request_text = next((m["content"] for m in reversed(job.messages)
+        admission.request_text = next((m["content"] for m in reversed(messages)
                                        if m["role"] == "user"), "")
         return admission
 

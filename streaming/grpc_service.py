@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,20 +25,23 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import DecodeError
-from pydantic import ValidationError
 
+from inference.jobs import Message, ResponseFormat, ToolSpec
 from inference.selectors import usable_models
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
 from sluice.observability import telemetry
 from sluice.observability.observe import served
 from streaming import bodies
+from streaming.apis import chat_request
 from streaming.call import Call
-from streaming.gateway import Gateway, error_from_event
-from streaming.nesting import check_depth
+from streaming.callrequest import CallRequest, args, json_schema
+from streaming.fold import Delta, Failure, Final, Fold
+from streaming.gateway import Gateway
+from streaming.nesting import MAX_JSON_DEPTH, check_depth
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest, parse, validation_error
+from streaming.schemas import EmbeddingRequest, parse
 from streaming.submitted import Submitted
 from tenants.principal import Principal
 from tenants.throttle import grpc_source
@@ -59,57 +63,88 @@ def status_of(exc: ApiError) -> grpc.StatusCode:
     return STATUS.get(exc.status, grpc.StatusCode.INTERNAL)
 
 
-def _chat_request(msg: pb.ChatRequest) -> ChatCompletionRequest:
-    data: dict[str, Any] = {"model": msg.model, "messages": []}
+# Where a chat body nests a tool's parameters and a response format's schema: protobuf
+# Structs there are held to the depth a REST body's would be (streaming/nesting.py).
+_PARAMETERS_DEPTH, _SCHEMA_DEPTH = MAX_JSON_DEPTH - 4, MAX_JSON_DEPTH - 3
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_DESCRIPTION_MAX = 32768  # Chat Completions' (streaming/schemas.py FunctionDef)
+
+
+def _call_request(msg: pb.ChatRequest, *, stream: bool,
+                  timeout_s: float | None) -> CallRequest:
+    """The call's request for a ChatRequest; its ranges are the call's neutral check's
+    (streaming/callrequest.py), named as Chat Completions names them."""
+    messages: list[Message] = []
     for m in msg.messages:
-        item: dict[str, Any] = {"role": m.role, "content": m.content}
+        item: Message = {"role": m.role, "content": m.content}
         if m.name:
             item["name"] = m.name
-        if m.tool_call_id:
+        if m.tool_call_id and m.role == "tool":
             item["tool_call_id"] = m.tool_call_id
-        if m.tool_calls:
-            item["content"] = m.content or None
-            item["tool_calls"] = [{"id": c.id, "type": c.type or "function", "function": {
-                "name": c.function.name, "arguments": c.function.arguments}}
+        if m.tool_calls and m.role == "assistant":
+            item["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments or "{}"}}
                 for c in m.tool_calls]
-        data["messages"].append(item)
-    if msg.logprobs:
-        data["logprobs"] = True
-    for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty",
-                 "frequency_penalty", "top_logprobs", "n", "parallel_tool_calls"):
-        if msg.HasField(name):
-            data[name] = getattr(msg, name)
-    if msg.stop:
-        data["stop"] = list(msg.stop)
-    if msg.logit_bias:
-        data["logit_bias"] = {str(token): bias for token, bias in msg.logit_bias.items()}
-    if msg.tools:
-        data["tools"] = [{"type": t.type or "function", "function": {
-            "name": t.function.name, "description": t.function.description or None,
-            "parameters": MessageToDict(t.function.parameters)
-            if t.function.HasField("parameters") else None,
-            **({"strict": True} if t.function.strict else {})}} for t in msg.tools]
-    if msg.tool_choice in ("auto", "none", "required"):
-        data["tool_choice"] = msg.tool_choice
-    elif msg.tool_choice:
-        data["tool_choice"] = {"type": "function", "function": {"name": msg.tool_choice}}
-    if msg.HasField("response_format") and msg.response_format.type:
-        fmt = msg.response_format
-        data["response_format"] = {"type": fmt.type}
-        if fmt.HasField("json_schema"):
-            data["response_format"]["json_schema"] = {
-                "name": fmt.json_schema.name, "strict": fmt.json_schema.strict,
-                "schema": MessageToDict(fmt.json_schema.schema)
-                if fmt.json_schema.HasField("schema") else None}
-    if msg.conversation_id:
-        data["conversation_id"] = msg.conversation_id
-    if msg.user:
-        data["user"] = msg.user
-    check_depth(data)  # protobuf's own limit is below it today; the edges share one
-    try:
-        return ChatCompletionRequest.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+        messages.append(item)
+    tools = []
+    for i, t in enumerate(msg.tools):
+        if t.type not in ("", "function"):
+            raise BadRequest(f"Invalid value for 'tools[{i}].type': only 'function' tools "
+                             "are served.", param=f"tools[{i}].type", code="invalid_value")
+        if len(t.function.description) > _DESCRIPTION_MAX:
+            raise BadRequest(f"Invalid value for 'tools[{i}].function.description': at most "
+                             f"{_DESCRIPTION_MAX} characters.",
+                             param=f"tools[{i}].function.description", code="invalid_value")
+        parameters = MessageToDict(t.function.parameters) \
+            if t.function.HasField("parameters") else None
+        check_depth(parameters, limit=_PARAMETERS_DEPTH)
+        tools.append(ToolSpec(t.function.name, parameters, t.function.strict,
+                              t.function.description))
+    choice = msg.tool_choice
+    return CallRequest(
+        model=msg.model, messages=messages, tools=tools, stop=list(msg.stop),
+        logprobs=msg.logprobs, logit_bias=dict(msg.logit_bias),
+        tool_choice=choice if choice in ("auto", "none", "required") else
+        "function" if choice else None, tool_name=None if choice in (
+            "", "auto", "none", "required") else choice,
+        response_format=_response_format(msg),
+        stream=stream, timeout_s=timeout_s,
+        **args(max_output_tokens=_optional(msg, "max_tokens"),
+               temperature=_optional(msg, "temperature"), top_p=_optional(msg, "top_p"),
+               seed=_optional(msg, "seed"),
+               presence_penalty=_optional(msg, "presence_penalty"),
+               frequency_penalty=_optional(msg, "frequency_penalty"),
+               top_logprobs=_optional(msg, "top_logprobs"), n=_optional(msg, "n"),
+               parallel_tool_calls=_optional(msg, "parallel_tool_calls"),
+               conversation_id=msg.conversation_id or None, user=msg.user or None))
+
+
+def _optional(msg: pb.ChatRequest, name: str) -> Any:
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+def _response_format(msg: pb.ChatRequest) -> ResponseFormat | None:
+    fmt = msg.response_format
+    if not msg.HasField("response_format") or fmt.type in ("", "text"):
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    if fmt.type != "json_schema":
+        raise BadRequest("Invalid value for 'response_format.type': one of 'text', "
+                         "'json_object' or 'json_schema'.", param="response_format.type",
+                         code="invalid_value")
+    if not fmt.HasField("json_schema"):
+        raise BadRequest("Missing required parameter: 'response_format.json_schema'.",
+                         param="response_format.json_schema",
+                         code="missing_required_parameter")
+    if not _NAME.match(fmt.json_schema.name):
+        raise BadRequest("Invalid value for 'response_format.json_schema.name': 1 to 64 "
+                         "letters, digits, '_' or '-'.",
+                         param="response_format.json_schema.name", code="invalid_value")
+    schema = MessageToDict(fmt.json_schema.schema) \
+        if fmt.json_schema.HasField("schema") else None
+    check_depth(schema, limit=_SCHEMA_DEPTH)
+    return json_schema(schema, strict=fmt.json_schema.strict)
 
 
 def _logprobs(content: list[dict[str, Any]]) -> list[pb.TokenLogprob]:
@@ -177,7 +212,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         settlement, cancellation when the RPC is cancelled); ApiErrors become statuses."""
         try:
             principal = await self._principal(context)
-            async with Call(self.gateway, principal, action=action, protocol="grpc") as call:
+            async with Call(self.gateway, principal, action=action, protocol="grpc",
+                            params=chat_request.PARAMS) as call:
                 call.model = model
                 yield call
         except ApiError as exc:
@@ -186,8 +222,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Chat(self, request: pb.ChatRequest,
                    context: grpc.aio.ServicerContext) -> pb.ChatResponse:
         async with self._call(context, "chat.completions", request.model) as call:
-            req = _chat_request(request)
-            sub = await call.chat(req, timeout_s=self._timeout(context), stream=False)
+            req = _call_request(request, stream=False, timeout_s=self._timeout(context))
+            sub = await call.chat(req)
             _trailing(context, sub)
             body = await bodies.chat_completion(sub, req)
             answers = [_choice(choice) for choice in body["choices"]]
@@ -202,36 +238,33 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def ChatStream(self, request: pb.ChatRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatChunk]:
         async with self._call(context, "chat.completions", request.model) as call:
-            req = _chat_request(request)
-            sub = await call.chat(req, timeout_s=self._timeout(context), stream=True)
+            sub = await call.chat(_call_request(request, stream=True,
+                                                timeout_s=self._timeout(context)))
             _trailing(context, sub)
-            rid, parts, finals = f"chatcmpl-{sub.handle.rid}", [], []
+            rid, parts = f"chatcmpl-{sub.handle.rid}", []
             tools = [bodies.ToolDeltas() for _ in range(sub.n)]
-            async with contextlib.aclosing(sub.events()) as events:
-                async for event in events:
-                    if event["t"] == "delta" and "tools" in event:
-                        i = event.get("i", 0)
-                        for calls in tools[i].pieces(event["tools"]):
-                            yield pb.ChatChunk(id=rid, index=i,
+            async with Fold(sub.events(), sub.n) as fold:
+                async for piece in fold:
+                    if isinstance(piece, Delta):
+                        for calls in tools[piece.i].pieces(piece.tools or []):
+                            yield pb.ChatChunk(id=rid, index=piece.i,
                                                tool_calls=_tool_deltas(calls))
-                    if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                        i = event.get("i", 0)
-                        if i == 0:
-                            parts.append(event["text"])
-                        yield pb.ChatChunk(id=rid, index=i, delta=event["text"],
-                                           logprobs=_logprobs(event.get("lp") or []))
-                    elif event["t"] == "error":
-                        raise error_from_event(event)  # with n > 1: the others cancelled
-                    elif event["t"] == "done":
-                        finals.append(event)
+                        if piece.text or piece.lp:
+                            if piece.i == 0:
+                                parts.append(piece.text)
+                            yield pb.ChatChunk(id=rid, index=piece.i, delta=piece.text,
+                                               logprobs=_logprobs(piece.lp or []))
+                    elif isinstance(piece, Failure):
+                        raise piece.error  # with n > 1: the others cancelled
+                    elif isinstance(piece, Final):
+                        final = piece.event
                         yield pb.ChatChunk(
-                            id=rid, index=event.get("i", 0),
-                            finish_reason=bodies.finish_reason(event),
+                            id=rid, index=piece.i, finish_reason=bodies.finish_reason(final),
                             tool_calls=_tool_calls(bodies.tool_calls(
-                                event.get("tool_calls") or [])),
+                                final.get("tool_calls") or [])),
                             # The stream's last chunk: every choice's usage.
-                            usage=_usage(bodies.usage(*finals))
-                            if len(finals) == sub.n else None)
+                            usage=_usage(bodies.usage(fold.usage()))
+                            if len(fold.finals) == sub.n else None)
             await call.remember("".join(parts))
 
     async def Embed(self, request: pb.EmbedRequest,

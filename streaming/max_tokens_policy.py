@@ -5,7 +5,8 @@ reply together) and its output ceiling (`max_output_tokens`).
 
 A deployment's (or the alias's) `max_tokens_policy` decides what a call asking for
 more gets:
-- refuse (the default): a 400 `max_tokens_too_large` when max_tokens reaches the
+- refuse (the default): a 400 `max_tokens_too_large` (naming the neutral
+  `max_output_tokens`, which each API names its own way) when max_tokens reaches the
   context or passes the ceiling, as OpenAI's and Anthropic's APIs do; one the context
   cannot hold beside this prompt goes through and the worker stops the reply where the
   context ends (inference/engine/inputs.py caps it at the room the prompt leaves).
@@ -21,7 +22,7 @@ deployment (inference/jobs.py default_max_tokens, under the ceiling).
 from __future__ import annotations
 
 from inference.spec import DeploymentSpec
-from sluice.errors import BadRequest
+from streaming.callrequest import ParamError
 from streaming.prompting import prompt_floor
 
 CLAMPED_HEADER = "x-sluice-max-tokens-clamped"
@@ -39,11 +40,9 @@ def fit(asked: int | None, spec: DeploymentSpec, texts: list[str], *,
         fitted = min(asked, room, ceiling or room)
         return fitted, fitted < asked
     if asked >= spec.max_context:
-        raise BadRequest(f"max_tokens is {asked}; this model's context is "
-                         f"{spec.max_context} tokens.", param="max_tokens",
-                         code="max_tokens_too_large")
+        raise ParamError("", "max_output_tokens", f" is {asked}; this model's context is "
+                         f"{spec.max_context} tokens.", code="max_tokens_too_large")
     if ceiling is not None and asked > ceiling:
-        raise BadRequest(f"max_tokens is {asked}; this model writes at most "
-                         f"{ceiling} tokens a reply.", param="max_tokens",
-                         code="max_tokens_too_large")
+        raise ParamError("", "max_output_tokens", f" is {asked}; this model writes at most "
+                         f"{ceiling} tokens a reply.", code="max_tokens_too_large")
     return asked, False

@@ -29,10 +29,9 @@ import hashlib
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from pydantic import BaseModel
 
 from governance import audit
 from inference import queue as q
@@ -42,6 +41,9 @@ from sluice.observability import telemetry
 from tenants.conversations import conversation_get
 from tenants.principal import Principal
 from tenants.roles import Action
+
+if TYPE_CHECKING:
+    from streaming.callrequest import CallRequest
 
 MAX_IDEMPOTENCY_KEY = 255  # characters (Stripe's limit)
 MAX_SEQ = 10**9  # no stream has more events than this
@@ -80,12 +82,12 @@ def parse_event_id(value: str | None) -> tuple[str, int] | None:
     return found[1], -1 if found[2] == "start" else int(found[2])
 
 
-def idempotency(principal: Principal, key: str | None, request: BaseModel,
-                more: list[dict[str, Any]] | None = None) -> tuple[str | None, str]:
-    """(the key as the queue stores it, the request's fingerprint: `request` and `more`
-    of the call, messages that are not in it); (None, "") without a key. The stored key
-    is a hash of the caller's identity and its key text, so the client's text (which may
-    be anything, personal data included) never reaches Redis."""
+def idempotency(principal: Principal, request: CallRequest) -> tuple[str | None, str]:
+    """(the request's idempotency key as the queue stores it, the request's fingerprint:
+    CallRequest.fingerprint); (None, "") without a key. The stored key is a hash of the
+    caller's identity and its key text, so the client's text (which may be anything,
+    personal data included) never reaches Redis."""
+    key = request.idempotency_key
     if key is None:
         return None, ""
     if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isprintable():
@@ -93,10 +95,8 @@ def idempotency(principal: Principal, key: str | None, request: BaseModel,
                          "characters.", param="Idempotency-Key",
                          code="invalid_idempotency_key")
     who = f"{principal.subject}\0{principal.key_id or ''}\0{key}"
-    fingerprint = hashlib.sha256(request.model_dump_json(exclude_none=True).encode())
-    if more:
-        fingerprint.update(orjson.dumps(more))
-    return hashlib.sha256(who.encode()).hexdigest(), fingerprint.hexdigest()
+    return (hashlib.sha256(who.encode()).hexdigest(),
+            hashlib.sha256(request.fingerprint()).hexdigest())
 
 
 # KEYS: the idempotency record (inference.queue.idem_key), optionally the request's done

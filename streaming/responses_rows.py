@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from governance.privacy import Redactor, redact_json
 from inference.jobs import Event
+from streaming.fold import Delta, Final, stored
 from streaming.responses_copy import Kept, Row
 from streaming.responses_wire import EventStream, finished, output
 
@@ -54,21 +55,22 @@ def kept_body(draft: dict[str, Any], rid: str, events: list[Event]) -> dict[str,
     responses.py encodes the same events the same way). ValueError when the events do
     not end with a `done` event."""
     head = {**draft["head"], "id": f"resp_{rid}"}
-    final = events[-1] if events else None
-    if final is None or final["t"] != "done":
+    pieces = stored(events)
+    final = pieces[-1] if pieces else None
+    if not isinstance(final, Final):
         raise ValueError(f"the reply kept for {rid} has no done event")
-    if not any("tools" in e for e in events):  # the items as a plain call makes them
-        text = "".join(e["text"] for e in events if e["t"] == "delta")
-        return finished(head, output(rid, text, final), final)
+    deltas = [piece for piece in pieces if isinstance(piece, Delta)]
+    if all(d.tools is None for d in deltas):  # the items as a plain call makes them
+        return finished(head, output(rid, "".join(d.text for d in deltas), final.event),
+                        final.event)
     # Calls written piece by piece: a call cut short is an item of its own.
     stream = EventStream(_Unsent(), head, rid)
-    for event in events:
-        if event["t"] == "delta":
-            if event["text"]:
-                stream.text(event["text"])
-            if "tools" in event:
-                stream.calls(event["tools"])
-    return stream.end(final)
+    for delta in deltas:
+        if delta.text:
+            stream.text(delta.text)
+        if delta.tools is not None:
+            stream.calls(delta.tools)
+    return stream.end(final.event)
 
 
 def kept_row(kept: Kept, redactor_of: Callable[[int], Redactor]) -> Row:

@@ -57,7 +57,7 @@ class Frames(Protocol):
 
 # -- the response object ----------------------------------------------------------------
 def usage(final: DoneEvent) -> dict[str, Any]:
-    counted = bodies.usage(final)
+    counted = bodies.usage(final["usage"])
     return {"input_tokens": counted["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": counted["completion_tokens"],

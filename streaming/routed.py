@@ -242,6 +242,36 @@ class Routed:
                           "again shortly.", code="no_deployment_available",
                           headers={"Retry-After": "1"})
 
+    async def fall_back(self, failed: ErrorEvent, *, deployment: str,
+                        handle: RequestHandle, text: str, deltas: int,
+                        next_seq: int) -> Submitted | None:
+        """The call's next attempt after its attempt on `deployment` (its request
+        `handle`) failed retriably with `failed`, having sent `deltas` delta events
+        (`text`; the next takes sequence number `next_seq`): after text, as its
+        continuation (deployments that can continue it only). None when no next
+        deployment admits it within the deadline: `failed` is the call's answer (its
+        audit event's own status), and the route is as it was but for `handle`, which
+        is superseded."""
+        before = self.resume
+        if deltas:
+            # Billed once: the failed attempt is not (a platform failure); the
+            # continuation's final event bills these tokens as its completion's start
+            # and leaves them out of its prompt (inference/upstream/client.py).
+            self.resume = Continuation(
+                text=text, seq=next_seq,
+                completion_tokens=failed["usage"]["completion_tokens"] or deltas)
+        self.note(deployment, failed["status"], failed["code"])
+        this = self.failed[-1]
+        self.superseded = handle
+        attempt = await self.next()
+        if attempt is None:
+            self.failed.remove(this)
+            self.resume = before
+            return None
+        if deltas:
+            self.continued.append(deployment)
+        return attempt
+
     async def supersede(self, idempotency_key: str | None) -> None:
         """Before an attempt after one whose queued request failed (`superseded`): the
         caller's idempotency key is freed for the new request, and the failed one is no

@@ -1,5 +1,7 @@
 """OpenAI request bodies, validated at the edge. Unknown arguments are refused, as
-OpenAI does ("Unrecognized request argument supplied")."""
+OpenAI does ("Unrecognized request argument supplied"). A chat body is the chat
+codec's own (streaming/apis/chat_request.py builds the call's request from it); no
+other API validates into it."""
 
 from __future__ import annotations
 
@@ -10,19 +12,18 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     StringConstraints,
     ValidationError,
 )
 
 from sluice.errors import BadRequest
 from sluice.schemas import Line
+from streaming.callrequest import MAX_CHOICES
 
 ConversationId = Annotated[str, StringConstraints(pattern=r"^conv_[0-9a-f]{24}$")]
 # A model name: any printable text (OpenAI's and tenants' names vary: "org/model:tag"),
 # no control characters (a NUL cannot even be looked up in PostgreSQL).
 ModelName = Annotated[Line, StringConstraints(min_length=1, max_length=200)]
-MAX_CHOICES = 8  # a chat call's `n`: each choice is a sequence in the running batch
 
 
 class _Strict(BaseModel):
@@ -41,17 +42,6 @@ class FunctionDef(_Strict):
     description: Annotated[str, StringConstraints(max_length=32768)] | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-    # A custom tool (the Responses API's): free-form input, constrained by a grammar
-    # when its syntax ("lark" | "regex") is set. Set by a codec, never from the wire.
-    _custom: tuple[str, str] | None = PrivateAttr(default=None)
-
-    def mark_custom(self, syntax: str = "", definition: str = "") -> None:
-        self._custom = (syntax, definition)
-
-    @property
-    def custom(self) -> tuple[str, str] | None:
-        """(syntax, definition) of a custom tool; None for a function."""
-        return self._custom
 
 
 class ToolDef(_Strict):

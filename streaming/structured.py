@@ -1,9 +1,10 @@
-"""Tools and response formats of a chat request, checked at the gateway: what the worker
+"""Tools and response formats of a call request, checked at the gateway: what the worker
 gets to build the reply's grammar (inference/structured/grammar.py), and the system prompt that
 tells the model how to write a call. `structured_body` takes the request's structure
 (cheap checks only, the structural pre-check of its schemas included);
 `check_grammar`, after the call's admission, compiles its grammar
-in a bounded child process (inference/structured/grammar_check.py)."""
+in a bounded child process (inference/structured/grammar_check.py). Errors name the call's
+neutral parameters (streaming/callrequest.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from inference.jobs import ChatJob, ResponseFormat, ToolSpec
+from inference.jobs import ChatJob, ToolSpec
 from inference.structured import grammar
 from inference.structured.grammar import CUSTOM_END, TOOL_MARKER, call_text
 from inference.structured.grammar_check import (
@@ -23,7 +24,7 @@ from inference.structured.grammar_check import (
     precheck,
 )
 from sluice.errors import BadRequest, Unavailable
-from streaming.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
+from streaming.callrequest import CallRequest, ParamError
 
 
 def tool_prompt(tools: list[ToolSpec], *, parallel: bool) -> list[dict[str, str]]:
@@ -82,51 +83,32 @@ def _example_arguments(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def structured_body(req: ChatCompletionRequest) -> ChatJob:
-    """A job with the request's validated tools, tool_choice, parallel_tool_calls and
-    response_format (all defaults for a free-text reply); its grammar is not compiled
-    yet (`check_grammar`)."""
-    choice, fmt = req.tool_choice, req.response_format
-    response_format = None
-    if fmt is not None and fmt.type == "json_object":
-        response_format = ResponseFormat(type="json_object")
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None:
-            raise BadRequest("Missing required parameter: 'response_format.json_schema'.",
-                             param="response_format.json_schema",
-                             code="missing_required_parameter")
-        response_format = ResponseFormat(
-            schema=fmt.json_schema.schema_ or {"type": "object", "properties": {}},
-            strict=bool(fmt.json_schema.strict))
-    job = ChatJob(response_format=response_format)
+def structured_body(req: CallRequest) -> ChatJob:
+    """A job with the request's tools, tool choice, parallel_tool_calls and response
+    format (all defaults for a free-text reply), checked (names unique, a named choice
+    among them, the structural pre-check of the schemas); its grammar is not compiled
+    yet (`check_grammar`). The call's jobs copy these fields."""
+    choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
-            raise BadRequest("tool_choice is set but no tools are given.", param="tool_choice")
+            raise ParamError("", "tool_choice", " is set but no tools are given.", code=None)
+        job = ChatJob(response_format=req.response_format)
     elif choice != "none":
-        names = [t.function.name for t in req.tools]
+        names = [t.name for t in req.tools]
         if len(set(names)) != len(names):
             raise BadRequest("Function names must be unique.", param="tools")
-        wanted = choice.function.name if isinstance(choice, NamedToolChoice) else \
-            choice or "auto"
-        if isinstance(choice, NamedToolChoice) and wanted not in names:
-            raise BadRequest(f"tool_choice names '{wanted}', which is not among the tools.",
-                             param="tool_choice")
-        job = ChatJob(response_format=response_format, tools=[
-            _spec(t) for t in req.tools], tool_choice=wanted,
-            parallel_tool_calls=req.parallel_tool_calls is not False)
+        wanted = req.tool_name or "" if choice == "function" else choice or "auto"
+        if choice == "function" and wanted not in names:
+            raise ParamError("", "tool_choice", f" names '{wanted}', which is not among the "
+                             "tools.", code=None)
+        job = ChatJob(response_format=req.response_format, tools=req.tools,
+                      tool_choice=wanted, parallel_tool_calls=req.parallel_tool_calls)
+    else:
+        job = ChatJob(response_format=req.response_format)
     if job.constrained:
         with _refused():
             precheck(PlanRequest.of(job))
     return job
-
-
-def _spec(tool: ToolDef) -> ToolSpec:
-    f = tool.function
-    if f.custom is None:
-        return ToolSpec(f.name, f.parameters, bool(f.strict), f.description or "")
-    syntax, definition = f.custom
-    return ToolSpec(f.name, None, False, f.description or "", kind="custom", syntax=syntax,
-                    definition=definition)
 
 
 async def check_grammar(job: ChatJob, *, checker: GrammarChecker, tenant: str) -> None:
@@ -145,11 +127,12 @@ def _refused() -> Iterator[None]:
     try:
         yield
     except TooComplex as exc:
-        raise BadRequest(f"Schema too complex: {exc}", param=_where(exc),
+        where, rest = _where(exc)
+        raise ParamError("Schema too complex: ", where, rest,
                          code="schema_too_complex") from None
     except grammar.GrammarError as exc:
-        where = _where(exc)
-        raise BadRequest(f"Invalid schema: {exc}", param=where,
+        where, rest = _where(exc)
+        raise ParamError("Invalid schema: ", where, rest,
                          code="invalid_function_parameters" if where.startswith("tools")
                          else "invalid_response_format") from None
     except GrammarUnavailable:
@@ -158,5 +141,17 @@ def _refused() -> Iterator[None]:
                           headers={"Retry-After": "1"}) from None
 
 
-def _where(exc: grammar.GrammarError) -> str:
-    return str(exc).split(":")[0]
+# The grammar names places by Chat Completions' fields; the call's neutral names.
+_FORMAT, _PARAMETERS = "response_format.json_schema", ".function.parameters"
+
+
+def _where(exc: grammar.GrammarError) -> tuple[str, str]:
+    """(the neutral name of what `exc` is about, the rest of its message)."""
+    text = str(exc)
+    where = text.split(":")[0]
+    rest = text[len(where):]
+    if where.startswith(_FORMAT):
+        return "response_format" + where[len(_FORMAT):], rest
+    if where.startswith("tools[") and _PARAMETERS in where:
+        return where.replace(_PARAMETERS, ".parameters", 1), rest
+    return where, rest

@@ -1,9 +1,10 @@
 """An admitted call: its queued requests, its admission, and what settles it as its
 events end (quota, breaker, audit event, metrics, the wait span). A call to a model
-alias (streaming/routed.py) moves to its next deployment here when its request fails
-retriably: before any text afresh, after text as a continuation of what was sent (the
-caller's events go on in sequence, nothing repeated); the failed attempt is settled on
-its own, the call goes on with the next attempt's request and admission."""
+alias asks its route (streaming/routed.py Routed.fall_back, which moves the route's own
+state) for the next deployment's attempt when its request fails retriably: before any
+text afresh, after text as a continuation of what was sent (the caller's events go on
+in sequence, nothing repeated); the failed attempt is settled on its own, the call goes
+on with the next attempt's request and admission."""
 
 from __future__ import annotations
 
@@ -19,7 +20,16 @@ from redis.exceptions import RedisError
 
 from governance.admission import Admission
 from inference.client import RequestHandle
-from inference.jobs import Continuation, DeltaEvent, ErrorEvent, Event, FinalEvent
+from inference.jobs import (
+    DeltaEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    is_delta,
+    is_done,
+    is_error,
+    is_final,
+)
 from inference.spec import DeploymentSpec
 from sluice.observability import metrics, telemetry
 from streaming import choices, replay
@@ -108,8 +118,8 @@ class Submitted:
                 events = merged or cast(AsyncGenerator[Event], self.handle.events())
                 async with contextlib.aclosing(events):
                     async for event in events:
-                        if event["t"] == "done" or event["t"] == "error":
-                            if event["t"] == "error" and sent is not None \
+                        if is_final(event):
+                            if is_error(event) and sent is not None \
                                     and await self._fall_back(event, sent):
                                 retried = True
                                 break
@@ -125,9 +135,9 @@ class Submitted:
                             held.append(event)
                             continue
                         for out in [*(held or ()), event]:
-                            if sent is not None and out["t"] == "delta":
-                                sent.add(out)
-                            if out["t"] == "delta":
+                            if is_delta(out):
+                                if sent is not None:
+                                    sent.add(out)
                                 if first is None:
                                     first = time.perf_counter()
                                     span.add_event("first_token")
@@ -189,33 +199,20 @@ class Submitted:
 
     async def _fall_back(self, failed: ErrorEvent, sent: _Sent) -> bool:
         """After this attempt's request failed with `failed`: when the failure is
-        retriable and the route has a next deployment that admits the call within its
-        deadline, settle this attempt (not audited: the call's audit event lists it) and
-        go on with the next one's request; after text was `sent`, as its continuation
-        (routed.py: deployments that can continue it only; never after a tool call's
-        pieces). False: `failed` is the answer."""
+        retriable and the route gives a next attempt (Routed.fall_back: admitted within
+        the deadline; after text was `sent`, as its continuation, never after a tool
+        call's pieces), settle this attempt (not audited: the call's audit event lists
+        it) and go on with the next one's request. False: `failed` is the answer."""
         routed = self.routed
         if routed is None or self.handle.replayed or not retriable_failure(failed) \
                 or sent.tools:
             return False
-        before = routed.resume
-        if sent.deltas:
-            # Billed once: the failed attempt is not (a platform failure); the
-            # continuation's final event bills these tokens as its completion's start
-            # and leaves them out of its prompt (inference/upstream/client.py).
-            routed.resume = Continuation(
-                text="".join(sent.text), seq=sent.next_seq,
-                completion_tokens=failed["usage"]["completion_tokens"] or sent.deltas)
-        routed.note(self.spec.name, failed["status"], failed["code"])
-        this = routed.failed[-1]
-        routed.superseded = self.handle
-        attempt = await routed.next()
+        attempt = await routed.fall_back(failed, deployment=self.spec.name,
+                                         handle=self.handle, text="".join(sent.text),
+                                         deltas=sent.deltas, next_seq=sent.next_seq)
         if attempt is None:
-            routed.failed.remove(this)  # the call's answer: its audit event's own status
-            routed.resume = before
             return False
         if sent.deltas:
-            routed.continued.append(self.spec.name)
             attempt.handle.next_seq = sent.next_seq  # its events go on from there
             for text in self.admission.reply:  # the audit's excerpt: the whole reply
                 attempt.admission.note_reply(text)
@@ -246,8 +243,8 @@ class Submitted:
         prompt, completion = ((final["usage"]["prompt_tokens"],
                                final["usage"]["completion_tokens"]) if final is not None
                               else (0, 0))
-        finish = final["finish"] if final is not None and final["t"] == "done" else ""
-        failed = final["code"] if final is not None and final["t"] == "error" else None
+        finish = final["finish"] if final is not None and is_done(final) else ""
+        failed = final["code"] if final is not None and is_error(final) else None
         now, end_ns = ended if ended is not None else (time.perf_counter(), None)
         if span.is_recording():
             span.set_attributes({
@@ -289,7 +286,7 @@ class _Sent:
 
 
 def _cancelled(event: FinalEvent) -> bool:
-    return event["t"] == "done" and event["finish"] == "cancelled"
+    return is_done(event) and event["finish"] == "cancelled"
 
 
 def cancelled_error(final: FinalEvent) -> ErrorEvent:

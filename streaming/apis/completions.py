@@ -27,22 +27,16 @@ from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
 import orjson
-from django.conf import settings
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from inference.jobs import DoneEvent, Event, FinalEvent
+from inference.jobs import Event
 from sluice.errors import BadRequest
-from streaming import bodies
+from streaming import bodies, sse
 from streaming.apis import Api, Context, register
-from streaming.gateway import error_from_event
-from streaming.httpio import KeepAlive, Send, send_json
-from streaming.schemas import (
-    MAX_CHOICES,
-    ChatCompletionRequest,
-    ModelName,
-    StreamOptions,
-    validation_error,
-)
+from streaming.callrequest import MAX_CHOICES, CallRequest, Params, args, stops
+from streaming.fold import Delta, Failure, Final, Fold
+from streaming.httpio import Send, send_json
+from streaming.schemas import ModelName, StreamOptions, validation_error
 from streaming.submitted import Submitted
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for this API
@@ -111,6 +105,8 @@ class TextCompletion(BaseModel):
 class Completions(Api):
     path = "/v1/completions"
     action = "completions"
+    params = Params({"messages": "prompt", "max_output_tokens": "max_tokens",
+                     "top_logprobs": "logprobs"})
 
     async def serve(self, ctx: Context) -> None:
         req = parse(ctx.data)
@@ -120,13 +116,13 @@ class Completions(Api):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         # One admitted gateway call per prompt, all or none (the call cancels those
         # admitted when one is refused).
-        subs = [await call.chat(as_chat(req, prompt), raw_prompt=True) for prompt in prompts]
+        subs = [await call.chat(call_request(req, prompt)) for prompt in prompts]
         async with call.watching(ctx.receive, resumable=False):
-            events = _events(subs, req.n or 1)
+            fold = Fold(_events(subs, req.n or 1), len(prompts) * (req.n or 1))
             if req.stream:
-                await _stream(ctx.send, req, prompts, subs, events)
+                await _stream(ctx.send, req, prompts, subs, fold)
             else:
-                body = await _completion(req, prompts, subs, events)
+                body = await _completion(req, prompts, subs, fold)
                 await send_json(ctx.send, 200, body, subs[-1].headers)
 
 
@@ -159,27 +155,18 @@ def parse(data: dict[str, Any]) -> CompletionRequest:
     return req
 
 
-_CHAT_PARAMS = {"messages": "prompt", "top_logprobs": "logprobs", "max_completion_tokens":
-                "max_tokens"}
-
-
-def as_chat(req: CompletionRequest, prompt: str) -> ChatCompletionRequest:
-    """The gateway's request for one prompt: the prompt as the single user message."""
-    fields: dict[str, Any] = {
-        "model": req.model, "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": req.max_tokens or DEFAULT_MAX_TOKENS, "stream": req.stream,
-        **req.model_dump(include={"temperature", "top_p", "n", "stop", "seed", "user",
-                                  "presence_penalty", "frequency_penalty", "logit_bias"},
-                         exclude_none=True)}
-    if req.logprobs is not None:
-        fields.update(logprobs=True, top_logprobs=req.logprobs)
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:  # checked above already; named as this API names it
-        error = validation_error(exc)
-        param = (error.param or "").split(".")[0]
-        raise BadRequest(error.message, param=_CHAT_PARAMS.get(param, param or None),
-                         code=error.code) from None
+def call_request(req: CompletionRequest, prompt: str) -> CallRequest:
+    """The call's request for one prompt: the prompt as the single user message, its
+    text the model's prompt as it is (`raw_prompt`)."""
+    return CallRequest(
+        model=req.model, messages=[{"role": "user", "content": prompt}],
+        max_output_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, stream=req.stream,
+        include_usage=req.stream_options is not None and req.stream_options.include_usage,
+        stop=stops(req.stop), logprobs=req.logprobs is not None, raw_prompt=True,
+        logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
+        **args(temperature=req.temperature, top_p=req.top_p, n=req.n, seed=req.seed,
+               user=req.user, presence_penalty=req.presence_penalty,
+               frequency_penalty=req.frequency_penalty, top_logprobs=req.logprobs))
 
 
 async def _events(subs: list[Submitted], n: int) -> AsyncGenerator[Event]:
@@ -253,84 +240,52 @@ def _base(req: CompletionRequest, subs: list[Submitted]) -> dict[str, Any]:
 
 
 async def _completion(req: CompletionRequest, prompts: list[str], subs: list[Submitted],
-                      events: AsyncGenerator[Event]) -> dict[str, Any]:
+                      fold: Fold) -> dict[str, Any]:
     n = req.n or 1
-    count = len(prompts) * n
-    texts: list[list[str]] = [[prompts[i // n]] if req.echo else [] for i in range(count)]
-    entries: list[list[dict[str, Any]]] = [[] for _ in range(count)]
-    finals: list[DoneEvent | None] = [None] * count
-    async with contextlib.aclosing(events):
-        async for event in events:
-            i = event.get("i", 0)
-            if event["t"] == "delta":
-                texts[i].append(event["text"])
-                entries[i] += event.get("lp") or ()
-            elif event["t"] == "error":
-                raise error_from_event(event)
-            elif event["t"] == "done":
-                finals[i] = event
-    done = bodies.all_done(finals)
-    return {**_base(req, subs), "choices": [
-        {"text": "".join(texts[i]), "index": i,
-         "logprobs": None if req.logprobs is None else legacy_logprobs(entries[i],
-                                                                       _Offsets()),
-         "finish_reason": bodies.finish_reason(done[i])} for i in range(count)],
-        "usage": bodies.usage(*done)}
+    reply = await fold.whole()
+    choices = []
+    for i, final in enumerate(reply.finals):
+        text = prompts[i // n] + reply.texts[i] if req.echo else reply.texts[i]
+        choices.append({"text": text, "index": i, "logprobs": None if req.logprobs is None
+                        else legacy_logprobs(reply.lps[i], _Offsets()),
+                        "finish_reason": bodies.finish_reason(final)})
+    return {**_base(req, subs), "choices": choices, "usage": bodies.usage(reply.usage())}
 
 
 async def _stream(send: Send, req: CompletionRequest, prompts: list[str],
-                  subs: list[Submitted], events: AsyncGenerator[Event]) -> None:
+                  subs: list[Submitted], fold: Fold) -> None:
     """SSE chunks of `text_completion` objects (choice i's with `index` i), a last
     usage chunk with `stream_options.include_usage`, then `data: [DONE]`."""
 
     n = req.n or 1
     base = _base(req, subs)
-    async with contextlib.aclosing(events):
-        first = await anext(events)  # an error before any output is a plain HTTP error
-        if first["t"] == "error":
-            raise error_from_event(first)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-            (b"x-request-id", subs[0].handle.rid.encode()),
-            *((k.encode(), v.encode()) for k, v in subs[-1].headers.items())]})
-        out = KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
 
+    def chunk(i: int, text: str, *, finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**base, "choices": [{"text": text, "index": i, "logprobs": logprobs,
+                                     "finish_reason": finish}]}
+
+    offsets = [_Offsets() for _ in range(len(prompts) * n)]
+    async with fold, sse.opened(send, fold, subs=subs) as out:
         async def emit(payload: dict[str, Any]) -> None:
             await out.send(b"data: %s\n\n" % orjson.dumps(payload))
 
-        def chunk(i: int, text: str, *, finish: str | None = None,
-                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-            return {**base, "choices": [{"text": text, "index": i, "logprobs": logprobs,
-                                         "finish_reason": finish}]}
-
-        offsets = [_Offsets() for _ in range(len(prompts) * n)]
-        finals: list[FinalEvent] = []
-        try:
-            if req.echo:
-                for i in range(len(prompts) * n):
-                    await emit(chunk(i, prompts[i // n]))
-            event: Event | None = first
-            while event is not None:
-                i = event.get("i", 0)
-                if event["t"] == "delta" and (event["text"] or event.get("lp")):
-                    lp = None if req.logprobs is None else legacy_logprobs(
-                        event.get("lp") or [], offsets[i])
-                    await emit(chunk(i, event["text"], logprobs=lp))
-                elif event["t"] == "error":
-                    finals.append(event)
-                    await emit(error_from_event(event).body())
-                elif event["t"] == "done":
-                    finals.append(event)
-                    await emit(chunk(i, "", finish=bodies.finish_reason(event)))
-                event = await anext(events, None)
-            if req.stream_options is not None and req.stream_options.include_usage \
-                    and any(f["t"] == "done" for f in finals):
-                await emit({**base, "choices": [], "usage": bodies.usage(*finals)})
-        finally:
-            await out.close()
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
-                "more_body": False})
+        if req.echo:
+            for i in range(len(prompts) * n):
+                await emit(chunk(i, prompts[i // n]))
+        async for piece in fold:
+            if isinstance(piece, Delta) and (piece.text or piece.lp):
+                lp = None if req.logprobs is None else legacy_logprobs(
+                    piece.lp or [], offsets[piece.i])
+                await emit(chunk(piece.i, piece.text, logprobs=lp))
+            elif isinstance(piece, Failure):
+                await emit(piece.error.body())
+            elif isinstance(piece, Final):
+                await emit(chunk(piece.i, "", finish=bodies.finish_reason(piece.event)))
+        if req.stream_options is not None and req.stream_options.include_usage \
+                and fold.done:
+            await emit({**base, "choices": [], "usage": bodies.usage(fold.usage())})
+    await sse.last(send, out, b"data: [DONE]\n\n")
 
 
 register(Completions())

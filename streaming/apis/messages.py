@@ -2,10 +2,11 @@
 a codec over the gateway's chat call.
 
 The request (validated here, so a 400 names Anthropic's field, in Anthropic's words)
-becomes a `ChatCompletionRequest`: `system` a system message; text blocks the message's
-text; an assistant's `tool_use` blocks its `tool_calls` and a user's `tool_result`
-blocks `tool` messages, which the gateway writes for the model as it writes chat's
-(streaming/gateway.py `_message`); `tools` functions with `input_schema` as parameters;
+becomes the call's request (streaming/callrequest.py): `system` a system message; text
+blocks the message's text; an assistant's `tool_use` blocks its `tool_calls` and a
+user's `tool_result` blocks `tool` messages, which the gateway writes for the model as
+it writes chat's (streaming/prompting.py `rendered`); `tools` functions with
+`input_schema` as parameters;
 `tool_choice` auto / any (required) / tool (named) / none, with
 `disable_parallel_tool_use`; `output_config.format` (a JSON schema) the response format;
 `stop_sequences` stop; `metadata.user_id` the user; a tool with `defer_loading` is
@@ -47,14 +48,13 @@ from pydantic import (
     ValidationError,
 )
 
+from inference.jobs import Message, MessageToolCall, ToolSpec
 from sluice.errors import ApiError, BadRequest
 from sluice.schemas import Line
 from streaming.apis import Api, Context, hosted, register
 from streaming.apis import messages_stream as encode
+from streaming.callrequest import CallRequest, Params, args, json_schema
 from streaming.httpio import send_json
-from streaming.schemas import ChatCompletionRequest
-
-_CHAT_DESCRIPTION_MAX = 4096  # chat's (OpenAI's) cap on a function's description
 
 
 class _Strict(BaseModel):
@@ -84,7 +84,7 @@ class AnthropicToolUseBlockParam(_Strict):
 
 class AnthropicToolReferenceBlockParam(BaseModel):
     """A tool found by a tool search, in a tool result (Claude Code sends them): no
-    text for the model; it loads the deferred tool it names (`to_chat`)."""
+    text for the model; it loads the deferred tool it names (`offered`)."""
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["tool_reference"]
@@ -147,7 +147,7 @@ class AnthropicTool(_Strict):
     eager_input_streaming: bool | None = None
     input_examples: list[dict[str, Any]] | None = None
     # A deferred tool is not offered to the model until a tool search loads it: a
-    # `tool_reference` block naming it, or an earlier call of it (`to_chat`).
+    # `tool_reference` block naming it, or an earlier call of it (`offered`).
     defer_loading: bool | None = None
 
 
@@ -254,10 +254,11 @@ def _text(content: str | list[AnthropicTextBlockParam] | list[ToolResultBlock] |
                      if isinstance(block, AnthropicTextBlockParam))
 
 
-def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
-    """The conversation as chat messages: tool_use blocks as an assistant's tool_calls,
-    tool_result blocks as tool messages (in their place among the user's text)."""
-    out: list[dict[str, Any]] = []
+def _chat_messages(req: AnthropicCountTokensRequest) -> list[Message]:
+    """The conversation as the call's messages: tool_use blocks as an assistant's
+    tool_calls, tool_result blocks as tool messages (in their place among the user's
+    text)."""
+    out: list[Message] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
     last_user = max((i for i, m in enumerate(req.messages) if m.role == "user"), default=-1)
@@ -273,7 +274,7 @@ def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
         blocks = ([AnthropicTextBlockParam(type="text", text=message.content)]
                   if isinstance(message.content, str) else message.content)
         text: list[str] = []
-        calls: list[dict[str, Any]] = []
+        calls: list[MessageToolCall] = []
         for j, block in enumerate(blocks):
             if isinstance(block, AnthropicTextBlockParam):
                 text.append(block.text)
@@ -295,8 +296,10 @@ def _chat_messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
                                  f"{'user' if block.type == 'tool_result' else 'assistant'} "
                                  "messages.", param=where, code="invalid_request")
         if text or calls or not blocks:
-            out.append({"role": message.role, "content": "\n".join(text),
-                        **({"tool_calls": calls} if calls else {})})
+            joined: Message = {"role": message.role, "content": "\n".join(text)}
+            if calls:
+                joined["tool_calls"] = calls
+            out.append(joined)
     return out
 
 
@@ -318,55 +321,46 @@ def offered(req: AnthropicCountTokensRequest) -> list[AnthropicTool]:
     return [t for t in req.tools or () if not t.defer_loading or t.name in loaded]
 
 
-def to_chat(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
-    """The gateway's request for `req`. Every field was checked against Anthropic's
-    rules already; a rule of chat's that is stricter still answers in Anthropic's
-    words (its field name where the two differ)."""
-    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req)}
-    tools = offered(req)
-    if tools:
-        # Anthropic allows longer descriptions than chat's 4,096 characters: the rest
-        # would only lengthen the tool prompt.
-        body["tools"] = [{"type": "function", "function": {
-            "name": t.name, "parameters": t.input_schema, "strict": t.strict,
-            **({"description": t.description[:_CHAT_DESCRIPTION_MAX]} if t.description else {})}}
-            for t in tools]
+def call_request(req: AnthropicCountTokensRequest, *,
+                 idempotency_key: str | None = None) -> CallRequest:
+    """The call's request for `req` (a count's has no sampling: the defaults). Every
+    field was checked against Anthropic's rules already."""
     fmt = req.output_config.format if req.output_config else None
-    if fmt is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": "output", "schema": fmt.schema_, "strict": True}}
     choice = req.tool_choice
-    if choice is not None:
-        if choice.type == "tool" and not choice.name:
-            raise BadRequest("tool_choice.name: Field required", param="tool_choice.name",
-                             code="invalid_request")
-        body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
-                               if choice.type == "tool" else
-                               {"any": "required"}.get(choice.type, choice.type))
-        if choice.disable_parallel_tool_use is not None:
-            body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    if choice is not None and choice.type == "tool" and not choice.name:
+        raise BadRequest("tool_choice.name: Field required", param="tool_choice.name",
+                         code="invalid_request")
+    sampling: dict[str, Any] = {}
     if isinstance(req, AnthropicMessagesRequest):
-        body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    stop=req.stop_sequences or None, stream=req.stream,
-                    user=req.metadata.user_id if req.metadata else None)
-    try:
-        chat = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = {"stop": "stop_sequences", "user": "metadata.user_id"}.get(
-            str(first["loc"][0]), str(first["loc"][0]))
-        raise BadRequest(f"{field}: {first.get('msg')}", param=field,
-                         code="invalid_request") from None
-    # Chat keeps OpenAI's cap on a description; Anthropic's tools (Claude Code's among
-    # them) carry longer ones, which only the tool prompt reads.
-    for tool, param in zip(chat.tools or [], tools, strict=True):
-        tool.function.description = param.description
-    return chat
+        sampling = args(max_output_tokens=req.max_tokens, temperature=req.temperature,
+                        top_p=req.top_p, stop=req.stop_sequences, stream=req.stream,
+                        user=req.metadata.user_id if req.metadata else None)
+    return CallRequest(
+        model=req.model, messages=_chat_messages(req),
+        # Anthropic's descriptions may be long (Claude Code's are): the tool prompt
+        # reads them whole.
+        tools=[ToolSpec(t.name, t.input_schema, bool(t.strict), t.description or "")
+               for t in offered(req)],
+        response_format=None if fmt is None else json_schema(fmt.schema_, strict=True),
+        tool_choice=None if choice is None else _CHOICES.get(choice.type, choice.type),
+        tool_name=choice.name if choice is not None and choice.type == "tool" else None,
+        idempotency_key=idempotency_key,
+        **args(parallel_tool_calls=None if choice is None or
+               choice.disable_parallel_tool_use is None
+               else not choice.disable_parallel_tool_use),
+        **sampling)
+
+
+_CHOICES = {"any": "required", "tool": "function"}
 
 
 class Messages(Api):
     path = "/v1/messages"
     action = "messages"
+    params = Params({"max_output_tokens": "max_tokens",
+                     "response_format": "output_config.format",
+                     "tools[].parameters": "tools[].input_schema", "stop": "stop_sequences",
+                     "user": "metadata.user_id"}, dotted=True)
 
     def credential(self, headers: dict[str, str]) -> str | None:
         key = headers.get("x-api-key", "").strip()
@@ -380,7 +374,8 @@ class Messages(Api):
         call = ctx.call
         call.model = req.model
         call.protocol = "sse" if req.stream else "rest"
-        sub = await call.chat(to_chat(req), idempotency_key=ctx.headers.get("idempotency-key"))
+        sub = await call.chat(call_request(
+            req, idempotency_key=ctx.headers.get("idempotency-key")))
         headers = {**sub.headers, "request-id": sub.handle.rid}
         async with call.watching(ctx.receive, resumable=False):
             if req.stream:
@@ -396,7 +391,7 @@ class CountTokens(Messages):
 
     async def serve(self, ctx: Context) -> None:
         req = await parse_hosted(AnthropicCountTokensRequest, ctx)
-        tokens = await ctx.call.count(to_chat(req))
+        tokens = await ctx.call.count(call_request(req))
         await send_json(ctx.send, 200, {"input_tokens": tokens})
 
 

@@ -19,19 +19,16 @@ stream began is an `error` event, and the stream ends without `message_stop`.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
-from django.conf import settings
 from pydantic import BaseModel
 
-from inference.jobs import DoneEvent, Event, ToolDelta
+from inference.jobs import DoneEvent, ToolDelta
 from sluice.errors import ApiError
-from streaming import bodies
-from streaming.gateway import error_from_event
-from streaming.httpio import KeepAlive
+from streaming import bodies, sse
+from streaming.fold import Delta, Failure, Final, Fold
 from streaming.submitted import Submitted
 
 if TYPE_CHECKING:
@@ -99,15 +96,6 @@ async def message_body(sub: Submitted, model: str) -> dict[str, Any]:
             "usage": usage(final)}
 
 
-def _prompt_tokens(first: Event) -> int:
-    """The prompt's token count as far as a request's first event tells it."""
-    if first["t"] == "delta":
-        return first.get("prompt_tokens", 0)
-    if first["t"] == "done":
-        return first["usage"]["prompt_tokens"]
-    return 0
-
-
 def _sse(name: str, payload: dict[str, Any]) -> bytes:
     return b"event: %s\ndata: %s\n\n" % (name.encode(), orjson.dumps(payload))
 
@@ -116,40 +104,26 @@ async def stream(sub: Submitted, model: str, send: Send,
                  headers: dict[str, str]) -> None:
     """Send the call's events as Anthropic's SSE events. An error before any output is
     raised (a plain HTTP error in the API's shape); `headers` go with the 200."""
-    # asgi.py imports the API registry, which imports this module: imported late.
-
-    async with contextlib.aclosing(sub.events()) as events:
-        first = await anext(events)
-        if first["t"] == "error":
-            raise error_from_event(first)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-            *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
-        out = KeepAlive(send, settings.SLUICE_SSE_HEARTBEAT_S)
+    fold = Fold(sub.events())
+    async with fold, sse.opened(send, fold, headers=headers) as out:
         blocks = _Blocks(out.add)  # a worker event's frames leave in one write
-        try:
-            out.add(_sse("message_start", {"type": "message_start", "message": {
-                "id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
-                "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": _prompt_tokens(first), "output_tokens": 0}}}))
-            event: Event | None = first
-            while event is not None:
-                if event["t"] == "delta":
-                    if event["text"]:
-                        blocks.text(event["text"])
-                    if "tools" in event:
-                        blocks.tools(event["tools"])
-                    await out.flush()
-                elif event["t"] == "error":
-                    out.add(_sse("error", error_body(error_from_event(event))))
-                    break
-                elif event["t"] == "done":
-                    blocks.finish(event)
-                event = await anext(events, None)
-        finally:
-            await out.close()
-    await send({"type": "http.response.body", "body": out.take(), "more_body": False})
+        out.add(_sse("message_start", {"type": "message_start", "message": {
+            "id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
+            "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": fold.prompt_tokens, "output_tokens": 0}}}))
+        async for piece in fold:
+            if isinstance(piece, Delta):
+                if piece.text:
+                    blocks.text(piece.text)
+                if piece.tools is not None:
+                    blocks.tools(piece.tools)
+                await out.flush()
+            elif isinstance(piece, Failure):
+                out.add(_sse("error", error_body(piece.error)))
+                break
+            elif isinstance(piece, Final):
+                blocks.finish(piece.event)
+    await sse.last(send, out)
 
 
 class _Blocks:

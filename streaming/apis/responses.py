@@ -5,8 +5,8 @@ The request (`input` as text or items: messages, `function_call`,
 `additional_tools`; `instructions`; function, custom and namespace `tools`
 (streaming/apis/responses_tools.py); `tool_choice`; `text.format`; sampling;
 `max_output_tokens`; streaming/apis/responses_input.py reads the items) becomes the
-gateway's ChatCompletionRequest, so it gets the same governance, quotas, audit (action
-"responses"), metrics and structured generation as chat. With `previous_response_id`
+call's request (streaming/callrequest.py), so it gets the same governance, quotas, audit
+(action "responses"), metrics and structured generation as chat. With `previous_response_id`
 the call starts from that stored response's chain (streaming/responses_store.py; its
 instructions are not carried over, as OpenAI does). With `store` (the default) the reply
 is stored before the caller sees it, in Redis (a writer process puts it in the
@@ -19,31 +19,30 @@ to fit the model's context (the gateway's `earlier`). A streamed reply is encode
 streaming/responses_wire.py.
 
 Everything the caller got wrong is a 400 in OpenAI's shape naming the Responses field
-(`input[2].call_id`, `text.format.schema`, `max_output_tokens`), never chat's.
+(`input[2].call_id`, `text.format.schema`, `max_output_tokens`), never chat's: the
+call's neutral parameters are named by `ResponsesApi.params`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
 import time
 from typing import Annotated, Any, Literal
 
-from django.conf import settings
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from inference.jobs import DoneEvent, Event
+from inference.jobs import DoneEvent, Message, ResponseFormat
 from sluice.db import async_db
 from sluice.errors import ApiError, BadRequest
-from streaming import bodies, responses_copy
+from streaming import bodies, responses_copy, sse
 from streaming.apis import Api, Context, hosted, register
 from streaming.apis.responses_input import chat_messages, given_tools, input_items, invalid
-from streaming.apis.responses_tools import OWN_TOOLS, ResponsesToolChoice, Tool, Toolset
-from streaming.gateway import error_from_event
-from streaming.httpio import KeepAlive, send_json
+from streaming.apis.responses_tools import OWN_TOOLS, ResponsesToolChoice, Tool
+from streaming.callrequest import CallRequest, Params, args, json_schema
+from streaming.fold import Delta, Failure, Final, Fold
+from streaming.httpio import send_json
 from streaming.responses_store import response_context, response_keep, response_save
 from streaming.responses_wire import EventStream, Names, finished, output
-from streaming.schemas import ChatCompletionRequest, ClientHints, Effort, ModelName, Verbosity
+from streaming.schemas import ClientHints, Effort, ModelName, Verbosity
 from streaming.submitted import Submitted
 
 MAX_ITEMS = 4096
@@ -60,8 +59,8 @@ class _Strict(BaseModel):
 class ResponsesTextFormat(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    description: str | None = None
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    description: Annotated[str, StringConstraints(max_length=4096)] | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
@@ -121,8 +120,8 @@ class ResponsesRequest(ClientHints):
         Field(max_length=CLIENT_METADATA_KEYS)] | None = None
 
 
-def droppable(conversation: list[dict[str, Any]], truncation: str | None
-              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def droppable(conversation: list[Message], truncation: str | None
+              ) -> tuple[list[Message], list[Message]]:
     """With `truncation` "auto": the conversation's messages before its last user
     message, which the worker drops oldest first until the prompt fits the model's
     context (as a conversation's history), and the rest, which stays; else nothing
@@ -134,50 +133,18 @@ def droppable(conversation: list[dict[str, Any]], truncation: str | None
     return conversation[:last_user], conversation[last_user:]
 
 
-# -- errors in the Responses API's names ---------------------------------------------------
-# Chat's parameter names, as the Responses API calls them (the first match wins).
-_RENAMES = [(re.compile(p), r) for p, r in (
-    (r"\bresponse_format\.json_schema\b", "text.format"),
-    (r"\bresponse_format\b", "text.format"),
-    (r"\b(tools\[\d+\])\.function\b", r"\1"),
-    (r"\bmax_completion_tokens\b|\bmax_tokens\b", "max_output_tokens"),
-    (r"\bmessages\b", "input"),
-)]
-
-
-def renamed(exc: ApiError) -> ApiError:
-    """An error about chat's parameters, about the Responses API's instead."""
-    for pattern, name in _RENAMES:
-        exc.message = pattern.sub(name, exc.message)
-        if exc.param:
-            exc.param = pattern.sub(name, exc.param)
-    return exc
-
-
 # -- the call -----------------------------------------------------------------------------
-def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
-                 tools: Toolset) -> ChatCompletionRequest:
+def response_format(req: ResponsesRequest) -> ResponseFormat | None:
+    """The call's response format for `text.format`."""
     fmt = req.text.format if req.text else None
-    body: dict[str, Any] = {
-        "model": req.model, "messages": messages, "stream": req.stream,
-        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls, "user": req.user,
-        "tools": tools.functions or None,
-        "tool_choice": {"type": "function", "function": {"name": tools.choice(req.tool_choice)}}
-        if isinstance(req.tool_choice, ResponsesToolChoice) else req.tool_choice,
-        "response_format": None if fmt is None else {"type": fmt.type} if fmt.type != "json_schema"
-        else {"type": "json_schema", "json_schema": fmt.model_dump(
-            exclude={"type"}, exclude_none=True, by_alias=True)},
-    }
-    try:
-        chat = ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None})
-    except ValidationError as exc:
-        raise renamed(invalid(exc)) from None
-    for tool in chat.tools or []:
-        if (custom := tools.custom.get(tool.function.name)) is not None:
-            tool.function.mark_custom(*custom)
-    return chat
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    if fmt.name is None:
+        raise BadRequest("Missing required parameter: 'text.format.name'.",
+                         param="text.format.name", code="missing_required_parameter")
+    return json_schema(fmt.schema_, strict=bool(fmt.strict))
 
 
 def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
@@ -213,6 +180,7 @@ def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
 class ResponsesApi(Api):
     path = "/v1/responses"
     action = "responses"
+    params = Params({"messages": "input", "response_format": "text.format"})
 
     async def serve(self, ctx: Context) -> None:
         data, tools = await hosted.applied(ctx, OWN_TOOLS)
@@ -231,23 +199,34 @@ class ResponsesApi(Api):
         before = (await async_db(response_context)(actor=ctx.principal,
                                                    response_id=req.previous_response_id)
                   if req.previous_response_id else [])
-        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        system: list[Message] = [{"role": "system", "content": req.instructions}] \
+            if req.instructions else []
         conversation = chat_messages([*before, *items])
         earlier, conversation = droppable(conversation, req.truncation)
+        choice = req.tool_choice
         try:
-            chat = chat_request(req, system + conversation, toolset)
+            forced = toolset.choice(choice) if isinstance(choice, ResponsesToolChoice) \
+                else None
         except ApiError as exc:
             raise tools.renumbered(exc) from None
+        fmt = response_format(req)
         base = head(req, "")  # the request's fields; its id is the last attempt's
         keep = None
         if req.store:  # before the call runs: its reply could not be kept
             await responses_copy.keeps_up(call.gateway.client.scripts)
             keep = response_keep(actor=ctx.principal, head=base, input_items=items)
+        request = CallRequest(
+            model=req.model, messages=system + conversation, earlier=earlier,
+            stream=req.stream, tools=toolset.specs, response_format=fmt,
+            tool_choice="function" if forced else choice if isinstance(choice, str) else None,
+            tool_name=forced, keep=keep, idempotency_key=ctx.headers.get("idempotency-key"),
+            **args(max_output_tokens=req.max_output_tokens, temperature=req.temperature,
+                   top_p=req.top_p, parallel_tool_calls=req.parallel_tool_calls,
+                   user=req.user))
         try:
-            sub = await call.chat(chat, stream=req.stream, earlier=earlier, keep=keep,
-                                  idempotency_key=ctx.headers.get("idempotency-key"))
+            sub = await call.chat(request)
         except ApiError as exc:
-            raise tools.renumbered(renamed(exc)) from None
+            raise tools.renumbered(exc) from None
         async with call.watching(ctx.receive, resumable=False):
             if req.stream:
                 await self._stream(ctx, sub, req, base, items, toolset.origin)
@@ -268,42 +247,29 @@ class ResponsesApi(Api):
     async def _stream(self, ctx: Context, sub: Submitted, req: ResponsesRequest,
                       base: dict[str, Any], items: list[dict[str, Any]],
                       names: Names) -> None:
-        async with contextlib.aclosing(sub.events()) as events:
-            first = await anext(events)  # an error before any output is a plain HTTP error
-            if first["t"] == "error":
-                raise error_from_event(first)
+        fold = Fold(sub.events())
+        async with fold, sse.opened(ctx.send, fold, subs=[sub]) as out:
             # The attempt that answers (a model alias's next one when the first failed
             # before any event): its request's id is the response's.
             rid = sub.handle.rid
-            await ctx.send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-                (b"x-request-id", rid.encode()),
-                *((k.lower().encode(), v.encode()) for k, v in sub.headers.items())]})
-            out = KeepAlive(ctx.send, settings.SLUICE_SSE_HEARTBEAT_S)
             stream = EventStream(out, {**base, "id": f"resp_{rid}"}, rid, names)
-            try:
-                stream.start()
-                event: Event | None = first
-                while event is not None:
-                    if event["t"] == "delta":
-                        if event["text"]:
-                            stream.text(event["text"])
-                        if "tools" in event:
-                            stream.calls(event["tools"])
-                        await out.flush()
-                    elif event["t"] == "error":
-                        await self._finish(ctx, stream, req, items,
-                                           error=error_from_event(event))
-                    elif event["t"] == "done":
-                        # Kept by the worker under this response's id (a continuation
-                        # on another deployment is never kept: its reply began here).
-                        kept = "kept_at" in event and sub.handle.rid == rid
-                        await self._finish(ctx, stream, req, items, final=event, kept=kept)
-                    event = await anext(events, None)
-            finally:
-                await out.close()
-        await ctx.send({"type": "http.response.body", "body": out.take(), "more_body": False})
+            stream.start()
+            async for piece in fold:
+                if isinstance(piece, Delta):
+                    if piece.text:
+                        stream.text(piece.text)
+                    if piece.tools is not None:
+                        stream.calls(piece.tools)
+                    await out.flush()
+                elif isinstance(piece, Failure):
+                    await self._finish(ctx, stream, req, items, error=piece.error)
+                elif isinstance(piece, Final):
+                    # Kept by the worker under this response's id (a continuation on
+                    # another deployment is never kept: its reply began here).
+                    kept = "kept_at" in piece.event and sub.handle.rid == rid
+                    await self._finish(ctx, stream, req, items, final=piece.event,
+                                       kept=kept)
+        await sse.last(ctx.send, out)
 
     async def _finish(self, ctx: Context, stream: EventStream, req: ResponsesRequest,
                       items: list[dict[str, Any]], *, final: DoneEvent | None = None,

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
 
+from inference.jobs import Message, MessageToolCall
 from sluice.errors import BadRequest
 from streaming.apis.responses_tools import AdditionalTools, Name, Toolset, flat_name
 from streaming.schemas import validation_error
@@ -129,20 +130,20 @@ def given_tools(tools: list[Any] | None, given_input: str | list[dict[str, Any]]
     return Toolset.of(given)
 
 
-def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Items as chat messages: a function call joins the assistant message before it
-    (as chat's tool_calls), an output is a tool message."""
-    out: list[dict[str, Any]] = []
+def chat_messages(items: list[dict[str, Any]]) -> list[Message]:
+    """Items as the call's messages: a function call joins the assistant message before
+    it (as its tool_calls), an output is a tool message."""
+    out: list[Message] = []
     for item in items:
         kind = item.get("type")
         if kind == "message":
             out.append({"role": item["role"],
                         "content": "".join(p.get("text", "") for p in item["content"])})
         elif kind in ("function_call", "custom_tool_call"):
-            call = {"id": item["call_id"], "type": "function", "function": {
+            call: MessageToolCall = {"id": item["call_id"], "type": "function", "function": {
                 "name": flat_name(item["name"], item.get("namespace")),
-                "arguments": item["input"] if kind == "custom_tool_call"
-                else item["arguments"]}}
+                "arguments": (item["input"] if kind == "custom_tool_call"
+                              else item["arguments"]) or "{}"}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:

@@ -3,15 +3,16 @@
 tools grouping function and custom tools; given in `tools` or in an `input` item of type
 `additional_tools` (Codex CLI sends its tools that way).
 
-The gateway's call knows only a flat list of functions, so `Toolset` flattens them: a tool
-in a namespace is offered to the model as `<namespace>__<name>`. Not `namespace.name`:
-chat's function-name pattern (`^[A-Za-z0-9_-]{1,64}$`, also OpenAI's and the upstream
-engines') has no dot, and a double underscore is what agent CLIs already use for grouped
-tools (Codex's `mcp__server__tool`). The flat name must stay within 64 characters and
-unique across the request (a top-level `a__b` beside namespace `a`'s `b` is a 400), so
-`origin` maps a call's name back to its (namespace, name) and kind without guessing.
-A custom tool is a function without parameters marked custom (`FunctionDef.mark_custom`):
-the worker constrains its input by its grammar and answers with the raw text."""
+The call knows only a flat list of tools (inference/jobs.py ToolSpec), so `Toolset`
+flattens them: a tool in a namespace is offered to the model as `<namespace>__<name>`.
+Not `namespace.name`: the call's tool-name pattern (`^[A-Za-z0-9_-]{1,64}$`, also
+OpenAI's and the upstream engines') has no dot, and a double underscore is what agent
+CLIs already use for grouped tools (Codex's `mcp__server__tool`). The flat name must
+stay within 64 characters and unique across the request (a top-level `a__b` beside
+namespace `a`'s `b` is a 400), so `origin` maps a call's name back to its (namespace,
+name) and kind without guessing.
+A custom tool is a ToolSpec of kind "custom": the worker constrains its input by its
+grammar and answers with the raw text."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
 
+from inference.jobs import ToolSpec
 from sluice.errors import BadRequest
 from streaming.responses_wire import Origin
 
@@ -115,11 +117,9 @@ class ResponsesToolChoice(_Strict):
 
 @dataclass
 class Toolset:
-    """A request's tools as the flat functions the call offers (`functions`: chat's tool
-    dicts; `custom`: flat name -> (syntax, definition) of the custom ones)."""
+    """A request's tools as the flat list the call offers (`specs`)."""
 
-    functions: list[dict[str, Any]] = field(default_factory=list)
-    custom: dict[str, tuple[str, str]] = field(default_factory=dict)
+    specs: list[ToolSpec] = field(default_factory=list)
     origins: dict[str, Origin] = field(default_factory=dict)
     namespaces: set[str] = field(default_factory=set)
 
@@ -151,17 +151,15 @@ class Toolset:
                              f"<namespace>{SEPARATOR}<name>).", param=f"{where}.name",
                              code="invalid_value")
         self.origins[flat] = Origin(tool.type, tool.name, namespace)
-        function: dict[str, Any] = {"name": flat}
-        if tool.description:
-            function["description"] = tool.description
+        description = tool.description or ""
         if isinstance(tool, ResponsesFunctionTool):
-            function.update(tool.model_dump(include={"parameters", "strict"},
-                                            exclude_none=True))
+            self.specs.append(ToolSpec(flat, tool.parameters, bool(tool.strict), description))
         else:
             fmt = tool.format
-            self.custom[flat] = ((fmt.syntax, fmt.definition)
-                                 if isinstance(fmt, CustomGrammar) else ("", ""))
-        self.functions.append({"type": "function", "function": function})
+            syntax, definition = ((fmt.syntax, fmt.definition)
+                                  if isinstance(fmt, CustomGrammar) else ("", ""))
+            self.specs.append(ToolSpec(flat, None, False, description, kind="custom",
+                                       syntax=syntax, definition=definition))
 
     def origin(self, flat: str) -> Origin:
         """What the model's call of `flat` calls (a name not offered: itself)."""

@@ -492,15 +492,15 @@ def test_the_reply_does_not_wait_for_settlement_and_audit(live: Live, org: Org) 
     do run then, and the call's recorded duration ends with its events, not when they
     run (here 0.3 s later)."""
     from governance import audit
+    from streaming.apis import chat_request
     from streaming.gateway import Gateway
-    from streaming.schemas import ChatCompletionRequest
     principal = principal_for(org.members[Role.DEVELOPER])
 
     async def scenario() -> tuple[bool, bool, str, list[float]]:
         gateway = Gateway()
         try:
-            sub = await gateway.chat(principal, ChatCompletionRequest.model_validate(
-                chat_body("hello")))
+            sub = await gateway.chat(principal, chat_request.call_request(
+                chat_request.parsed(chat_body("hello"))))
             recorder = gateway.governor.recorder
             held = recorder._pending  # where this call's audit event goes (or the next)
             events = [event async for event in sub.events()]

@@ -32,7 +32,7 @@ from inference.upstream.worker import UpstreamWorker
 from inference.worker import Worker
 from sluice.localinfra import free_port
 from sluice.redis import sync_client
-from streaming.apis.messages import AnthropicMessagesRequest, offered, parse, to_chat
+from streaming.apis.messages import AnthropicMessagesRequest, call_request, offered, parse
 from streaming.max_tokens_policy import CLAMPED_HEADER
 from tenants.roles import Role
 from tests.conftest import Org, eventually, make_org, principal_for
@@ -166,8 +166,8 @@ def test_a_deferred_tool_is_offered_once_a_tool_search_loads_it() -> None:
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                       "content": [{"type": "tool_reference",
                                                    "tool_name": "DeferredToolPlaceholder"}]}]}]
-    loaded = to_chat(parse(AnthropicMessagesRequest, body))
-    assert "DeferredToolPlaceholder" in [t.function.name for t in loaded.tools or []]
+    loaded = call_request(parse(AnthropicMessagesRequest, body))
+    assert "DeferredToolPlaceholder" in [t.name for t in loaded.tools]
 
 
 def test_a_system_message_clears_at_the_next_user_turn_when_asked() -> None:
@@ -177,10 +177,11 @@ def test_a_system_message_clears_at_the_next_user_turn_when_asked() -> None:
          "output_config": {"effort": "low"}},
         {"role": "assistant", "content": "ok"}]
     req = {"model": "m", "max_tokens": 5, "messages": turns}
-    shown = to_chat(parse(AnthropicMessagesRequest, req)).messages
-    assert [m.role for m in shown] == ["user", "system", "assistant"]
+    shown = call_request(parse(AnthropicMessagesRequest, req)).messages
+    assert [m["role"] for m in shown] == ["user", "system", "assistant"]
     later = {**req, "messages": [*turns, {"role": "user", "content": "two"}]}
-    assert [m.role for m in to_chat(parse(AnthropicMessagesRequest, later)).messages] == [
+    assert [m["role"] for m in call_request(parse(AnthropicMessagesRequest,
+                                                  later)).messages] == [
         "user", "assistant", "user"]
 
 

@@ -24,8 +24,8 @@ from governance.models import Quota
 from inference import queue as q
 from inference.client import InferenceClient
 from sluice.redis import sync_client
+from streaming.apis import chat_request
 from streaming.gateway import Gateway
-from streaming.schemas import ChatCompletionRequest
 from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live
@@ -63,8 +63,8 @@ def first_attempt(key: str, request: dict[str, Any], idempotency_key: str, *,
     async def run() -> str:
         gateway = Gateway()
         principal = await gateway.authenticate(f"Bearer {key}")
-        sub = await gateway.chat(principal, ChatCompletionRequest.model_validate(request),
-                                 idempotency_key=idempotency_key)
+        sub = await gateway.chat(principal, chat_request.call_request(
+            chat_request.parsed(request), idempotency_key=idempotency_key))
         if cancel:
             await sub.cancel()
         await gateway.client.close()
