@@ -92,7 +92,7 @@ class Admission:
     request_id: str = ""
     reply: list[str] = field(default_factory=list)
     patterns: tuple[tuple[str, re.Pattern[str]], ...] = ()  # the tenant's own
-    # What the codec adds to the audit event's detail (streaming/call.py Call.note).
+    # What the codec adds to the audit event's detail (streaming/pipeline/call.py Call.note).
     notes: dict[str, Any] = field(default_factory=dict)
     _reply_chars: int = 0
 

@@ -88,7 +88,7 @@ class Continuation(msgspec.Struct, frozen=True):
     """The start of a reply already streamed to the caller, which a later attempt
     continues: its text, the sequence number the next event takes, and the completion
     tokens billed for the text. An upstream worker builds one for a takeover; a model
-    alias's call (streaming/routed.py) sends one in `ChatJob.resume` to the next
+    alias's call (streaming/pipeline/routed.py) sends one in `ChatJob.resume` to the next
     deployment, an upstream one that can continue the job only
     (inference/upstream/body.py `can_continue`)."""
 
@@ -99,7 +99,7 @@ class Continuation(msgspec.Struct, frozen=True):
 
 class Keep(msgspec.Struct, frozen=True):
     """Keep the reply past its request, with its final event: what the Responses API
-    stores (streaming/responses_copy.py), written by the worker in the write that ends
+    stores (streaming/apis/responses/copy.py), written by the worker in the write that ends
     the request, so the gateway adds no write of its own (inference/queue.py KEEP_LUA).
 
     The kept copy is a hash at `key` + the request's id holding `by`, `draft` (opaque
@@ -305,7 +305,7 @@ FINAL_EVENTS = ("done", "error")  # the tags of the events that end a request
 
 
 # Outside inference/, events' tags are read through these and the gateway's one fold
-# over a call's events (streaming/fold.py), nowhere else.
+# over a call's events (streaming/pipeline/fold.py), nowhere else.
 def is_delta(event: Event) -> TypeIs[DeltaEvent]:
     return event["t"] == "delta"
 

@@ -48,7 +48,7 @@ class Dialect(StrEnum):
 class MaxTokensPolicy(StrEnum):
     """What a call asking for more tokens than a deployment can produce gets: `refuse`
     (a 400 `max_tokens_too_large`, as the APIs do) or `clamp` (its max_tokens lowered to
-    what the deployment can produce, the reply saying so: streaming/gateway.py)."""
+    what the deployment can produce, the reply saying so: streaming/pipeline/gateway.py)."""
 
     REFUSE = "refuse"
     CLAMP = "clamp"

@@ -13,7 +13,9 @@ from ninja import File, Form, Router, Schema, UploadedFile
 from pydantic import Field, StringConstraints
 
 from sluice.schemas import Line, StrictSchema, Text
-from streaming import batches, files, responses_store
+from streaming.apis.responses import store as responses_store
+from streaming.batches import files
+from streaming.batches import services as batches
 from streaming.models import Batch, StoredFile
 from tenants.api import actor_of
 

@@ -1,6 +1,6 @@
 """The OpenAI Files and Batch APIs: uploaded JSONL files and batches that run each line
 through the gateway pipeline (quotas and limits apply) in a Celery job; and the stored
-responses of the Responses API (streaming/responses_store.py)."""
+responses of the Responses API (streaming/apis/responses/store.py)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class StoredResponse(models.Model):
     """A Responses API reply kept for `GET /v1/responses/{id}` and for the next call's
     `previous_response_id` (what its input and output were). Text is stored redacted
     per the tenant's policy; read by its creator and the tenant's admins only, within
-    the tenant's retention (streaming/responses_store.py)."""
+    the tenant's retention (streaming/apis/responses/store.py)."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="responses")
     public_id = models.CharField(max_length=40, unique=True)  # resp_<hex>

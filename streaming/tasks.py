@@ -16,9 +16,9 @@ _CHUNK_SOFT_LIMIT_S = settings.SLUICE_BATCH_CHUNK_S + settings.SLUICE_REQUEST_TI
              time_limit=_CHUNK_SOFT_LIMIT_S + 30)
 def run_batch(batch_id: int) -> str:
     """Run one chunk of the batch and enqueue the next one with the countdown the
-    runner asks for (never waiting in here: streaming/batch_runner.py). Idempotent: a
+    runner asks for (never waiting in here: streaming/batches/runner.py). Idempotent: a
     redelivered chunk skips the lines already written."""
-    from streaming import batch_runner
+    from streaming.batches import runner as batch_runner
 
     step = batch_runner.run_chunk(batch_id)
     if step.again_in is not None:
@@ -30,6 +30,7 @@ def run_batch(batch_id: int) -> str:
 def files_retention() -> dict[str, int]:
     """Delete batches, batch files and stored responses past their tenant's retention
     (beat, every SLUICE_RETENTION_SWEEP_S). Idempotent: it deletes by age and state only."""
-    from streaming import files, responses_store
+    from streaming.apis.responses import store as responses_store
+    from streaming.batches import files
 
     return {**files.retention_purge(), "responses": responses_store.responses_purge()}

@@ -36,7 +36,7 @@ threads.
   prompt + text and asks only for what is left), billed one token per delta event; a
   request an earlier delivery finished is only acknowledged (its final re-sent).
 - A job's `resume` (a model alias's call continued after another deployment's
-  upstream died mid-reply: streaming/routed.py) is continued the same way, its events
+  upstream died mid-reply: streaming/pipeline/routed.py) is continued the same way, its events
   numbered on from its `seq`; a takeover of such a request continues after both.
 - Usage is the upstream's (the client's final event); deadlines reach the client.
 - On Redis errors the worker forgets its local work (the entries stay pending and are

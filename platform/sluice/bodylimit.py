@@ -17,7 +17,7 @@ Refusals carry `Connection: close`, so the server stops reading the rest of the 
 The error is the API's JSON envelope (sluice.errors), the one shape that the management
 API and Django's /v1 routes share; the lean /v1 inference routes are not behind this
 guard, they read their own bodies against SLUICE_MAX_INFERENCE_BODY_BYTES in their
-APIs' shapes (streaming/httpio.py).
+APIs' shapes (streaming/apis/httpio.py).
 
 Limits (`route_limit`): the Files API upload (POST /v1/files) SLUICE_MAX_FILE_BYTES,
 every other route DATA_UPLOAD_MAX_MEMORY_SIZE (SLUICE_MAX_BODY_BYTES).

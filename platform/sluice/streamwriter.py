@@ -1,6 +1,6 @@
 """A Redis stream's entries into the database, in batches, at least once: the loop that
 the audit writer (governance/audit.py) and the stored responses' writer
-(streaming/responses_writer.py) share.
+(streaming/apis/responses/writer.py) share.
 
 - A consumer group (GROUP) hands each entry to one writer; several writers may run.
 - A batch is at most `batch` entries: this writer's own unacknowledged entries after a

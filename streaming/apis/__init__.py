@@ -1,16 +1,16 @@
 """The APIs the lean ASGI path serves (Chat Completions, Embeddings, legacy
 Completions, Responses, Anthropic Messages), each a codec over the one gateway call.
 
-An `Api` is registered under its path in APIS. The lean app (streaming/asgi.py) does
+An `Api` is registered under its path in APIS. The lean app (streaming/transports/asgi.py) does
 the same for every one of them: authenticates the credential the API names
-(`credential`), throttles wrong ones, opens the call (streaming/call.py: the audit of a
+(`credential`), throttles wrong ones, opens the call (streaming/pipeline/call.py: the audit of a
 refusal, settlement, cancellation), reads the JSON body within the size and nesting
 limits, and sends any error in the API's own shape (`error`). `serve` does the rest:
 validate the body against the API's own schema (a 400 in the API's shape and words for
-anything wrong), build the call's request from it once (streaming/callrequest.py),
+anything wrong), build the call's request from it once (streaming/pipeline/callrequest.py),
 admit it through `ctx.call` (whose errors name their parameter by the API's `params`),
-and encode the call's events, read through the one fold (streaming/fold.py; a stream
-opened by streaming/sse.py).
+and encode the call's events, read through the one fold (streaming/pipeline/fold.py; a stream
+opened by streaming/apis/sse.py).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sluice.errors import ApiError
-from streaming.callrequest import NEUTRAL, Params
+from streaming.pipeline.callrequest import NEUTRAL, Params
 
 if TYPE_CHECKING:
-    from streaming.asgi import LeanApp
-    from streaming.call import Call
-    from streaming.httpio import Receive, Send
+    from streaming.apis.httpio import Receive, Send
+    from streaming.pipeline.call import Call
+    from streaming.transports.asgi import LeanApp
     from tenants.principal import Principal
 
 
@@ -48,7 +48,7 @@ class Context:
 class Api:
     path: str = ""
     action: str = ""  # the audit action of its calls
-    # The API's names for the call request's neutral parameters (streaming/callrequest.py).
+    # The API's names for the call request's neutral parameters (streaming/pipeline/callrequest.py).
     params: Params = NEUTRAL
 
     def credential(self, headers: dict[str, str]) -> str | None:
@@ -79,5 +79,5 @@ def _load() -> None:
         importlib.import_module(f"streaming.apis.{name}")
 
 
-_MODULES: list[str] = ["chat", "embeddings", "completions", "messages", "responses"]
+_MODULES: list[str] = ["chat", "embeddings", "completions", "messages.codec", "responses.codec"]
 _load()

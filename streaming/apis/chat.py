@@ -5,7 +5,7 @@ Events of `chat.completion.chunk`s ending in `data: [DONE]`.
 A stream can be resumed: `Last-Event-ID: <rid>:<seq>` (an event's own id), or
 `last_offset` with the `conversation_id` whose latest stream it is, sends the rest of
 the earlier stream from its stored events (nothing regenerated), to whoever may read
-the original (streaming/replay.py), audited as `chat.completions.resume`. A fresh call
+the original (streaming/pipeline/replay.py), audited as `chat.completions.resume`. A fresh call
 names its conversation in the body or in `X-Sluice-Conversation-Id`; its reply joins
 the conversation before the caller sees the end of it.
 """
@@ -21,12 +21,12 @@ from pydantic import TypeAdapter, ValidationError
 
 from sluice.db import async_db
 from sluice.errors import BadRequest, NotFound
-from streaming import bodies, choices, replay, sse
-from streaming.apis import Api, Context, chat_request, register
-from streaming.fold import Delta, Failure, Final, Fold
-from streaming.httpio import Send, send_json
-from streaming.schemas import ChatCompletionRequest, ConversationId
-from streaming.submitted import Submitted
+from streaming.apis import Api, Context, bodies, chat_request, register, sse
+from streaming.apis.httpio import Send, send_json
+from streaming.pipeline import choices, replay
+from streaming.pipeline.fold import Delta, Failure, Final, Fold
+from streaming.pipeline.schemas import ChatCompletionRequest, ConversationId
+from streaming.pipeline.submitted import Submitted
 from tenants.conversations import conversation_get
 
 

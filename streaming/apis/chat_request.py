@@ -1,6 +1,6 @@
-"""Chat Completions' request side: its body (streaming/schemas.py
+"""Chat Completions' request side: its body (streaming/pipeline/schemas.py
 ChatCompletionRequest, validated once at the edge) as the call's request
-(streaming/callrequest.py), and the API's names for the call's neutral parameters.
+(streaming/pipeline/callrequest.py), and the API's names for the call's neutral parameters.
 Every transport that carries a chat body (REST and SSE, the WebSocket, the Batch API)
 reads it here."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 from inference.jobs import Message, MessageToolCall, ResponseFormat, ToolSpec
 from sluice.errors import BadRequest
-from streaming.callrequest import CallRequest, Params, json_schema, stops
-from streaming.schemas import ChatCompletionRequest, NamedToolChoice, parse
+from streaming.pipeline.callrequest import CallRequest, Params, json_schema, stops
+from streaming.pipeline.schemas import ChatCompletionRequest, NamedToolChoice, parse
 
 PARAMS = Params({"max_output_tokens": "max_tokens",
                  "response_format.schema": "response_format.json_schema.schema",

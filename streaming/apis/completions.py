@@ -31,13 +31,12 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from inference.jobs import Event
 from sluice.errors import BadRequest
-from streaming import bodies, sse
-from streaming.apis import Api, Context, register
-from streaming.callrequest import MAX_CHOICES, CallRequest, Params, args, stops
-from streaming.fold import Delta, Failure, Final, Fold
-from streaming.httpio import Send, send_json
-from streaming.schemas import ModelName, StreamOptions, validation_error
-from streaming.submitted import Submitted
+from streaming.apis import Api, Context, bodies, register, sse
+from streaming.apis.httpio import Send, send_json
+from streaming.pipeline.callrequest import MAX_CHOICES, CallRequest, Params, args, stops
+from streaming.pipeline.fold import Delta, Failure, Final, Fold
+from streaming.pipeline.schemas import ModelName, StreamOptions, validation_error
+from streaming.pipeline.submitted import Submitted
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for this API
 MAX_LOGPROBS = 5
@@ -71,7 +70,7 @@ class CompletionRequest(BaseModel):
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
 
 
-# The reply, as the OpenAPI document describes it (streaming/openapi.py).
+# The reply, as the OpenAPI document describes it (streaming/transports/openapi.py).
 class LegacyLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]

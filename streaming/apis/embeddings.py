@@ -4,10 +4,9 @@ with `encoding_format: "base64"`)."""
 
 from __future__ import annotations
 
-from streaming import bodies
-from streaming.apis import Api, Context, register
-from streaming.httpio import send_json
-from streaming.schemas import EmbeddingRequest, parse
+from streaming.apis import Api, Context, bodies, register
+from streaming.apis.httpio import send_json
+from streaming.pipeline.schemas import EmbeddingRequest, parse
 
 
 class Embeddings(Api):

@@ -33,8 +33,8 @@ from inference.jobs import encode_event
 from sluice.errors import NotFound
 from sluice.redis import sync_client
 from sluice.root.cli import private_state
-from streaming import files
-from streaming.batches import batch_list
+from streaming.batches import files
+from streaming.batches.services import batch_list
 from streaming.models import Batch, BatchStatus, StoredFile
 from streaming.tasks import files_retention
 from tenants.conversations import conversation_append, conversation_create, conversation_get
@@ -264,7 +264,7 @@ def test_batch_metadata_and_file_names_are_stored_as_given_only_when_redaction_i
         alice: Org, settings: Any, tmp_path: Path) -> None:
     settings.STATE_DIR = tmp_path
     developer = principal_for(alice.members[Role.DEVELOPER])
-    from streaming.batches import batch_create
+    from streaming.batches.services import batch_create
 
     def create() -> tuple[str, Any]:
         row = files.file_create(actor=developer, filename=f"{SSN}.jsonl", purpose="batch",

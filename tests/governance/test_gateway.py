@@ -493,7 +493,7 @@ def test_the_reply_does_not_wait_for_settlement_and_audit(live: Live, org: Org) 
     run (here 0.3 s later)."""
     from governance import audit
     from streaming.apis import chat_request
-    from streaming.gateway import Gateway
+    from streaming.pipeline.gateway import Gateway
     principal = principal_for(org.members[Role.DEVELOPER])
 
     async def scenario() -> tuple[bool, bool, str, list[float]]:

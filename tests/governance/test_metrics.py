@@ -145,7 +145,7 @@ def test_metrics_are_for_loopback_or_the_scrape_token(live: Live,
 def test_a_writers_backlog_shows_until_the_writer_stores_it(live: Live, writer: str) -> None:
     """The live fixture runs no writer process: a call's audit event (and its stored
     response) waits in Redis, and the backlog's size and age say so until written."""
-    from streaming import responses_writer
+    from streaming.apis.responses import writer as responses_writer
 
     drain = {"audit": audit.drain, "responses": responses_writer.drain}[writer]
     drain()

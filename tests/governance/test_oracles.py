@@ -29,8 +29,8 @@ from governance.models import (
     RateLimitScope,
     RedactionPattern,
 )
+from streaming.apis.responses.store import response_create
 from streaming.models import Batch, StoredFile, StoredResponse
-from streaming.responses_store import response_create
 from tenants.conversations import conversation_create
 from tenants.models import ApiKey, Conversation, Member, Tenant
 from tenants.roles import Role

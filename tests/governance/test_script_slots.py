@@ -24,7 +24,8 @@ from governance.models import Quota, RateLimitPolicy, RateLimitScope
 from governance.recorder import deployment_mark
 from inference import autoscaler
 from inference import queue as q
-from streaming import batch_runner, responses_copy
+from streaming.apis.responses import copy as responses_copy
+from streaming.batches import runner as batch_runner
 from streaming.models import Batch
 from tenants import throttle
 
@@ -111,17 +112,17 @@ SITES: dict[tuple[str, str], Callable[[], Iterator[list[str]]]] = {
         lambda t: quota.settle_call(t, _quotas(3), [
             quota.Settlement(str(i), rid, 1, 2, 3, "m|k|")
             for i, rid in enumerate(_rids(5))])[0]),
-    ("streaming/replay.py", "FREE_LUA"): lambda: _per_tenant(
+    ("streaming/pipeline/replay.py", "FREE_LUA"): lambda: _per_tenant(
         lambda t: [q.idem_key(t, "k" * 64), q.done_key(t, _rids(1)[0])]),
     # On a single Redis a keep also takes the stream's key (one round trip); on a
     # cluster, the keys below, and the stream through KEEP_QUEUE_LUA.
-    ("streaming/responses_copy.py", "q.KEEP_LUA"): lambda: (
+    ("streaming/apis/responses/copy.py", "q.KEEP_LUA"): lambda: (
         [responses_copy.copy_key(t, r), responses_copy.forget_key(t, r)]
         for t, r in itertools.product((1, 42, 10**9), ("resp_a", "resp_" + "f" * 48))),
     # (its _RENEW, sent through asyncio.to_thread, takes the same key)
-    ("streaming/batch_runner.py", "_RELEASE"): lambda: _per_tenant(
+    ("streaming/batches/runner.py", "_RELEASE"): lambda: _per_tenant(
         lambda t: [batch_runner._lock_key(Batch(principal={"tenant_slug": t}))]),
-    ("streaming/responses_copy.py", "q.KEEP_QUEUE_LUA"): lambda: iter(
+    ("streaming/apis/responses/copy.py", "q.KEEP_QUEUE_LUA"): lambda: iter(
         [[responses_copy.STREAM]]),
     ("inference/engine/writer.py", "q.KEEP_LUA"): lambda: (
         [keep.key + rid, keep.deletions + rid]
@@ -129,7 +130,7 @@ SITES: dict[tuple[str, str], Callable[[], Iterator[list[str]]]] = {
         for rid in _rids(3)),
     ("inference/engine/writer.py", "q.KEEP_QUEUE_LUA"): lambda: iter(
         [[responses_copy.keep(1, "u", "{}").stream]]),
-    ("streaming/responses_copy.py", "_DELETE_LUA"): lambda: (
+    ("streaming/apis/responses/copy.py", "_DELETE_LUA"): lambda: (
         [responses_copy.forget_key(t, r), responses_copy.copy_key(t, r)]
         for t, r in itertools.product((1, 42, 10**9), ("resp_a", "resp_" + "f" * 48))),
     ("governance/recorder.py", "CORRECT_LUA"): lambda: _per_tenant(

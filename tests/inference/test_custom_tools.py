@@ -32,7 +32,7 @@ from inference.structured.grammar_check import (
     precheck,
 )
 from inference.structured.toolstream import CallText, read_calls
-from streaming.structured import tool_prompt
+from streaming.pipeline.structured import tool_prompt
 from tests.inference.test_grammar import generate, tiny, vocab  # noqa: F401 (fixtures)
 
 ADD = Tool("add", {}, kind="custom", syntax="lark",
@@ -191,7 +191,7 @@ def test_the_tool_prompt_shows_how_to_call_a_custom_tool() -> None:
 
 
 def test_a_fed_back_custom_call_is_rendered_as_the_model_writes_one() -> None:
-    from streaming.prompting import rendered
+    from streaming.pipeline.prompting import rendered
     calls = [{"id": "c1", "type": "function", "function": {"name": "run", "arguments": "ls -l"}},
              {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     text = rendered(cast(Any, {"role": "assistant", "content": "", "tool_calls": calls}),

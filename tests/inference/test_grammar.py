@@ -224,12 +224,12 @@ def test_masks_are_computed_beside_the_forward_pass(vocab: Vocabulary) -> None:
 
 
 def test_smollm2_answers_a_weather_question_with_a_call_and_others_in_text() -> None:
-    """`auto` with a real model: the tool prompt (streaming/structured.py) and the
+    """`auto` with a real model: the tool prompt (streaming/pipeline/structured.py) and the
     grammar taking over at the marker turn a weather question into a valid call, while
     a question no function answers stays text."""
     from inference.jobs import ToolSpec
     from inference.weights import SMOLLM2
-    from streaming.structured import tool_prompt
+    from streaming.pipeline.structured import tool_prompt
 
     rt = load_runtime(DeploymentSpec("smol", RuntimeName.CAUSAL_LM, weights=SMOLLM2))
     assert isinstance(rt, CausalLMRuntime)

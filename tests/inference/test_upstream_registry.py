@@ -20,9 +20,9 @@ from inference.spec import DeploymentSpec
 from inference.upstream import secrets
 from inference.upstream.urls import UpstreamURLError, address_refusal, validate_url
 from streaming.apis.completions import CompletionRequest
-from streaming.apis.messages import AnthropicMessagesRequest
-from streaming.apis.responses import ResponsesRequest
-from streaming.schemas import ChatCompletionRequest, EmbeddingRequest
+from streaming.apis.messages.codec import AnthropicMessagesRequest
+from streaming.apis.responses.codec import ResponsesRequest
+from streaming.pipeline.schemas import ChatCompletionRequest, EmbeddingRequest
 from tenants.roles import Role
 from tests.conftest import ApiClient, Org, assert_openai_error
 

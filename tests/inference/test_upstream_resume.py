@@ -1,5 +1,5 @@
 """A job's `resume` on the upstream worker (what a model alias's call sends its next
-deployment after the first one's upstream died mid-reply: streaming/routed.py): the
+deployment after the first one's upstream died mid-reply: streaming/pipeline/routed.py): the
 worker continues after it, numbering its events on from its `seq`, and a takeover of
 such a request continues after both what the job carried and what it streamed. The
 upstream is the live Sluice's slow echo, which answers with its prompt."""

@@ -1,6 +1,6 @@
 """Generated frames against /v1/realtime (the WebSocket adapter) over a real socket to the
 live server, as a developer: Schemathesis covers the documented HTTP operations, and
-this covers the frames the WebSocket protocol takes (streaming/consumers.py).
+this covers the frames the WebSocket protocol takes (streaming/transports/websocket.py).
 
 Whatever the frame: an answer, never silence and never a server error. A frame with an
 id (1-64 characters) gets that id's final frame (`chat.done`, `embeddings.result` or an

@@ -53,5 +53,5 @@ def test_inference_imports_nothing_of_streaming() -> None:
 def test_an_import_inside_a_function_is_found(tmp_path: Path) -> None:
     module = tmp_path / "lazy.py"
     module.write_text("def f():\n    from governance.audit import record\n"
-                      "    import streaming.call as c\n")
+                      "    import streaming.pipeline.call as c\n")
     assert list(imported(module)) == [(2, "governance"), (3, "streaming")]

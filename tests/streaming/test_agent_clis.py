@@ -32,8 +32,8 @@ from inference.upstream.worker import UpstreamWorker
 from inference.worker import Worker
 from sluice.localinfra import free_port
 from sluice.redis import sync_client
-from streaming.apis.messages import AnthropicMessagesRequest, call_request, offered, parse
-from streaming.max_tokens_policy import CLAMPED_HEADER
+from streaming.apis.messages.codec import AnthropicMessagesRequest, call_request, offered, parse
+from streaming.pipeline.max_tokens_policy import CLAMPED_HEADER
 from tenants.roles import Role
 from tests.conftest import Org, eventually, make_org, principal_for
 from tests.streaming import agent_clis

@@ -1,5 +1,6 @@
 """A model alias's call continued on its next deployment after the first one's upstream
-died mid-reply (streaming/routed.py, streaming/submitted.py): Sluice in front of second
+died mid-reply (streaming/pipeline/routed.py, streaming/pipeline/submitted.py): Sluice in
+front of second
 Sluice gateway processes (tests/streaming/test_aliases_upstream.py's `Front`), one of
 them SIGKILLed while the caller's official openai SDK stream is mid-reply. The upstream
 models are the live fixture's slow echo (50 ms a token), which answers with its prompt:
@@ -20,7 +21,7 @@ from governance.models import AuditEvent
 from inference.jobs import Continuation
 from inference.services import alias_create
 from inference.spec import DeploymentSpec, Dialect, Kind, RuntimeName, UpstreamSpec
-from streaming.routed import Routed
+from streaming.pipeline.routed import Routed
 from tests.conftest import eventually
 from tests.streaming.conftest import Live
 from tests.streaming.test_aliases_upstream import Front, front  # noqa: F401  (a fixture)

@@ -28,7 +28,7 @@ from sluice.errors import (
     audit_unavailable,
     database_unavailable,
 )
-from streaming.batch_lines import retry_in
+from streaming.batches.lines import retry_in
 from tenants.roles import Role
 from tenants.services import apikey_revoke
 from tests.conftest import REPO, eventually, make_org, process_env

@@ -1,4 +1,4 @@
-"""The call's one internal request (streaming/callrequest.py): each codec builds the same
+"""The call's one internal request (streaming/pipeline/callrequest.py): each codec builds the same
 request for the same call, the neutral check bounds it, and each API names the neutral
 parameters of an error its own way."""
 
@@ -14,11 +14,11 @@ from streaming.apis import chat_request
 from streaming.apis.completions import Completions
 from streaming.apis.completions import call_request as completion_request
 from streaming.apis.completions import parse as parse_completion
-from streaming.apis.messages import AnthropicMessagesRequest, Messages
-from streaming.apis.messages import call_request as messages_request
-from streaming.apis.messages import parse as parse_messages
-from streaming.apis.responses import ResponsesApi
-from streaming.callrequest import CallRequest, ParamError, check
+from streaming.apis.messages.codec import AnthropicMessagesRequest, Messages
+from streaming.apis.messages.codec import call_request as messages_request
+from streaming.apis.messages.codec import parse as parse_messages
+from streaming.apis.responses.codec import ResponsesApi
+from streaming.pipeline.callrequest import CallRequest, ParamError, check
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
 

@@ -19,7 +19,7 @@ import pytest
 import websockets
 
 from inference.jobs import DoneEvent, ToolDelta
-from streaming.bodies import ToolDeltas
+from streaming.apis.bodies import ToolDeltas
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role

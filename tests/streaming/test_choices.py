@@ -22,9 +22,9 @@ from governance.models import AuditEvent, Quota
 from inference import queue as q
 from inference.models import Deployment
 from sluice.redis import sync_client
-from streaming.batches import _call
-from streaming.gateway import Gateway
-from streaming.prompting import prompt_bound
+from streaming.batches.services import _call
+from streaming.pipeline.gateway import Gateway
+from streaming.pipeline.prompting import prompt_bound
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role

@@ -1,7 +1,7 @@
 """What agent clients send as a matter of course, against a live server: Codex CLI's
 Responses request as it writes it (`prompt_cache_key` with every call, `store: false`,
 `include`, `client_metadata`), and OpenAI's hint parameters through the `openai` SDK
-(streaming/schemas.py `ClientHints`: prompt caching, service tier, safety identifier,
+(streaming/pipeline/schemas.py `ClientHints`: prompt caching, service tier, safety identifier,
 reasoning effort, verbosity) on Responses and Chat Completions: accepted without effect,
 each still range-checked; what would need an effect this engine lacks is refused by
 name."""

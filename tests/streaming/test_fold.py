@@ -1,4 +1,4 @@
-"""The one fold over a call's events (streaming/fold.py): the pieces each event makes,
+"""The one fold over a call's events (streaming/pipeline/fold.py): the pieces each event makes,
 what it keeps across them, and a reply in one piece."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from inference.jobs import DeltaEvent, DoneEvent, ErrorEvent, Event, ToolDelta
 from sluice.errors import ApiError, Unavailable
-from streaming.fold import Delta, Failure, Final, Fold, Piece, Vectors, stored
+from streaming.pipeline.fold import Delta, Failure, Final, Fold, Piece, Vectors, stored
 
 
 def delta(seq: int, text: str, *, i: int | None = None,

@@ -16,7 +16,7 @@ import pytest
 
 from governance import audit
 from governance.models import AuditEvent
-from streaming import responses_writer
+from streaming.apis.responses import writer as responses_writer
 from streaming.models import StoredResponse
 from tenants.models import Tenant
 from tenants.roles import Role

@@ -1,7 +1,8 @@
 """The transports and codecs only encode: none of them writes an audit event itself (the
-call and its settlement do: streaming/call.py, streaming/submitted.py) or reads a worker
+call and its settlement do: streaming/pipeline/call.py, streaming/pipeline/submitted.py) or
+reads a worker
 event's tag (`event["t"]`, `event.get("t")`) instead of the pieces of the one fold
-(streaming/fold.py). Outside inference/ (where events are made and defined), no module
+(streaming/pipeline/fold.py). Outside inference/ (where events are made and defined), no module
 but the fold reads a tag at all: the pipeline asks inference/jobs.py's `is_final` and
 its kin. Checked on each module's syntax tree, so that no spelling or formatting of the
 same access escapes."""
@@ -119,9 +120,9 @@ def test_the_check_sees_the_fold_read_tags() -> None:
 
 
 def test_only_the_sse_start_writes_an_event_streams_headers() -> None:
-    """No codec writes an SSE preamble of its own (streaming/sse.py does, for all)."""
+    """No codec writes an SSE preamble of its own (streaming/apis/sse.py does, for all)."""
     writers = sorted(str(path.relative_to(ROOT)) for path in GATEWAY
                      for node in ast.walk(ast.parse(path.read_text()))
                      if isinstance(node, ast.Constant) and isinstance(node.value, bytes)
                      and b"text/event-stream" in node.value)
-    assert writers == ["streaming/sse.py"]
+    assert writers == ["streaming/apis/sse.py"]

@@ -1,4 +1,4 @@
-"""A max_tokens beyond what a deployment can produce (streaming/max_tokens_policy.py),
+"""A max_tokens beyond what a deployment can produce (streaming/pipeline/max_tokens_policy.py),
 against a live server through the official openai and anthropic SDKs and gRPC: refused
 (the default, 400 max_tokens_too_large) or, with the clamp policy of the deployment or
 of the alias called, lowered to what the deployment can produce, the reply saying so in
@@ -20,7 +20,7 @@ import websockets
 from inference import cache as registry_cache
 from inference import selectors
 from inference.models import AliasTarget, Deployment, ModelAlias
-from streaming.max_tokens_policy import CLAMPED_HEADER
+from streaming.pipeline.max_tokens_policy import CLAMPED_HEADER
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role

@@ -1,4 +1,4 @@
-"""How deep a request may nest (streaming/nesting.py), and the gRPC edge's answer to a
+"""How deep a request may nest (streaming/pipeline/nesting.py), and the gRPC edge's answer to a
 message nested past protobuf's limit, against the real grpcio server and pipeline. The
 WebSocket's frames: tests/resilience/test_websocket_fuzz.py."""
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from sluice.errors import BadRequest
-from streaming.nesting import MAX_JSON_DEPTH, check_depth, json_depth
+from streaming.pipeline.nesting import MAX_JSON_DEPTH, check_depth, json_depth
 from streaming.protos import inference_pb2 as pb
 from tenants.roles import Role
 from tests.conftest import make_org

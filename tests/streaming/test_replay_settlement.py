@@ -1,4 +1,4 @@
-"""An idempotent retry that meets its first request (streaming/replay.py): the request is
+"""An idempotent retry that meets its first request (streaming/pipeline/replay.py): the request is
 charged once whoever settles it, also when the gateway that ran it died; and a retry
 never gets a cancelled request's cut reply as if it were whole.
 
@@ -25,7 +25,7 @@ from inference import queue as q
 from inference.client import InferenceClient
 from sluice.redis import sync_client
 from streaming.apis import chat_request
-from streaming.gateway import Gateway
+from streaming.pipeline.gateway import Gateway
 from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live
@@ -183,7 +183,7 @@ def test_a_streamed_retry_that_finds_its_request_cancelled_is_told_to_retry(
 
 
 def test_the_idempotency_key_is_freed_only_while_it_names_the_request() -> None:
-    from streaming.replay import free_key
+    from streaming.pipeline.replay import free_key
 
     rds = sync_client(settings.REDIS_URL)
     key = q.idem_key("replays-t", "k")

@@ -19,9 +19,9 @@ import pytest
 from governance import audit
 from governance.models import AuditEvent
 from sluice.redis import sync_redis
-from streaming import responses_writer
+from streaming.apis.responses import writer as responses_writer
+from streaming.apis.responses.copy import copy_key
 from streaming.models import StoredResponse
-from streaming.responses_copy import copy_key
 from tenants.roles import Role
 from tests.conftest import (
     Org,

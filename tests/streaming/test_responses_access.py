@@ -16,9 +16,9 @@ from django.utils import timezone
 
 from governance import privacy
 from governance.models import Quota, RateLimitPolicy
-from streaming import responses_writer
+from streaming.apis.responses import writer as responses_writer
+from streaming.apis.responses.store import response_create, response_get, responses_purge
 from streaming.models import StoredResponse
-from streaming.responses_store import response_create, response_get, responses_purge
 from tenants.models import Member, Tenant
 from tenants.roles import Role
 from tenants.services import apikey_create

@@ -18,10 +18,10 @@ from sluice.errors import NotFound
 from sluice.localinfra import StartedCluster, start_redis_cluster
 from sluice.redis import async_client, sync_client
 from sluice.redisdirect import Coalescer
-from streaming import responses_writer
+from streaming.apis.responses import writer as responses_writer
+from streaming.apis.responses.copy import STREAM, copy_key
+from streaming.apis.responses.store import response_delete, response_get, response_save
 from streaming.models import StoredResponse
-from streaming.responses_copy import STREAM, copy_key
-from streaming.responses_store import response_delete, response_get, response_save
 from tenants.roles import Role
 from tests.conftest import Org, make_org, principal_for
 

@@ -1,5 +1,5 @@
 """A stored response kept by the worker with its request's final event (the common
-case: streaming/responses_copy.py): what Redis holds, what readers and the writer make
+case: streaming/apis/responses/copy.py): what Redis holds, what readers and the writer make
 of it (the response object its caller got, redacted per the tenant's policy), over the
 official client against a live server. The gateway's own save (a reply the worker did
 not keep) is in test_responses_store.py."""
@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from sluice.redis import sync_redis
-from streaming import responses_writer
+from streaming.apis.responses import writer as responses_writer
+from streaming.apis.responses.copy import copy_key
 from streaming.models import StoredResponse
-from streaming.responses_copy import copy_key
 from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live

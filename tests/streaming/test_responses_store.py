@@ -1,5 +1,5 @@
-"""Stored responses on the real database and Redis (streaming/responses_copy.py,
-streaming/responses_writer.py): a save is readable from Redis as soon as its caller has
+"""Stored responses on the real database and Redis (streaming/apis/responses/copy.py,
+streaming/apis/responses/writer.py): a save is readable from Redis as soon as its caller has
 returned and from the database once the writer has run; the writer writes a busy
 stream in one transaction, loses nothing when a writer dies before its commit, and drops a
 row the database refuses without holding up the rest; an id stored again stores
@@ -29,9 +29,10 @@ from sluice import streamwriter
 from sluice.errors import NotFound, PermissionDenied
 from sluice.redis import async_redis, sync_redis
 from sluice.redisdirect import Coalescer
-from streaming import responses_store, responses_writer
-from streaming.responses_copy import STREAM, copy_key
-from streaming.responses_store import (
+from streaming.apis.responses import store as responses_store
+from streaming.apis.responses import writer as responses_writer
+from streaming.apis.responses.copy import STREAM, copy_key
+from streaming.apis.responses.store import (
     response_context,
     response_create,
     response_delete,

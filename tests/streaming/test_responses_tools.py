@@ -1,4 +1,4 @@
-"""The Responses API's namespace and custom tools (streaming/apis/responses_tools.py),
+"""The Responses API's namespace and custom tools (streaming/apis/responses/tools.py),
 and Codex CLI 0.171.0's captured first requests, through the official openai SDK."""
 
 from __future__ import annotations

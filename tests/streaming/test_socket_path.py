@@ -14,7 +14,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from streaming.realtime_refusal import CHAT_SOCKET_PATH, CLOSE_NOT_REALTIME
+from streaming.transports.realtime_refusal import CHAT_SOCKET_PATH, CLOSE_NOT_REALTIME
 from tenants.roles import Role
 from tests.conftest import make_org
 from tests.streaming.conftest import Live

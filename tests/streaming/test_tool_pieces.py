@@ -15,9 +15,9 @@ import anthropic
 import httpx2
 
 from inference.jobs import DoneEvent, ToolDelta
-from streaming.apis.messages_stream import _Blocks
-from streaming.httpio import KeepAlive
-from streaming.responses_wire import EventStream
+from streaming.apis.httpio import KeepAlive
+from streaming.apis.messages.stream import _Blocks
+from streaming.apis.responses.wire import EventStream
 
 CALLS = [("call_r1", "get_weather", '{"city": "Oslo", "unit": "celsius"}'),
          ("call_r1_1", "get_time", '{"zone": "CET"}')]

@@ -16,7 +16,7 @@ from channels.testing import WebsocketCommunicator
 from governance import audit
 from governance.models import AuditEvent
 from sluice.root.asgi import application
-from streaming.gateway import shared_gateway
+from streaming.pipeline.gateway import shared_gateway
 from tenants.roles import Role
 from tests.conftest import Org, make_org
 from tests.streaming.conftest import Live

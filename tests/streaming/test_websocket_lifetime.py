@@ -1,6 +1,6 @@
 """How long a chat socket (/v1/chat/socket) lives, over real sockets to the live uvicorn server
 (workers, Redis): idle for a minute, through a generation far longer than Redis's
-socket timeouts, and what its handshake answers (streaming/consumers.py)."""
+socket timeouts, and what its handshake answers (streaming/transports/websocket.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from channels.testing import WebsocketCommunicator
 from websockets.asyncio.client import ClientConnection
 from websockets.frames import Frame, Opcode
 
-from streaming.consumers import RealtimeConsumer
-from streaming.gateway import shared_gateway
+from streaming.pipeline.gateway import shared_gateway
+from streaming.transports.websocket import RealtimeConsumer
 from tenants.roles import Role
 from tenants.services import apikey_revoke
 from tests.conftest import Org, make_org, principal_for

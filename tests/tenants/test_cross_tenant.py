@@ -9,8 +9,8 @@ import pytest
 from django.forms.models import model_to_dict
 
 from governance.models import Quota, RateLimitPolicy
+from streaming.apis.responses.store import response_create
 from streaming.models import StoredResponse
-from streaming.responses_store import response_create
 from tenants.conversations import conversation_create
 from tenants.models import ApiKey, Conversation, Member, Tenant
 from tenants.roles import Role

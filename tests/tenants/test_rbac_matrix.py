@@ -17,7 +17,7 @@ from django.urls import get_resolver
 
 from governance.models import AuditExport, Quota, RateLimitPolicy, RedactionPattern
 from inference.models import AliasTarget, Deployment, ModelAlias
-from streaming.responses_store import response_create
+from streaming.apis.responses.store import response_create
 from tenants.conversations import conversation_create
 from tenants.models import Member
 from tenants.roles import Role

@@ -32,7 +32,7 @@ from sluice.errors import (
 from sluice.responses import error_response
 from sluice.schemas import CONTROL_PATTERNS
 from streaming.api import router as batch_router
-from streaming.openapi import add_inference_routes
+from streaming.transports.openapi import add_inference_routes
 from tenants.api import auth_router
 from tenants.api import router as tenants_router
 from tenants.authentication import authenticate

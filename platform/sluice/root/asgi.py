@@ -24,7 +24,7 @@ from sluice import gctuning  # noqa: E402
 from sluice.bodylimit import BodyLimit  # noqa: E402
 from sluice.observability import metrics, telemetry  # noqa: E402
 from sluice.root.websocket_urls import websocket_urlpatterns  # noqa: E402
-from streaming.asgi import LeanApp  # noqa: E402
+from streaming.transports.asgi import LeanApp  # noqa: E402
 
 telemetry.setup("sluice-api")
 metrics.add_collector(ClusterCollector())  # /metrics shows the cluster's state too

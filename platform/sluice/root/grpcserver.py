@@ -34,8 +34,8 @@ from sluice import gctuning
 from sluice.aio import finish_or_cancel
 from sluice.observability import telemetry
 from sluice.redis import async_redis
-from streaming.grpc_service import SERVICE, InferenceServicer, ObservingInterceptor
 from streaming.protos import inference_pb2, inference_pb2_grpc
+from streaming.transports.grpc_service import SERVICE, InferenceServicer, ObservingInterceptor
 
 logger = logging.getLogger("sluice.grpc")
 READINESS_EVERY_S = 2.0

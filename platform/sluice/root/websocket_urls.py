@@ -6,8 +6,8 @@ from typing import Any
 
 from django.urls import path
 
-from streaming.consumers import RealtimeConsumer
-from streaming.realtime_refusal import OpenAIRealtimePath
+from streaming.transports.realtime_refusal import OpenAIRealtimePath
+from streaming.transports.websocket import RealtimeConsumer
 
 chat_socket = RealtimeConsumer.as_asgi()
 # ASGI apps, which Channels' URLRouter routes (django-stubs types path() for views).

@@ -21,7 +21,7 @@ SLUICE_AUDIT_RETENTION_DAYS = env_int("SLUICE_AUDIT_RETENTION_DAYS", 365, minimu
 SLUICE_AUDIT_REFUSE_AT = env_int("SLUICE_AUDIT_REFUSE_AT", 900_000, minimum=0)
 # Stored responses waiting in Redis for the responses writer past which a call that
 # asks to store its response is refused (503 `store_unavailable`) rather than stored
-# where the stream may trim it (streaming.responses_copy.STREAM_MAXLEN). 0: never refuse.
+# where the stream may trim it (streaming.apis.responses.copy.STREAM_MAXLEN). 0: never refuse.
 SLUICE_RESPONSES_REFUSE_AT = env_int("SLUICE_RESPONSES_REFUSE_AT", 900_000, minimum=0)
 # National phone formats recognised by the redaction engine (E.164 always is).
 SLUICE_PHONE_REGIONS = env_list("SLUICE_PHONE_REGIONS", ["US", "GB"])

@@ -1,5 +1,5 @@
 """`manage.py responseswriter`: move stored responses from the Redis stream into the
-database until SIGTERM/SIGINT (streaming/responses_writer.py; several may run)."""
+database until SIGTERM/SIGINT (streaming/apis/responses/writer.py; several may run)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from streaming.responses_writer import Writer
+from streaming.apis.responses.writer import Writer
 
 
 class Command(BaseCommand):
