@@ -190,10 +190,10 @@ class Fold:
         return summed(self.finals)
 
     async def whole(self) -> Whole:
-        """Every event to the call's end, as one reply; the first failure is raised
-        (its events closed first: with n > 1 the other choices are cancelled). The
-        events are read to their end: leaving them at a final event would settle the
-        call as one its consumer left (Submitted.events)."""
+        """Every event to the call's end (of a fold not started), as one reply; the
+        first failure is raised (its events closed first: with n > 1 the other choices
+        are cancelled). The events are read to their end: leaving them at a final
+        event would settle the call as one its consumer left (Submitted.events)."""
         texts: list[list[str]] = []
         lps: list[list[dict[str, Any]]] = []
         finals: list[DoneEvent | None] = []
@@ -202,8 +202,10 @@ class Fold:
             lps.append([])
             finals.append(None)
         vectors: list[list[float]] = []
-        async with self:
-            async for piece in self:
+        read = self.read
+        try:
+            async for event in self._events:  # a fold not started: no first event held
+                piece = read(event)
                 if isinstance(piece, Delta):
                     texts[piece.i].append(piece.text)
                     if piece.lp:
@@ -214,6 +216,8 @@ class Fold:
                     raise piece.error
                 elif isinstance(piece, Vectors):
                     vectors = piece.data
+        finally:
+            await self.aclose()
         return Whole(["".join(t) for t in texts], lps, all_whole(finals), vectors)
 
 
