@@ -45,9 +45,9 @@ from governance import audit
 from inference.jobs import Event
 from sluice.errors import ApiError, NotFound
 from sluice.observability import metrics, telemetry
-from streaming.apis import bodies
 from streaming.pipeline import replay
 from streaming.pipeline.callrequest import NEUTRAL, CallRequest, Params
+from streaming.pipeline.fold import Fold
 from streaming.pipeline.gateway import Gateway, queue_unavailable
 from streaming.pipeline.schemas import EmbeddingRequest
 from streaming.pipeline.submitted import Submitted
@@ -198,7 +198,7 @@ class Call:
         self.model = req.model
         sub = await self._admit(self.gateway.count(self.principal, req, action=self.action,
                                                    protocol=self.protocol))
-        _nothing, final = await bodies.whole_reply(sub)
+        final = (await Fold(sub.events()).whole()).final
         return final["usage"]["prompt_tokens"]
 
     async def remember(self, reply: str) -> None:

@@ -55,3 +55,13 @@ def test_an_import_inside_a_function_is_found(tmp_path: Path) -> None:
     module.write_text("def f():\n    from governance.audit import record\n"
                       "    import streaming.pipeline.call as c\n")
     assert list(imported(module)) == [(2, "governance"), (3, "streaming")]
+
+
+def test_each_app_imports_only_the_apps_below_it() -> None:
+    """tenants < inference < governance < streaming (docs/ARCHITECTURE.md): an app may
+    import one below it, never one above; frontend and the root sit on top."""
+    order = ["tenants", "inference", "governance", "streaming"]
+    found = []
+    for i, app in enumerate(order):
+        found += offenders(REPO / app, {*order[i + 1:], "frontend"})
+    assert found == []

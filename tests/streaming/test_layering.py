@@ -16,18 +16,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAMING = ROOT / "streaming"
-# The transports, the API codecs, the bodies, the Batch and Files APIs, stored responses.
-ENCODERS = sorted({
-    STREAMING / "asgi.py", STREAMING / "grpc_service.py", STREAMING / "consumers.py",
-    STREAMING / "bodies.py", STREAMING / "sse.py", STREAMING / "httpio.py",
-    STREAMING / "files.py", STREAMING / "batches.py",
-    *STREAMING.glob("apis/*.py"), *STREAMING.glob("batch_*.py"),
-    *STREAMING.glob("responses_*.py")})
+# The transports, the API codecs (their bodies, SSE, stored responses), the Batch and
+# Files APIs.
+ENCODERS = sorted({*STREAMING.glob("transports/*.py"), *STREAMING.glob("apis/**/*.py"),
+                   *STREAMING.glob("batches/*.py")} - set(STREAMING.rglob("__init__.py")))
+FOLD = STREAMING / "pipeline" / "fold.py"
 # Every module of the gateway's apps and kernel but the fold (and inference/'s).
 GATEWAY = sorted(path for app in ("streaming", "governance", "tenants", "frontend",
                                   "platform")
                  for path in (ROOT / app).rglob("*.py")
-                 if path != STREAMING / "fold.py" and "migrations" not in path.parts)
+                 if path != FOLD and "migrations" not in path.parts)
 # What writes an audit event: the audit module's builders, a recorder's audit().
 AUDIT_MODULES = {"governance.audit", "governance.recorder"}
 AUDIT_NAMES = {"call_event", "resume_event", "recorder"}
@@ -115,7 +113,7 @@ def test_the_check_finds_each_spelling(source: str) -> None:
 
 def test_the_check_sees_the_fold_read_tags() -> None:
     """The check is no vacuous pass: it sees the fold, which does read them."""
-    assert tag_reads((STREAMING / "fold.py").read_text())
+    assert tag_reads(FOLD.read_text())
     assert len(ENCODERS) >= 20 and len(GATEWAY) >= 150
 
 
