@@ -104,6 +104,11 @@ class KeyRing:
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         now = datetime.now(UTC)
         kid = f"{now.strftime(_KID_TIME_FORMAT)}-{secrets.token_hex(4)}"
+        newest = max(self._load(), default="")
+        if kid <= newest:
+            # Made in the same second as the newest key (or with the clock set back): the
+            # active key is the last in order, so this one must sort after that one.
+            kid = f"{newest}{secrets.token_hex(2)}"
         private: _PrivateKey
         if self.signing_alg == "ES256":
             private = ec.generate_private_key(ec.SECP256R1())

@@ -121,6 +121,14 @@ def test_rotation_keeps_old_tokens_valid_until_pruned(alice: Org) -> None:
     assert_openai_error(me(old), 401)
 
 
+def test_each_rotation_makes_the_new_key_active_even_within_one_second(alice: Org) -> None:
+    ring = keyring()
+    for _ in range(8):  # several rotations a second: each kid must sort after the last
+        new_key = ring.rotate()
+        assert ring.active().kid == new_key.kid
+        assert jwt.get_unverified_header(signed(claims_for(alice)))["kid"] == new_key.kid
+
+
 # -- the attack suite ------------------------------------------------------------------
 def _public_pem() -> bytes:
     return keyring().active().public_key.public_bytes(
