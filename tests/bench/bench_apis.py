@@ -197,8 +197,11 @@ def start_side(name: str, repo: Path, database_url: str | None, workers: int,
     if (repo / "streaming/management/commands/responseswriter.py").exists():
         writers.append("responseswriter")
     with contextlib.chdir(repo):  # their working directory: first on their import path
-        group.start("sluice", http_command("uvicorn", "sluice.root.asgi:application",
-                                           host="127.0.0.1", port=port, workers=workers))
+        # the revision's own ASGI entry point (it moved into the kernel's root/)
+        app = "sluice.root.asgi:application" if (repo / "platform/sluice/root").is_dir() \
+            else "sluice.asgi:application"
+        group.start("sluice", http_command("uvicorn", app, host="127.0.0.1", port=port,
+                                           workers=workers))
         group.start("worker", [*manage, "runworker", "--deployment", "echo"])
         for writer in writers:
             group.start(writer, [*manage, writer])
