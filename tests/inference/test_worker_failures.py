@@ -52,14 +52,19 @@ def test_kill_9_mid_batch_every_request_answered_exactly_once(
     async def go(client: InferenceClient) -> None:
         handles = [await client.submit(spec, tenant=f"t{i % 3}", job=chat(prompt(i)),
                                        timeout_s=60) for i in range(16)]
-        await asyncio.sleep(0.4)  # both workers are mid-generation now
+        def held_by_victim() -> int:
+            return sum(
+                1 for suffix in rds.hkeys(q.streams_key(spec.name))
+                for e in rds.xpending_range(q.stream_key(spec.name, suffix.decode()),
+                                            q.GROUP, "-", "+", 100)
+                if f"-{victim.pid}-" in e["consumer"].decode())
+        # Killed only once it holds requests mid-generation (on a loaded machine its
+        # first read can come late): what it held must then be taken over.
+        deadline = time.monotonic() + 30
+        while not held_by_victim() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         os.kill(victim.pid, signal.SIGKILL)
-        orphaned = sum(
-            1 for suffix in rds.hkeys(q.streams_key(spec.name))
-            for e in rds.xpending_range(q.stream_key(spec.name, suffix.decode()), q.GROUP,
-                                        "-", "+", 100)
-            if f"-{victim.pid}-" in e["consumer"].decode())
-        assert orphaned > 0, "the victim died holding requests: they must be taken over"
+        assert held_by_victim() > 0, "the victim died holding requests: they must be taken over"
         results = await asyncio.gather(*[collect(h) for h in handles])
         for i, (handle, result) in enumerate(zip(handles, results, strict=True)):
             assert result.final["t"] == "done", result.final

@@ -141,6 +141,20 @@ def test_card_shaped_numbers_that_fail_luhn_or_grouping_stay(text: str) -> None:
 
 
 @pytest.mark.parametrize("text", [
+    "No such file: 'file-2881cb411111111111df4697'.",  # a Maestro-valid run in an id
+    "file-4111111111111111abcdef12", "digest 0a9f4111111111111111",
+    "trace 4bf92f3577b34da6a3ce929d0e0e4736 span 00f067aa0ba902b7",
+    "request 550e8400-e29b-41d4-a716-501800000002"])
+def test_a_luhn_valid_run_inside_a_hex_identifier_is_not_a_card(text: str) -> None:
+    assert redact(text) == text
+
+
+def test_a_card_beside_a_short_word_or_hex_letters_is_still_redacted() -> None:
+    for text in ("cc4111111111111111", "card:4111111111111111 abc", "4111111111111111abc", "id 4111 1111 1111 1111 abcdef"):
+        assert "[CARD]" in redact(text), text
+
+
+@pytest.mark.parametrize("text", [
     "max_tokens is 2147483647; this model's context is 2048 tokens.",
     "user id 4155552671", "order #4155552671", "PO 4500012345", "seed=2125550199",
     "account 0123456789", "id 2147483647 - call failed"])

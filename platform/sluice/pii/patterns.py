@@ -12,6 +12,9 @@ make an ambiguous one personal data.
 - `phone_context(text, start, end)`: the number at text[start:end] follows a phone word
   ("phone", "tel", "mobile", "fax", "call me at", "reach me on", ...) or is followed
   by a phone noun ("(mobile)", "is my cell").
+- `in_hex_identifier(text, start, end)`: text[start:end] is part of a hexadecimal
+  identifier (an object id such as "file-2881cb...", a digest, a trace id, a UUID), so
+  a digit run inside it that passes Luhn is chance, not a card.
 - `quoted_alone(text, start, end)`: text[start:end] is the whole of a quoted string
   that is neither a key nor a key's value: "The model '536427151' does not exist" says
   nothing about the number but that someone typed it on its own, while
@@ -163,3 +166,25 @@ def phone_context(text: str, start: int, end: int) -> bool:
     at", "reach me on") or a phone noun just after it ("(mobile)", "is my cell")?"""
     return (_PHONE_BEFORE.search(text, max(0, start - _WINDOW), start) is not None
             or _PHONE_AFTER.match(text, end, end + _WINDOW) is not None)
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+_HEX_RUN = 20  # hex characters in a row: longer than any card, shorter than an id's hex
+_UUID_HEAD = re.compile(r"(?<![0-9A-Fa-f-])[0-9A-Fa-f]{8}-(?:[0-9A-Fa-f]{4}-){3}$")
+
+
+def in_hex_identifier(text: str, start: int, end: int) -> bool:
+    """Is the digit run text[start:end] inside a run of at least `_HEX_RUN` hexadecimal
+    characters, or the last group of a UUID? Sluice's own ids ("file-" and 24 hex digits), digests and
+    trace ids are such runs; a card is written on its own or beside a word, and no card
+    is 20 characters long. At most `_HEX_RUN` characters are read on each side."""
+    if not text[start:end].isdigit():  # grouped ("4111 1111 ..."): not part of a run
+        return _UUID_HEAD.search(text, max(0, start - 24), start) is not None
+    left = start
+    while left > max(0, start - _HEX_RUN) and text[left - 1] in _HEX:
+        left -= 1
+    right = end
+    while right < min(len(text), end + _HEX_RUN) and text[right] in _HEX:
+        right += 1
+    return (right - left >= _HEX_RUN
+            or _UUID_HEAD.search(text, max(0, start - 24), start) is not None)

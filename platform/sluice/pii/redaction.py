@@ -19,7 +19,8 @@ labels are in platform/sluice/pii/patterns.py):
 - IBAN: country code, the country's exact length, mod-97 check; spaces allowed.
 - Payment cards: 12-19 digits, compact or in groups of 3-6 digits separated by spaces,
   dashes or dots (one kind), Luhn, and a known issuer prefix (Visa, Mastercard, Amex,
-  Discover, JCB, Diners, UnionPay, Maestro).
+  Discover, JCB, Diners, UnionPay, Maestro); not inside a hexadecimal identifier (an
+  object id, a digest, a trace id, a UUID), where such a run is chance.
 - Phone numbers: E.164 (+...) of any country, and national formats of the configured
   regions (SLUICE_PHONE_REGIONS, default US,GB: regions with variable-length numbering
   such as DE make almost any digit run "valid"), validated by `phonenumbers`. A bare
@@ -53,6 +54,7 @@ from sluice.pii.patterns import (
     IBAN_LENGTHS,
     card_issuer,
     iban_valid,
+    in_hex_identifier,
     luhn,
     nanp_shape,
     phone_context,
@@ -162,7 +164,8 @@ def _cards(text: str, free: Free) -> Iterable[Span]:
                     and len({raw[g.end()] for g in groups[:k - 1]}) == 1)):
                 continue
             span = Span(m.start(), m.start() + groups[k - 1].end(), "CARD")
-            if card_issuer(digits) and luhn(digits) and free(span):
+            if (card_issuer(digits) and luhn(digits) and free(span)
+                    and not in_hex_identifier(text, span.start, span.end)):
                 return span
         return None
     return _scan(_CARD, text, free, check)
