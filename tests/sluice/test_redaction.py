@@ -150,7 +150,8 @@ def test_a_luhn_valid_run_inside_a_hex_identifier_is_not_a_card(text: str) -> No
 
 
 def test_a_card_beside_a_short_word_or_hex_letters_is_still_redacted() -> None:
-    for text in ("cc4111111111111111", "card:4111111111111111 abc", "4111111111111111abc", "id 4111 1111 1111 1111 abcdef"):
+    for text in ("cc4111111111111111", "card:4111111111111111 abc", "4111111111111111abc",
+                 "id 4111 1111 1111 1111 abcdef"):
         assert "[CARD]" in redact(text), text
 
 

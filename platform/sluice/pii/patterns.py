@@ -175,9 +175,10 @@ _UUID_HEAD = re.compile(r"(?<![0-9A-Fa-f-])[0-9A-Fa-f]{8}-(?:[0-9A-Fa-f]{4}-){3}
 
 def in_hex_identifier(text: str, start: int, end: int) -> bool:
     """Is the digit run text[start:end] inside a run of at least `_HEX_RUN` hexadecimal
-    characters, or the last group of a UUID? Sluice's own ids ("file-" and 24 hex digits), digests and
-    trace ids are such runs; a card is written on its own or beside a word, and no card
-    is 20 characters long. At most `_HEX_RUN` characters are read on each side."""
+    characters, or the last group of a UUID? Sluice's own ids ("file-" and 24 hex
+    digits), digests and trace ids are such runs; a card is written on its own or beside
+    a word, and no card is 20 characters long. At most `_HEX_RUN` characters are read on
+    each side."""
     if not text[start:end].isdigit():  # grouped ("4111 1111 ..."): not part of a run
         return _UUID_HEAD.search(text, max(0, start - 24), start) is not None
     left = start
