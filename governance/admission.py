@@ -30,7 +30,7 @@ from typing import Any
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from governance import audit, breaker, cache, quota, ratelimit, signals
+from governance import audit, breaker, cache, pricing, quota, ratelimit, signals
 from governance.models import BreakerPolicy, DegradeMode, Quota, RateLimitPolicy
 from governance.recorder import Recorder
 from inference import jobs
@@ -82,6 +82,8 @@ class Admission:
     # expiry is not the deployment's failure (set by the gateway at submission).
     caller_deadline: bool = False
     max_tokens_cap: int | None = None
+    # The model's price when the call was admitted (None: not priced).
+    terms: pricing.Terms | None = None
     started: float = field(default_factory=time.monotonic)
     trace_id: str = field(default_factory=lambda: telemetry.ids()[0])
     done: bool = False
@@ -128,6 +130,14 @@ class Admission:
         if audited:
             self._audit(final, status, latency_ms)
 
+    def cost(self, final: FinalEvent | None) -> int | None:
+        """What the call costs in nano-dollars by its price at admission, for the tokens
+        its final event counts; None when it is not priced or ended without one."""
+        if self.terms is None or final is None:
+            return None
+        usage = final["usage"]
+        return self.terms.cost(usage["prompt_tokens"], usage["completion_tokens"])
+
     def audit_detail(self) -> dict[str, Any]:
         """What the call's audit event adds to its detail beyond the finish, the probe
         and the degradation (scalars: the audit keeps detail values small)."""
@@ -135,6 +145,7 @@ class Admission:
 
     def _audit(self, final: FinalEvent | None, status: int, latency_ms: float) -> None:
         usage = final["usage"] if final is not None else jobs.usage(0, 0)
+        cost = self.cost(final) if status < 500 else None
         self.governor.recorder.audit(audit.call_event(
             principal=self.principal, action=self.action, model=self.spec.name,
             protocol=self.protocol, status=status,
@@ -146,6 +157,7 @@ class Admission:
             detail={"finish": final["finish"] if final is not None and is_done(final)
                     else None, "probe": self.probe,
                     "degraded": self.max_tokens_cap is not None, **self.audit_detail(),
+                    **({} if cost is None else {"cost_usd": pricing.usd(cost)}),
                     **self.notes}))
 
 
@@ -184,6 +196,9 @@ class Governor:
         await self._audit_keeps_up()
         policies = await cache.tenant_policies(principal.tenant_id)
         adm = Admission(self, principal, spec, tokens, patterns=policies.redaction)
+        prices = await cache.price_versions(spec.name)
+        if prices:
+            adm.terms = prices.at(datetime.now(UTC))
         limits = policies.limits_for(key_id=principal.key_id, model=spec.name)
         quotas = policies.quotas_for(spec.name)
         try:
@@ -422,7 +437,8 @@ class Governor:
         if adm.quotas or billable:
             rec.settle(tenant, adm.quotas, quota.Settlement(
                 adm.id, adm.request_id or adm.id, int(billable), prompt if billable else 0,
-                completion if billable else 0, f"{name}|{adm.principal.key_prefix}|"))
+                completion if billable else 0, f"{name}|{adm.principal.key_prefix}|",
+                (adm.cost(final) or 0) if billable else 0))
         if adm.token_buckets:
             # The estimate was debited up front: book the difference (a refund, mostly).
             rec.correct_buckets(tenant, adm.token_buckets,

@@ -1,4 +1,4 @@
-"""Management API for governance: rate limits, quotas, circuit breakers, usage.
+"""Management API for governance: rate limits, quotas, prices, circuit breakers, usage.
 Handlers only parse, call a selector or service, and serialize."""
 # No `from __future__ import annotations` here: ninja resolves the query parameters'
 # annotations (dates) at import time.
@@ -21,6 +21,8 @@ from governance.schemas import (
     BreakerFields,
     BreakerOut,
     HttpStatus,
+    PriceIn,
+    PriceOut,
     QuotaCreateIn,
     QuotaDetailOut,
     QuotaFields,
@@ -107,6 +109,30 @@ def quota_update(request: HttpRequest, quota_id: int, data: QuotaFields):
 @router.delete("/governance/quotas/{int:quota_id}", response={204: None})
 def quota_delete(request: HttpRequest, quota_id: int):
     services.quota_delete(actor=actor_of(request), quota_id=quota_id)
+    return Status(204, None)
+
+
+# -- prices --------------------------------------------------------------------------
+@router.get("/governance/prices", response=list[PriceOut])
+@paginate(Pagination)
+def price_list(request: HttpRequest, model: str | None = None):
+    return selectors.price_list(actor=actor_of(request), model=model)
+
+
+@router.post("/governance/prices", response={201: PriceOut})
+def price_create(request: HttpRequest, data: PriceIn):
+    return Status(201, services.price_create(actor=actor_of(request),
+                                             **data.model_dump(exclude_unset=True)))
+
+
+@router.get("/governance/prices/{int:price_id}", response=PriceOut)
+def price_get(request: HttpRequest, price_id: int):
+    return selectors.price_get(actor=actor_of(request), price_id=price_id)
+
+
+@router.delete("/governance/prices/{int:price_id}", response={204: None})
+def price_delete(request: HttpRequest, price_id: int):
+    services.price_delete(actor=actor_of(request), price_id=price_id)
     return Status(204, None)
 
 

@@ -1,10 +1,11 @@
 """Governance policies for the hot path, cached in-process.
 
-A tenant's rate limits (its own and the platform defaults) and quotas, and each
-deployment's breaker policy, are read once per SLUICE_POLICY_CACHE_TTL_S (default 5 s);
-an edit bumps an epoch in Redis on commit, and every gateway process drops its cache
-within about a second of that. Rows are read through governance.ranges.sane: a stored
-number out of its documented range is clamped, never trusted by the hot path.
+A tenant's rate limits (its own and the platform defaults) and quotas, each
+deployment's breaker policy and each model's prices are read once per
+SLUICE_POLICY_CACHE_TTL_S (default 5 s); an edit bumps an epoch in Redis on commit, and
+every gateway process drops its cache within about a second of that. Rows are read
+through governance.ranges.sane: a stored number out of its documented range is clamped,
+never trusted by the hot path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
+from governance import pricing
 from governance.breaker import default_policy
 from governance.models import (
     BreakerPolicy,
@@ -83,6 +85,7 @@ class TenantPolicies:
 
 _tenants: AsyncTTLCache[int, TenantPolicies] = AsyncTTLCache(max_entries=100_000)
 _breakers: AsyncTTLCache[str, BreakerPolicy] = AsyncTTLCache(max_entries=10_000)
+_prices: AsyncTTLCache[str, pricing.Versions] = AsyncTTLCache(max_entries=10_000)
 _epoch = Epoch(EPOCH_KEY)
 
 
@@ -110,6 +113,7 @@ async def _fresh() -> None:
     if await _epoch.moved():
         _tenants.clear()
         _breakers.clear()
+        _prices.clear()
 
 
 async def tenant_policies(tenant_id: int) -> TenantPolicies:
@@ -124,6 +128,13 @@ async def breaker_policy(deployment: str) -> BreakerPolicy:
                                float(settings.SLUICE_POLICY_CACHE_TTL_S))
 
 
+async def price_versions(model: str) -> pricing.Versions:
+    """`model`'s price versions (none: its calls are not priced)."""
+    await _fresh()
+    return await _prices.get(model, lambda: async_db(pricing.versions)(model),
+                             float(settings.SLUICE_POLICY_CACHE_TTL_S))
+
+
 def invalidate() -> None:
     """Call from a service that changed a policy; takes effect on commit."""
     _epoch.bump_on_commit()
@@ -133,4 +144,5 @@ def invalidate() -> None:
 def clear() -> None:
     _tenants.clear()
     _breakers.clear()
+    _prices.clear()
     _epoch.reset()

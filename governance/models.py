@@ -129,6 +129,33 @@ class Quota(models.Model):
             raise ValidationError("Set max_requests, max_tokens, max_concurrent or a mix.")
 
 
+class Price(models.Model):
+    """What a model (a deployment or an alias) costs, from `valid_from` until the next
+    price of the same model: US dollars per million input, output and cached-input
+    tokens, and for a self-hosted deployment optionally per GPU-second of its steps.
+    Decimals, stored exactly; a call is priced by the row valid when it was admitted
+    (governance.pricing), so a report re-prices the past the same way every time."""
+
+    model = models.CharField(max_length=100)
+    input_per_mtok_usd = models.DecimalField(max_digits=16, decimal_places=6)
+    output_per_mtok_usd = models.DecimalField(max_digits=16, decimal_places=6)
+    # None: cached input tokens cost what input tokens do.
+    cached_input_per_mtok_usd = models.DecimalField(max_digits=16, decimal_places=6,
+                                                    null=True, blank=True)
+    gpu_second_usd = models.DecimalField(max_digits=16, decimal_places=9, null=True,
+                                         blank=True)
+    valid_from = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["model", "-valid_from"]
+        constraints = [models.UniqueConstraint(fields=["model", "valid_from"],
+                                               name="price_unique_model_from")]
+
+    def __str__(self) -> str:
+        return f"{self.model} from {self.valid_from:%Y-%m-%d %H:%M}"
+
+
 class WindowKind(models.TextChoices):
     COUNT = "count", "The last N calls"
     TIME = "time", "The calls of the last N seconds"
@@ -194,6 +221,8 @@ class UsageRecord(models.Model):
     requests = models.PositiveBigIntegerField(default=0)
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    # What the calls cost at the prices valid when each was admitted (1e-9 USD).
+    cost_nanousd = models.PositiveBigIntegerField(default=0)
     updated_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

@@ -159,7 +159,8 @@ return {1, unpack(shadows)}
 # mark (`settled_key`) of each settlement that charges, in order. ARGV: clock, the number
 # of quotas, the marks' TTL, the counters' TTL, per quota its period length and rolling
 # flag, then per settled call (`Settlement`) its reservation id, the requests (0/1),
-# prompt and completion tokens to charge, and its usage counters' field prefix: the
+# prompt and completion tokens to charge, its usage counters' field prefix and its cost
+# (nano-dollars, governance/pricing.py): the
 # calls of one flush that had the same quotas, in one call. Drops each reservation (one
 # no longer open, settled already or expired, is no matter) and charges each request
 # once, to the quotas and the usage counters both, whoever settles it first: the
@@ -171,7 +172,7 @@ local counters = KEYS[3 * quotas + 1]
 local reqs, toks, fields = {}, {}, {}
 for q = 0, quotas - 1 do reqs[q], toks[q] = 0, 0 end
 local mark = 3 * quotas + 1
-for s = 5 + 2 * quotas, #ARGV, 5 do
+for s = 5 + 2 * quotas, #ARGV, 6 do
   local rid, req = ARGV[s], tonumber(ARGV[s + 1])
   for q = 0, quotas - 1 do
     unhold(KEYS[3 * q + 2], rid)
@@ -186,10 +187,11 @@ for s = 5 + 2 * quotas, #ARGV, 5 do
       end
       local row = fields[ARGV[s + 4]]
       if not row then
-        row = {0, 0, 0}
+        row = {0, 0, 0, 0}
         fields[ARGV[s + 4]] = row
       end
       row[1], row[2], row[3] = row[1] + req, row[2] + prompt, row[3] + completion
+      row[4] = row[4] + tonumber(ARGV[s + 5])
     end
   end
 end
@@ -208,6 +210,7 @@ if next(fields) then
     redis.call('HINCRBY', counters, prefix .. 'r', row[1])
     redis.call('HINCRBY', counters, prefix .. 'p', row[2])
     redis.call('HINCRBY', counters, prefix .. 'c', row[3])
+    if row[4] > 0 then redis.call('HINCRBY', counters, prefix .. 'n', row[4]) end
   end
   redis.call('EXPIRE', counters, usage_ttl)
 end
@@ -284,6 +287,7 @@ class Settlement(NamedTuple):
     prompt: int
     completion: int
     usage: str  # its usage counters' field prefix, "<model>|<key prefix>|"
+    cost: int = 0  # nano-dollars (governance/pricing.py), charged with the tokens
 
 
 def settled_key(tenant: str, request: str) -> str:
@@ -301,7 +305,7 @@ def settle_call(tenant: str, quotas: list[Quota], settlements: Sequence[Settleme
     args: list[Any] = [clock_arg(clock), len(quotas), SETTLED_TTL_S, usage.USAGE_TTL_S,
                        *shape_args(quotas)]
     for s in settlements:
-        args += [s.reservation, s.requests, s.prompt, s.completion, s.usage]
+        args += [s.reservation, s.requests, s.prompt, s.completion, s.usage, s.cost]
     return keys, args
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from django.db import models
 
-from governance.models import BreakerPolicy, Quota, RateLimitPolicy
+from governance.models import BreakerPolicy, Price, Quota, RateLimitPolicy
 from sluice.errors import Unprocessable
 
 logger = logging.getLogger("sluice.governance")
@@ -77,12 +78,23 @@ BREAKER: dict[str, Range] = {
     "shed_oldest_age_ms": _ints(1, 3_600_000),
     "priority_share": Range(0.0, 1.0),
 }
+# US dollars. A price's decimals are exact (governance.pricing); its bounds refuse
+# typos (a price per token entered as per million) more than they bound arithmetic.
+PRICE_PER_MTOK_MAX = 100_000
+PRICE: dict[str, Range] = {
+    "input_per_mtok_usd": Range(0, PRICE_PER_MTOK_MAX),
+    "output_per_mtok_usd": Range(0, PRICE_PER_MTOK_MAX),
+    "cached_input_per_mtok_usd": Range(0, PRICE_PER_MTOK_MAX),
+    "gpu_second_usd": Range(0, 1_000),
+}
 TABLES: dict[type[models.Model], dict[str, Range]] = {
-    RateLimitPolicy: RATE_LIMIT, Quota: QUOTA, BreakerPolicy: BREAKER}
+    RateLimitPolicy: RATE_LIMIT, Quota: QUOTA, BreakerPolicy: BREAKER, Price: PRICE}
 
 
 def _number(value: Any) -> float | None:
     """`value` as a finite number, or None (NaN, infinity, not a number at all)."""
+    if isinstance(value, Decimal):
+        return float(value) if value.is_finite() else None
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None

@@ -7,11 +7,13 @@ naming the field; free text refuses control characters (sluice.schemas.Line)."""
 from __future__ import annotations
 
 from datetime import date, datetime
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from ninja import Schema
-from pydantic import Field, StringConstraints
+from pydantic import AwareDatetime, Field, PlainSerializer, StringConstraints
 
+from governance import pricing
 from governance.models import (
     DegradeMode,
     QuotaPeriod,
@@ -19,7 +21,7 @@ from governance.models import (
     RateLimitScope,
     WindowKind,
 )
-from governance.ranges import BREAKER, QUOTA, RATE_LIMIT, Range
+from governance.ranges import BREAKER, PRICE, QUOTA, RATE_LIMIT, Range
 from sluice.schemas import Id, Line, StrictSchema
 
 
@@ -167,6 +169,39 @@ class BreakerOut(Schema):
     live: dict[str, Any]
 
 
+def _usd(bounds: Range, places: int = 6) -> Any:
+    """A price: a decimal in dollars within its range, at most `places` decimals (a JSON
+    number or a string; never read through a float's error: "0.1" is 0.1)."""
+    return Field(ge=Decimal(bounds.lo), le=Decimal(bounds.hi), decimal_places=places,
+                 allow_inf_nan=False)
+
+
+class PriceIn(StrictSchema):
+    model: Annotated[str, StringConstraints(min_length=1, max_length=100,
+                                            pattern=r"^[A-Za-z0-9._-]+$")]
+    input_per_mtok_usd: Annotated[Decimal, _usd(PRICE["input_per_mtok_usd"])]
+    output_per_mtok_usd: Annotated[Decimal, _usd(PRICE["output_per_mtok_usd"])]
+    cached_input_per_mtok_usd: Annotated[
+        Decimal, _usd(PRICE["cached_input_per_mtok_usd"])] | None = None
+    gpu_second_usd: Annotated[Decimal, _usd(PRICE["gpu_second_usd"], 9)] | None = None
+    valid_from: AwareDatetime | None = None  # default: now
+
+
+# A price out: its exact decimal as a string, without trailing zeros ("0.15", "10").
+Usd = Annotated[Decimal, PlainSerializer(lambda d: format(d.normalize(), "f"), return_type=str)]
+
+
+class PriceOut(Schema):
+    id: int
+    model: str
+    input_per_mtok_usd: Usd
+    output_per_mtok_usd: Usd
+    cached_input_per_mtok_usd: Usd | None
+    gpu_second_usd: Usd | None
+    valid_from: datetime
+    created_at: datetime
+
+
 class UsageOut(Schema):
     tenant_id: int
     model: str
@@ -175,7 +210,12 @@ class UsageOut(Schema):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    cost_usd: str  # exact, at the prices valid when each call was admitted
     updated_at: datetime
+
+    @staticmethod
+    def resolve_cost_usd(row: Any) -> str:
+        return pricing.usd(row.cost_nanousd)
 
 
 class AuditEventOut(Schema):

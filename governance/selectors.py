@@ -19,6 +19,7 @@ from governance.models import (
     AuditEvent,
     AuditExport,
     BreakerPolicy,
+    Price,
     Quota,
     RateLimitPolicy,
     RedactionPattern,
@@ -96,6 +97,21 @@ def quota_get(*, actor: Principal, quota_id: int) -> Quota:
     row = quota_list(actor=actor).filter(pk=quota_id).first()
     if row is None:
         raise NotFound("No such quota.")
+    return row
+
+
+def price_list(*, actor: Principal, model: str | None = None) -> QuerySet[Price]:
+    """Every price version (newest first per model): what a call costs is no secret
+    from anyone who may list the models."""
+    require(actor, Action.MODEL_LIST)
+    rows = Price.objects.all()
+    return rows if model is None else rows.filter(model=model)
+
+
+def price_get(*, actor: Principal, price_id: int) -> Price:
+    row = price_list(actor=actor).filter(pk=price_id).first()
+    if row is None:
+        raise NotFound("No such price.")
     return row
 
 

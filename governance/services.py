@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from governance import cache, selectors
@@ -21,6 +21,7 @@ from governance.audit import record_action
 from governance.models import (
     AuditExport,
     BreakerPolicy,
+    Price,
     Quota,
     RateLimitPolicy,
     RateLimitScope,
@@ -28,7 +29,7 @@ from governance.models import (
 )
 from governance.ranges import check as check_ranges
 from inference.queue import guard_key
-from sluice.errors import PermissionDenied, Unprocessable
+from sluice.errors import Conflict, PermissionDenied, Unprocessable
 from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
 from sluice.redis import sync_redis
 from sluice.validation import validate
@@ -41,6 +42,8 @@ RATELIMIT_FIELDS = ("name", "scope", "model", "requests_per_minute", "tokens_per
                     "qps_max", "p99_target_ms", "p99_slope", "floor", "window_s", "fail_open")
 QUOTA_FIELDS = ("model", "period", "window", "max_requests", "max_tokens", "max_concurrent",
                 "shadow")
+PRICE_FIELDS = ("model", "input_per_mtok_usd", "output_per_mtok_usd",
+                "cached_input_per_mtok_usd", "gpu_second_usd", "valid_from")
 BREAKER_FIELDS = ("window_kind", "window_size", "min_calls", "failure_rate", "slow_call_ms",
                   "slow_call_rate", "open_wait_s", "half_open_probes", "probe_timeout_s",
                   "memory_high", "memory_low", "memory_hold_s", "degrade_mode",
@@ -57,7 +60,7 @@ def _may_write_limit(actor: Principal, policy: RateLimitPolicy) -> None:
                                "tenant and model limits are set by platform admins.")
 
 
-def _save(actor: Principal, row: Any, action: str, kind: str,
+def _save(actor: Principal | None, row: Any, action: str, kind: str,
           detail: dict[str, Any] | None = None, *, target: str | None = None,
           exclude: list[str] | None = None) -> None:
     """Every policy write ends the same way: validated (422), saved, the gateways'
@@ -143,6 +146,43 @@ def quota_delete(*, actor: Principal, quota_id: int) -> None:
     selectors.quota_get(actor=actor, quota_id=quota_id).delete()
     cache.invalidate()
     record_action(actor=actor, action="quota.delete", target=f"quota:{quota_id}")
+
+
+def _price_detail(row: Price) -> dict[str, Any]:
+    return {f: None if (v := getattr(row, f)) is None else str(v) for f in PRICE_FIELDS}
+
+
+@transaction.atomic
+def price_create(*, actor: Principal | None, **fields: Any) -> Price:
+    """A price version. Versions are never edited: a new price is a new version from its
+    `valid_from` (default now), so every past call re-prices the same way. `actor` None:
+    the operator at the command line (manage.py importprices), audited as "system"."""
+    if actor is not None:
+        require(actor, Action.GOVERNANCE_MANAGE_ANY)
+    price = Price()
+    _apply(price, {k: v for k, v in fields.items() if v is not None or k != "valid_from"},
+           PRICE_FIELDS)
+    taken = Conflict(f"'{price.model}' has a price from that valid_from already; a "
+                     "version is never edited: add one from another time.",
+                     param="valid_from")
+    if Price.objects.filter(model=price.model, valid_from=price.valid_from).exists():
+        raise taken
+    try:
+        with transaction.atomic():  # two at once: the database's constraint decides
+            _save(actor, price, "price.create", "price", _price_detail(price))
+    except IntegrityError:
+        raise taken from None
+    return price
+
+
+@transaction.atomic
+def price_delete(*, actor: Principal, price_id: int) -> None:
+    require(actor, Action.GOVERNANCE_MANAGE_ANY)
+    price = selectors.price_get(actor=actor, price_id=price_id)
+    record_action(actor=actor, action="price.delete", target=f"price:{price_id}",
+                  detail=_price_detail(price))
+    price.delete()
+    cache.invalidate()
 
 
 @transaction.atomic

@@ -1,7 +1,8 @@
 """Usage for billing: counted in Redis on the hot path, rolled up into rows off it.
 
 Each settled call adds to `sluice:{<tenant>}:usage:<day>` (fields
-`<model>|<key prefix>|r|p|c`: requests, prompt and completion tokens) and names its
+`<model>|<key prefix>|r|p|c|n`: requests, prompt and completion tokens, cost in
+nano-dollars, governance/pricing.py) and names its
 tenant in `sluice:usage:tenants:<day>`; the gateway's recorder adds a settled call's
 counts with its quota settlement, once per request id (governance/quota.py SETTLE_LUA),
 and other counts (`count`) in flushes, each flush once (a retried one that Redis had
@@ -118,6 +119,7 @@ def rollup(days: list[date] | None = None) -> int:
                     tenant=tenant, model=model, key_prefix=prefix, day=day,
                     defaults={"requests": t.get("r", 0), "prompt_tokens": t.get("p", 0),
                               "completion_tokens": t.get("c", 0),
+                              "cost_nanousd": t.get("n", 0),
                               "updated_at": timezone.now()})
                 written += 1
     return written

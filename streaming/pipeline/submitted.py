@@ -18,6 +18,7 @@ from typing import Any, cast
 from opentelemetry.trace import Status, StatusCode
 from redis.exceptions import RedisError
 
+from governance import pricing
 from governance.admission import Admission
 from inference.client import RequestHandle
 from inference.jobs import (
@@ -61,12 +62,20 @@ class Submitted:
     began: float = field(default_factory=lambda: _began())
     # Response headers the codec's call adds (streaming/pipeline/call.py Call.note).
     own_headers: dict[str, str] = field(default_factory=dict)
+    # The final event it settles with, once its events ended (every choice's, combined).
+    final: FinalEvent | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         """Response headers the pipeline adds (x-ratelimit-*, degradation notes) and the
-        call's own."""
-        return {**self.admission.headers, **self.own_headers}
+        call's own; once its events ended as a reply, with a price at its admission,
+        what it cost (COST_HEADER, US dollars)."""
+        headers = {**self.admission.headers, **self.own_headers}
+        if self.final is not None and is_done(self.final):
+            cost = self.admission.cost(self.final)
+            if cost is not None:
+                headers[pricing.COST_HEADER] = pricing.usd(cost)
+        return headers
 
     @property
     def handles(self) -> list[RequestHandle]:
@@ -159,8 +168,9 @@ class Submitted:
         # Settlement, the audit event and the metrics (~0.15 ms of CPU, nothing awaited)
         # run at the loop's next turn: by then the adapter has written the reply, which
         # no longer waits for them. Their durations end here, not when they run.
+        self.final = choices.combined(finals)
         asyncio.get_running_loop().call_soon(
-            self._settle, span, choices.combined(finals), first,
+            self._settle, span, self.final, first,
             (time.perf_counter(), time.time_ns()), time.monotonic())
 
     def _whole_replay(self) -> bool:

@@ -223,8 +223,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async with self._call(context, "chat.completions", request.model) as call:
             req = _call_request(request, stream=False, timeout_s=self._timeout(context))
             sub = await call.chat(req)
-            _trailing(context, sub)
             body = await bodies.chat_completion(sub, req)
+            _trailing(context, sub)  # after the reply: with what it cost
             answers = [_choice(choice) for choice in body["choices"]]
             await call.remember(answers[0].message.content)
             return pb.ChatResponse(
@@ -264,6 +264,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             # The stream's last chunk: every choice's usage.
                             usage=_usage(bodies.usage(fold.usage()))
                             if len(fold.finals) == sub.n else None)
+            _trailing(context, sub)  # again at the end: with what it cost
             await call.remember("".join(parts))
 
     async def Embed(self, request: pb.EmbedRequest,
@@ -273,6 +274,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                            "input": list(request.input)})
             sub = await call.embed(req, timeout_s=self._timeout(context))
             body = await bodies.embeddings(sub, req)
+            _trailing(context, sub)
             return pb.EmbedResponse(model=body["model"], usage=pb.Usage(
                 prompt_tokens=body["usage"]["prompt_tokens"],
                 total_tokens=body["usage"]["total_tokens"]),
@@ -380,7 +382,8 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 
 def _trailing(context: grpc.aio.ServicerContext, sub: Submitted) -> None:
     """What REST sends as the pipeline's own headers (x-sluice-*: a clamped max_tokens,
-    a degradation), as the call's trailing metadata (an error's replaces it)."""
+    a degradation, once the reply ended its cost), as the call's trailing metadata (an
+    error's replaces it; a later call replaces an earlier one's)."""
     notes = tuple((k.lower(), v) for k, v in sub.headers.items()
                   if k.lower().startswith("x-sluice-"))
     if notes:

@@ -277,6 +277,7 @@ NOT_TENANT_OBJECTS = {
     "ui/static/<str:name>", "api/v1/deployments/<name>", "api/v1/deployments/<name>/scaling",
     "api/v1/governance/breakers/<name>", "api/v1/governance/breakers/<name>/reset",
     "v1/models/<path:model>",
+    "api/v1/governance/prices/<int:price_id>",  # platform-wide, readable by every role
 }
 
 CSRF = re.compile(r'name="csrfmiddlewaretoken" value="[^"]*"')

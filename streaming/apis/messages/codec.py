@@ -376,13 +376,15 @@ class Messages(Api):
         call.protocol = "sse" if req.stream else "rest"
         sub = await call.chat(call_request(
             req, idempotency_key=ctx.headers.get("idempotency-key")))
-        headers = {**sub.headers, "request-id": sub.handle.rid}
         async with call.watching(ctx.receive, resumable=False):
             if req.stream:
-                await encode.stream(sub, req.model, ctx.send, headers)
+                await encode.stream(sub, req.model, ctx.send,
+                                    {**sub.headers, "request-id": sub.handle.rid})
             else:
-                await send_json(ctx.send, 200, await encode.message_body(sub, req.model),
-                                headers)
+                body = await encode.message_body(sub, req.model)
+                # After the reply: its headers then say what it cost.
+                await send_json(ctx.send, 200, body,
+                                {**sub.headers, "request-id": sub.handle.rid})
 
 
 class CountTokens(Messages):
