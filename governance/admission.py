@@ -31,7 +31,7 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from governance import audit, breaker, cache, pricing, quota, ratelimit, signals
-from governance.models import BreakerPolicy, DegradeMode, Quota, RateLimitPolicy
+from governance.models import BreakerPolicy, Budget, DegradeMode, RateLimitPolicy
 from governance.recorder import Recorder
 from inference import jobs
 from inference.client import InferenceClient
@@ -40,6 +40,7 @@ from inference.spec import DeploymentSpec
 from sluice.aio import finish_or_cancel
 from sluice.errors import (
     ApiError,
+    BudgetExceeded,
     DeadlineExceeded,
     QuotaExceeded,
     RateLimited,
@@ -75,7 +76,7 @@ class Admission:
     id: str = field(default_factory=lambda: token_hex(8))
     headers: dict[str, str] = field(default_factory=dict)
     token_buckets: list[ratelimit.Bucket] = field(default_factory=list)
-    quotas: list[Quota] = field(default_factory=list)
+    quotas: list[quota.Metered] = field(default_factory=list)  # and budgets
     policy: BreakerPolicy | None = None
     probe: bool = False
     # The call's deadline is the caller's (shorter than the platform's timeout): its
@@ -200,7 +201,8 @@ class Governor:
         if prices:
             adm.terms = prices.at(datetime.now(UTC))
         limits = policies.limits_for(key_id=principal.key_id, model=spec.name)
-        quotas = policies.quotas_for(spec.name)
+        quotas: list[quota.Metered] = [*policies.quotas_for(spec.name), *policies.budgets_for(
+            member_id=principal.member_id, key_id=principal.key_id, model=spec.name)]
         try:
             if limits or quotas:
                 # One Redis round trip checks the token buckets and reserves the quota.
@@ -248,10 +250,11 @@ class Governor:
 
     async def _limits_and_quotas(self, adm: Admission,
                                  limits: list[tuple[RateLimitPolicy, str]],
-                                 quotas: list[Quota]) -> None:
-        """The token buckets and the quota reservation in one round trip (both scripts
-        touch only the tenant's slot), shared with concurrent calls' scripts. A refusal
-        by one undoes the other on release."""
+                                 quotas: list[quota.Metered]) -> None:
+        """The token buckets and the quota and budget reservation in one round trip (both
+        scripts touch only the tenant's slot), shared with concurrent calls' scripts. A
+        refusal by one undoes the other on release. A budget holds the call's worst-case
+        cost at the price of its admission (none: the call costs nothing)."""
         tenant = adm.principal.tenant_slug
         buckets: list[ratelimit.Bucket] = []
         try:
@@ -267,9 +270,10 @@ class Governor:
                                             ratelimit.args_for(buckets, costs, "check")))
             if quotas:
                 hold = settings.SLUICE_REQUEST_TIMEOUT_S + 30
+                worst = adm.terms.worst(adm.tokens) if adm.terms is not None else 0
                 calls.append(scripts.script(
                     quota.RESERVE_LUA, quota.keys_for(tenant, quotas),
-                    quota.reserve_args(adm.id, hold, quotas, adm.tokens)))
+                    quota.reserve_args(adm.id, hold, quotas, adm.tokens, cost=worst)))
             replies = await asyncio.gather(*calls)
         except RedisError:
             if quotas:
@@ -287,8 +291,8 @@ class Governor:
 
     @staticmethod
     def _without_redis(adm: Admission, limits: list[tuple[RateLimitPolicy, str]],
-                       quotas: list[Quota]) -> None:
-        if not all(q.shadow for q in quotas):
+                       quotas: list[quota.Metered]) -> None:
+        if not all(getattr(q, "shadow", False) for q in quotas):  # budgets: never shadow
             raise Unavailable("Quota accounting is unavailable; refusing rather than "
                               "risking overspend. Try again shortly.",
                               code="quota_unavailable", headers={"Retry-After": "1"})
@@ -318,9 +322,11 @@ class Governor:
         adm.token_buckets = [b for b in buckets if b.kind == "tokens"]
 
     @staticmethod
-    def _check_quota(adm: Admission, quotas: list[Quota], reply: list[Any]) -> None:
+    def _check_quota(adm: Admission, quotas: list[quota.Metered], reply: list[Any]) -> None:
         if reply[0] == 0:
             refused = quota.refusal(quotas, reply)
+            if isinstance(refused.quota, Budget):
+                raise _over_budget(refused.quota, refused)
             wait = (refused.resets_at - time.time()) if refused.resets_at else 1.0
             details = {"quota": {
                 "id": refused.quota.pk, "model": refused.quota.model or None,
@@ -461,3 +467,24 @@ class Governor:
         pending. Calls still running keep their reservations until those expire."""
         await finish_or_cancel(self._background, grace_s)
         await self.recorder.close()
+
+
+def _over_budget(budget: Budget, refused: quota.Refusal) -> BudgetExceeded:
+    """A budget's refusal: which budget, what it allows, what is spent or held, and when
+    its window resets (a `total` never does: no Retry-After worth waiting for)."""
+    limit, spent = pricing.usd(refused.limit), pricing.usd(refused.used)
+    whose = {"tenant": "the tenant", "member": "this member", "key": "this API key"}.get(
+        budget.scope, budget.scope)
+    scope = f"model '{budget.model}'" if budget.model else "all models"
+    resets = (datetime.fromtimestamp(refused.resets_at, UTC).isoformat()
+              if refused.resets_at else None)
+    when = f" It resets at {resets}." if resets else " It does not reset."
+    return BudgetExceeded(
+        f"Budget exceeded: {whose} may spend ${limit} per {budget.window} on {scope}; "
+        f"${spent} is spent or held by running calls, and this call could cost more than "
+        f"is left.{when}",
+        retry_after_s=max(1.0, (refused.resets_at or 0) - time.time()),
+        headers={"x-should-retry": "false"} if resets is None else None,
+        details={"budget": {"id": budget.pk, "scope": budget.scope,
+                            "model": budget.model or None, "window": budget.window,
+                            "limit_usd": limit, "spent_usd": spent, "resets_at": resets}})

@@ -20,6 +20,10 @@ from governance.schemas import (
     AuditExportOut,
     BreakerFields,
     BreakerOut,
+    BudgetCreateIn,
+    BudgetDetailOut,
+    BudgetFields,
+    BudgetOut,
     HttpStatus,
     PriceIn,
     PriceOut,
@@ -109,6 +113,37 @@ def quota_update(request: HttpRequest, quota_id: int, data: QuotaFields):
 @router.delete("/governance/quotas/{int:quota_id}", response={204: None})
 def quota_delete(request: HttpRequest, quota_id: int):
     services.quota_delete(actor=actor_of(request), quota_id=quota_id)
+    return Status(204, None)
+
+
+# -- budgets -------------------------------------------------------------------------
+@router.get("/governance/budgets", response=list[BudgetOut])
+@paginate(Pagination)
+def budget_list(request: HttpRequest, tenant_id: Id | None = None):
+    return selectors.budget_list(actor=actor_of(request), tenant_id=tenant_id)
+
+
+@router.post("/governance/budgets", response={201: BudgetOut})
+def budget_create(request: HttpRequest, data: BudgetCreateIn):
+    return Status(201, services.budget_create(actor=actor_of(request),
+                                              **data.model_dump(exclude_unset=True)))
+
+
+@router.get("/governance/budgets/{int:budget_id}", response=BudgetDetailOut)
+def budget_get(request: HttpRequest, budget_id: int):
+    budget = selectors.budget_get(actor=actor_of(request), budget_id=budget_id)
+    return {**BudgetOut.from_orm(budget).model_dump(), "usage": live.budget_use(budget)}
+
+
+@router.patch("/governance/budgets/{int:budget_id}", response=BudgetOut)
+def budget_update(request: HttpRequest, budget_id: int, data: BudgetFields):
+    return services.budget_update(actor=actor_of(request), budget_id=budget_id,
+                                  **data.model_dump(exclude_unset=True))
+
+
+@router.delete("/governance/budgets/{int:budget_id}", response={204: None})
+def budget_delete(request: HttpRequest, budget_id: int):
+    services.budget_delete(actor=actor_of(request), budget_id=budget_id)
     return Status(204, None)
 
 

@@ -21,6 +21,8 @@ from governance import pricing
 from governance.breaker import default_policy
 from governance.models import (
     BreakerPolicy,
+    Budget,
+    BudgetScope,
     Quota,
     RateLimitPolicy,
     RateLimitScope,
@@ -40,6 +42,7 @@ EPOCH_KEY = "sluice:gov:epoch"
 class TenantPolicies:
     rate_limits: tuple[RateLimitPolicy, ...]
     quotas: tuple[Quota, ...]
+    budgets: tuple[Budget, ...] = ()
     # the tenant's own redaction patterns, compiled (label, pattern)
     redaction: tuple[tuple[str, re.Pattern[str]], ...] = ()
     # limits_for's answers: the policies never change (a change replaces this object).
@@ -82,6 +85,15 @@ class TenantPolicies:
     def quotas_for(self, model: str) -> list[Quota]:
         return [q for q in self.quotas if q.model in ("", model)]
 
+    def budgets_for(self, *, member_id: int | None, key_id: int | None,
+                    model: str) -> list[Budget]:
+        """The tenant's budgets a call of `model` by this member or key spends from."""
+        return [b for b in self.budgets if b.model in ("", model) and (
+            b.scope == BudgetScope.TENANT
+            or (b.scope == BudgetScope.MEMBER and member_id is not None
+                and b.member_id == member_id)
+            or (b.scope == BudgetScope.KEY and key_id is not None and b.api_key_id == key_id))]
+
 
 _tenants: AsyncTTLCache[int, TenantPolicies] = AsyncTTLCache(max_entries=100_000)
 _breakers: AsyncTTLCache[str, BreakerPolicy] = AsyncTTLCache(max_entries=10_000)
@@ -98,7 +110,8 @@ def load_tenant(tenant_id: int) -> TenantPolicies:
         except UnsafePattern:  # checked on save; never run one that fails now
             continue
     return TenantPolicies(rate_limits=tuple(sane(p) for p in limits), quotas=tuple(
-        sane(q) for q in Quota.objects.filter(tenant_id=tenant_id)), redaction=tuple(patterns))
+        sane(q) for q in Quota.objects.filter(tenant_id=tenant_id)), redaction=tuple(patterns),
+        budgets=tuple(Budget.objects.filter(tenant_id=tenant_id)))
 
 
 def load_breaker(deployment: str) -> BreakerPolicy:

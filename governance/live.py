@@ -1,14 +1,16 @@
 """Live governance figures for the management API and the admin UI, read from Redis:
-a quota's current use, a breaker's state and window, the effective adaptive rates."""
+a quota's current use, a budget's spend, a breaker's state and window, the effective
+adaptive rates."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from governance import breaker, quota, ratelimit, signals
-from governance.models import BreakerPolicy, Quota, RateLimitPolicy, RateLimitScope
+from governance import breaker, pricing, quota, ratelimit, signals
+from governance.models import BreakerPolicy, Budget, Quota, RateLimitPolicy, RateLimitScope
 from inference import autoscaler
 from inference.models import Deployment
 from inference.queue import (
@@ -23,11 +25,19 @@ from inference.queue import (
 from sluice.redis import sync_redis
 
 
-def quota_use(row: Quota) -> quota.QuotaUse:
+def quota_use(row: Quota | Budget) -> quota.QuotaUse:
     redis = sync_redis()
     reply = redis.eval(quota.PEEK_LUA, 3, *quota.keys_for(row.tenant.slug, [row]),
                        *quota.peek_args([row]))
     return quota.QuotaUse.from_reply(reply[0])
+
+
+def budget_use(row: Budget) -> dict[str, Any]:
+    """What the budget's window has spent, what running calls hold, when it resets."""
+    use = quota_use(row)
+    return {"spent_usd": pricing.usd(use.tokens), "held_usd": pricing.usd(use.reserved_tokens),
+            "resets_at": (datetime.fromtimestamp(use.resets_at, UTC)
+                          if use.resets_at else None)}
 
 
 def breaker_state(row: BreakerPolicy) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from django.db import models
 from django.utils import timezone
 
 from inference.models import Deployment
-from tenants.models import ApiKey, Tenant
+from tenants.models import ApiKey, Member, Tenant
 
 _POSITIVE = [MinValueValidator(1)]
 _FRACTION = [MinValueValidator(0.0), MaxValueValidator(1.0)]
@@ -154,6 +154,53 @@ class Price(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model} from {self.valid_from:%Y-%m-%d %H:%M}"
+
+
+class BudgetScope(models.TextChoices):
+    TENANT = "tenant", "All of a tenant's calls"
+    MEMBER = "member", "One member's calls (JWT or their keys)"
+    KEY = "key", "One API key's calls"
+
+
+class BudgetWindow(models.TextChoices):
+    DAY = "day", "Calendar day (UTC)"
+    WEEK = "week", "Calendar week from Monday (UTC)"
+    MONTH = "month", "Calendar month (UTC)"
+    TOTAL = "total", "Never resets"
+
+
+class Budget(models.Model):
+    """The most a tenant, one member or one key may spend per window, in US dollars, on
+    every model or one (`model`). Each call reserves its worst-case cost against every
+    budget that applies before it is queued and settles its real cost after
+    (governance/quota.py), so concurrent calls cannot overshoot it."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="budgets")
+    scope = models.CharField(max_length=8, choices=BudgetScope.choices,
+                             default=BudgetScope.TENANT)
+    member = models.ForeignKey(Member, null=True, blank=True, on_delete=models.CASCADE,
+                               related_name="budgets")
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.CASCADE,
+                                related_name="budgets")
+    model = models.CharField(max_length=100, blank=True, default="")
+    window = models.CharField(max_length=8, choices=BudgetWindow.choices,
+                              default=BudgetWindow.MONTH)
+    limit_usd = models.DecimalField(max_digits=16, decimal_places=6)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.scope}/{self.model or '*'} per {self.window}"
+
+    def clean(self) -> None:
+        if (self.scope == BudgetScope.MEMBER) != (self.member_id is not None):
+            raise ValidationError({"member_id": "A member budget names its member (and "
+                                                "only a member budget does)."})
+        if (self.scope == BudgetScope.KEY) != (self.api_key_id is not None):
+            raise ValidationError({"key_id": "A key budget names its key (and only a key "
+                                             "budget does)."})
 
 
 class WindowKind(models.TextChoices):

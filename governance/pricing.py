@@ -50,6 +50,12 @@ class Terms:
                    gpu_second=(None if row.gpu_second_usd is None
                                else int(Decimal(row.gpu_second_usd) * NANO_PER_USD)))
 
+    def worst(self, tokens: int) -> int:
+        """Nano-dollars that `tokens` (a call's bound: its prompt's and what it may
+        generate) cost at most, each at the highest of the prices: what a budget
+        reserves, never less than the call's real `cost`."""
+        return -(-tokens * max(self.input, self.output, self.cached_input) // 1000)
+
     def cost(self, prompt: int, completion: int, cached: int = 0) -> int:
         """Nano-dollars for a call's tokens; `cached` of the `prompt` tokens at the
         cached-input price. Rounded up once, so a priced call never costs 0 unless its

@@ -1,4 +1,10 @@
-"""Tenant x model quotas: reserve before the call, settle with real usage after.
+"""Tenant x model quotas and budgets: reserve before the call, settle with real usage
+after.
+
+A budget (governance.models.Budget) is metered like a quota of one metric, its spend in
+nano-dollars (governance/pricing.py) where a quota counts tokens: a call reserves its
+worst-case cost and settles its real cost, in the same scripts and round trips as the
+quotas (`Metered`: either one).
 
 One Redis script reserves against every quota that applies to a call, all or nothing,
 with Redis' clock. A reservation holds the call's token bound (prompt bound + max_tokens)
@@ -12,14 +18,16 @@ A call is charged once per request id, to its quotas and the usage counters toge
 replayed it to an idempotent retry (the first gateway may have died with the call
 running on its worker).
 
-Per quota, three keys under the tenant's hash tag:
+Per quota (budget: `bg:<id>`, its "tokens" nano-dollars), three keys under the
+tenant's hash tag:
     sluice:{t}:qt:<id>:u   usage: fields r:<slot> and t:<slot> (requests and tokens)
     sluice:{t}:qt:<id>:r   open reservations: rid -> reserved tokens; #n, #t their totals
     sluice:{t}:qt:<id>:x   reservation expiries: rid scored by its deadline
 and per charged request (SETTLED_TTL_S):
     sluice:{t}:settled:<request id>
-Calendar windows use one slot per period (UTC minute, day or month); rolling windows
-sixty slots of a sixtieth of the period, so "the last day" moves in 24-minute steps.
+Calendar windows use one slot per period (UTC minute, day, week from Monday or month;
+a budget's `total` one slot forever); rolling windows sixty slots of a sixtieth of the
+period, so "the last day" moves in 24-minute steps.
 """
 
 from __future__ import annotations
@@ -31,10 +39,16 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from governance import usage
-from governance.models import Quota, QuotaPeriod, QuotaWindow
+from governance.models import Budget, BudgetWindow, Quota, QuotaPeriod, QuotaWindow
+from governance.pricing import NANO_PER_USD
 
 PERIOD_S: dict[str, int] = {QuotaPeriod.MINUTE: 60, QuotaPeriod.DAY: 86_400, QuotaPeriod.MONTH: 0}
 ROLLING_MONTH_S = 30 * 86_400
+# Period codes past seconds: a calendar week from Monday, and no window at all.
+WEEK, TOTAL = -7, -1
+BUDGET_PERIOD: dict[str, int] = {BudgetWindow.DAY: 86_400, BudgetWindow.WEEK: WEEK,
+                                 BudgetWindow.MONTH: 0, BudgetWindow.TOTAL: TOTAL}
+Metered = Quota | Budget
 # How long a charged request's mark (`settled_key`) is kept: longer than its events can be
 # replayed to an idempotent retry after it ended (inference.queue.OUT_TTL_S, 600 s) and
 # than a failed flush is retried (recorder.RETRY_FOR_S, 60 s).
@@ -74,6 +88,11 @@ local function window(len, rolling)
   if len == 0 then
     local start, stop = month_bounds(now)
     return start, start, stop
+  end
+  if len == -1 then return 0, 0, 0 end  -- total: one slot, no reset
+  if len == -7 then  -- a week from Monday 00:00 UTC (1970-01-05 was a Monday)
+    local start = math.floor((now - 345600) / 604800) * 604800 + 345600
+    return start, start, start + 604800
   end
   local start = math.floor(now / len) * len
   return start, start, start + len
@@ -117,7 +136,7 @@ end
 """
 
 # KEYS: 3 per quota. ARGV: clock, rid, hold seconds, then per quota 7 values: period length
-# (0 = calendar month), rolling (0/1), max requests, max tokens, max concurrent (-1 =
+# (0 = calendar month, WEEK, TOTAL), rolling (0/1), max requests, max tokens, max concurrent (-1 =
 # none), shadow (0/1), reserved tokens.
 # Returns {1, shadow hits as "i:metric"...} or {0, quota index, metric, limit, used, reset}.
 RESERVE_LUA = _PRELUDE + """
@@ -157,10 +176,10 @@ return {1, unpack(shadows)}
 
 # KEYS: 3 per quota, the tenant's usage counters (governance/usage.py), then the settled
 # mark (`settled_key`) of each settlement that charges, in order. ARGV: clock, the number
-# of quotas, the marks' TTL, the counters' TTL, per quota its period length and rolling
-# flag, then per settled call (`Settlement`) its reservation id, the requests (0/1),
-# prompt and completion tokens to charge, its usage counters' field prefix and its cost
-# (nano-dollars, governance/pricing.py): the
+# of quotas, the marks' TTL, the counters' TTL, per quota its period length, rolling
+# flag and metric (1: a budget's cost, 0: tokens), then per settled call (`Settlement`)
+# its reservation id, the requests (0/1), prompt and completion tokens to charge, its
+# usage counters' field prefix and its cost (nano-dollars, governance/pricing.py): the
 # calls of one flush that had the same quotas, in one call. Drops each reservation (one
 # no longer open, settled already or expired, is no matter) and charges each request
 # once, to the quotas and the usage counters both, whoever settles it first: the
@@ -172,7 +191,7 @@ local counters = KEYS[3 * quotas + 1]
 local reqs, toks, fields = {}, {}, {}
 for q = 0, quotas - 1 do reqs[q], toks[q] = 0, 0 end
 local mark = 3 * quotas + 1
-for s = 5 + 2 * quotas, #ARGV, 6 do
+for s = 5 + 3 * quotas, #ARGV, 6 do
   local rid, req = ARGV[s], tonumber(ARGV[s + 1])
   for q = 0, quotas - 1 do
     unhold(KEYS[3 * q + 2], rid)
@@ -182,8 +201,11 @@ for s = 5 + 2 * quotas, #ARGV, 6 do
     mark = mark + 1
     if redis.call('SET', KEYS[mark], 1, 'NX', 'EX', mark_ttl) then
       local prompt, completion = tonumber(ARGV[s + 2]), tonumber(ARGV[s + 3])
+      local cost = tonumber(ARGV[s + 5])
       for q = 0, quotas - 1 do
-        reqs[q], toks[q] = reqs[q] + req, toks[q] + prompt + completion
+        local spent = prompt + completion
+        if ARGV[7 + q * 3] == '1' then spent = cost end
+        reqs[q], toks[q] = reqs[q] + req, toks[q] + spent
       end
       local row = fields[ARGV[s + 4]]
       if not row then
@@ -191,18 +213,22 @@ for s = 5 + 2 * quotas, #ARGV, 6 do
         fields[ARGV[s + 4]] = row
       end
       row[1], row[2], row[3] = row[1] + req, row[2] + prompt, row[3] + completion
-      row[4] = row[4] + tonumber(ARGV[s + 5])
+      row[4] = row[4] + cost
     end
   end
 end
 for q = 0, quotas - 1 do
   if reqs[q] > 0 or toks[q] > 0 then
-    local len, rolling = tonumber(ARGV[5 + q * 2]), tonumber(ARGV[6 + q * 2])
+    local len, rolling = tonumber(ARGV[5 + q * 3]), tonumber(ARGV[6 + q * 3])
     local slot = window(len, rolling)
     redis.call('HINCRBY', KEYS[3 * q + 1], 'r:' .. slot, reqs[q])
     redis.call('HINCRBY', KEYS[3 * q + 1], 't:' .. slot, toks[q])
-    local keep = (len == 0 and 32 * 86400 or len) * 2 + 3600
-    redis.call('EXPIRE', KEYS[3 * q + 1], keep)
+    if len == -1 then
+      redis.call('PERSIST', KEYS[3 * q + 1])  -- a total is kept while its budget is
+    else
+      local keep = ((len == 0 and 32 * 86400) or (len == -7 and 604800) or len) * 2 + 3600
+      redis.call('EXPIRE', KEYS[3 * q + 1], keep)
+    end
   end
 end
 if next(fields) then
@@ -217,12 +243,12 @@ end
 return 1
 """
 
-# KEYS: 3 per quota. ARGV: clock, then per quota: period length, rolling.
+# KEYS: 3 per quota. ARGV: clock, then per quota: period length, rolling, metric.
 # Returns per quota {requests used, tokens used, open reservations, reserved tokens, reset}.
 PEEK_LUA = _PRELUDE + """
 local out = {}
 for q = 0, #KEYS / 3 - 1 do
-  local len, rolling = tonumber(ARGV[2 + q * 2]), tonumber(ARGV[3 + q * 2])
+  local len, rolling = tonumber(ARGV[2 + q * 3]), tonumber(ARGV[3 + q * 3])
   local slot, first, reset = window(len, rolling)
   local r, tk = used(KEYS[3 * q + 1], first)
   local n, held_t = held(KEYS[3 * q + 2], KEYS[3 * q + 3])
@@ -232,29 +258,37 @@ return out
 """
 
 
-def period_len(quota: Quota) -> int:
-    """The period in seconds (0: a calendar month). A period that is none of the
-    choices (a row edited in the database; the hot path's are repaired on load,
-    governance.ranges.sane) is read as a day, the default."""
+def period_len(quota: Metered) -> int:
+    """The period in seconds (0: a calendar month; WEEK, TOTAL: a budget's). A period
+    that is none of the choices (a row edited in the database; the hot path's are
+    repaired on load, governance.ranges.sane) is read as a day, the default."""
+    if isinstance(quota, Budget):
+        return BUDGET_PERIOD.get(quota.window, BUDGET_PERIOD[BudgetWindow.MONTH])
     seconds = PERIOD_S.get(quota.period, PERIOD_S[QuotaPeriod.DAY])
     if quota.window == QuotaWindow.ROLLING:
         return seconds or ROLLING_MONTH_S
     return seconds
 
 
-def keys_for(tenant: str, quotas: list[Quota]) -> list[str]:
+def _rolling(quota: Metered) -> int:
+    return int(isinstance(quota, Quota) and quota.window == QuotaWindow.ROLLING)
+
+
+def keys_for(tenant: str, quotas: Sequence[Metered]) -> list[str]:
     out = []
     for quota in quotas:
-        base = f"sluice:{{{tenant}}}:qt:{quota.pk}"
+        kind = "bg" if isinstance(quota, Budget) else "qt"
+        base = f"sluice:{{{tenant}}}:{kind}:{quota.pk}"
         out += [f"{base}:u", f"{base}:r", f"{base}:x"]
     return out
 
 
-def shape_args(quotas: list[Quota]) -> list[Any]:
-    """Each quota's period length and rolling flag (settle and peek take these)."""
+def shape_args(quotas: Sequence[Metered]) -> list[Any]:
+    """Each quota's period length, rolling flag and metric (1: a budget's cost; settle
+    and peek take these)."""
     out: list[Any] = []
     for quota in quotas:
-        out += [period_len(quota), int(quota.window == QuotaWindow.ROLLING)]
+        out += [period_len(quota), _rolling(quota), int(isinstance(quota, Budget))]
     return out
 
 
@@ -262,14 +296,23 @@ def clock_arg(clock: float | None) -> str:
     return "" if clock is None else repr(float(clock))
 
 
-def reserve_args(rid: str, hold_s: float, quotas: list[Quota], tokens: int,
-                 clock: float | None = None) -> list[Any]:
+def reserve_args(rid: str, hold_s: float, quotas: Sequence[Metered], tokens: int,
+                 clock: float | None = None, cost: int = 0) -> list[Any]:
+    """RESERVE_LUA's args: `tokens` reserved against each quota, `cost` (nano-dollars,
+    the call's worst case) against each budget."""
     out: list[Any] = [clock_arg(clock), rid, repr(float(hold_s))]
     for quota in quotas:
-        out += [period_len(quota), int(quota.window == QuotaWindow.ROLLING),
-                _limit(quota.max_requests), _limit(quota.max_tokens),
-                _limit(quota.max_concurrent), int(quota.shadow), tokens]
+        if isinstance(quota, Budget):
+            out += [period_len(quota), 0, -1, limit_nanos(quota), -1, 0, cost]
+        else:
+            out += [period_len(quota), _rolling(quota), _limit(quota.max_requests),
+                    _limit(quota.max_tokens), _limit(quota.max_concurrent),
+                    int(quota.shadow), tokens]
     return out
+
+
+def limit_nanos(budget: Budget) -> int:
+    return int(budget.limit_usd * NANO_PER_USD)
 
 
 def _limit(value: int | None) -> int:
@@ -295,7 +338,7 @@ def settled_key(tenant: str, request: str) -> str:
     return f"sluice:{{{tenant}}}:settled:{request}"
 
 
-def settle_call(tenant: str, quotas: list[Quota], settlements: Sequence[Settlement],
+def settle_call(tenant: str, quotas: Sequence[Metered], settlements: Sequence[Settlement],
                 clock: float | None = None) -> tuple[list[str], list[Any]]:
     """SETTLE_LUA's keys and args: `settlements` (of calls with `quotas`, possibly none)
     charged to the quotas and to the tenant's usage counters of today (UTC)."""
@@ -309,7 +352,7 @@ def settle_call(tenant: str, quotas: list[Quota], settlements: Sequence[Settleme
     return keys, args
 
 
-def peek_args(quotas: list[Quota], clock: float | None = None) -> list[Any]:
+def peek_args(quotas: Sequence[Metered], clock: float | None = None) -> list[Any]:
     return [clock_arg(clock), *shape_args(quotas)]
 
 
@@ -328,7 +371,7 @@ class QuotaUse:
 
 @dataclass(frozen=True)
 class Refusal:
-    quota: Quota
+    quota: Metered
     metric: str  # "requests" | "tokens" | "concurrent"
     limit: int
     used: int
@@ -342,18 +385,19 @@ class Refusal:
             return (f"Quota exceeded: at most {self.limit} {what} at once for {scope}; "
                     f"{self.used} are running.")
         when = datetime.fromtimestamp(self.resets_at or 0, UTC).isoformat()
-        return (f"Quota exceeded: {what} per {self.quota.period} for {scope} is "
+        period = self.quota.window if isinstance(self.quota, Budget) else self.quota.period
+        return (f"Quota exceeded: {what} per {period} for {scope} is "
                 f"{self.limit}; {self.used} used or reserved. It resets at {when}.")
 
 
-def refusal(quotas: list[Quota], reply: list[Any]) -> Refusal:
+def refusal(quotas: Sequence[Metered], reply: list[Any]) -> Refusal:
     metric = reply[2].decode() if isinstance(reply[2], bytes) else str(reply[2])
     return Refusal(quota=quotas[int(reply[1])], metric=metric, limit=int(reply[3]),
                    used=int(reply[4]),
                    resets_at=None if metric == "concurrent" else int(reply[5]))
 
 
-def shadow_hits(quotas: list[Quota], reply: list[Any]) -> list[tuple[Quota, str]]:
+def shadow_hits(quotas: Sequence[Metered], reply: list[Any]) -> list[tuple[Metered, str]]:
     out = []
     for raw in reply[1:]:
         index, _, metric = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(":")

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from django.db import models
 
-from governance.models import BreakerPolicy, Price, Quota, RateLimitPolicy
+from governance.models import BreakerPolicy, Budget, Price, Quota, RateLimitPolicy
 from sluice.errors import Unprocessable
 
 logger = logging.getLogger("sluice.governance")
@@ -87,8 +87,11 @@ PRICE: dict[str, Range] = {
     "cached_input_per_mtok_usd": Range(0, PRICE_PER_MTOK_MAX),
     "gpu_second_usd": Range(0, 1_000),
 }
+# Redis meters a budget in nano-dollars, exactly up to 2**53 (about 9 million dollars).
+BUDGET: dict[str, Range] = {"limit_usd": Range(0, 1_000_000)}
 TABLES: dict[type[models.Model], dict[str, Range]] = {
-    RateLimitPolicy: RATE_LIMIT, Quota: QUOTA, BreakerPolicy: BREAKER, Price: PRICE}
+    RateLimitPolicy: RATE_LIMIT, Quota: QUOTA, BreakerPolicy: BREAKER, Price: PRICE,
+    Budget: BUDGET}
 
 
 def _number(value: Any) -> float | None:

@@ -45,7 +45,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from governance import audit, breaker, quota, ratelimit, signals, usage
-from governance.models import BreakerPolicy, Quota
+from governance.models import BreakerPolicy
 from inference.queue import deployment_key
 from sluice.redis import ScriptBatch, chunks
 
@@ -89,7 +89,8 @@ class _Pending:
     audit: list[str] = field(default_factory=list)
     # (tenant, the quotas' keys) -> (the quotas, their calls' settlements)
     settlements: dict[tuple[str, tuple[str, ...]],
-                      tuple[list[Quota], list[quota.Settlement]]] = field(default_factory=dict)
+                      tuple[list[quota.Metered], list[quota.Settlement]]] = field(
+                          default_factory=dict)
     # (flush number, tenant) -> bucket key -> (the bucket, the sum of its corrections)
     buckets: dict[tuple[int, str], dict[str, tuple[ratelimit.Bucket, float]]] = field(
         default_factory=dict)
@@ -98,7 +99,8 @@ class _Pending:
         return bool(self.writes or self.usage or self.latency or self.outcomes or self.audit
                     or self.settlements or self.buckets)
 
-    def settle(self, tenant: str, quotas: list[Quota], settlement: quota.Settlement) -> None:
+    def settle(self, tenant: str, quotas: list[quota.Metered],
+               settlement: quota.Settlement) -> None:
         group = (tenant, tuple(quota.keys_for(tenant, quotas)))
         self.settlements.setdefault(group, (quotas, []))[1].append(settlement)
 
@@ -152,7 +154,8 @@ class Recorder:
         self._pending.writes.append((script, keys, args))
         self._flush_soon()
 
-    def settle(self, tenant: str, quotas: list[Quota], settlement: quota.Settlement) -> None:
+    def settle(self, tenant: str, quotas: list[quota.Metered],
+               settlement: quota.Settlement) -> None:
         """Settle a call: release its reservation of `quotas` (if any) and charge its
         request (quota.SETTLE_LUA: once per request id, usage counters included)."""
         self._pending.settle(tenant, quotas, settlement)

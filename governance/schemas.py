@@ -11,17 +11,19 @@ from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from ninja import Schema
-from pydantic import AwareDatetime, Field, PlainSerializer, StringConstraints
+from pydantic import AwareDatetime, Field, PlainSerializer, StringConstraints, WithJsonSchema
 
 from governance import pricing
 from governance.models import (
+    BudgetScope,
+    BudgetWindow,
     DegradeMode,
     QuotaPeriod,
     QuotaWindow,
     RateLimitScope,
     WindowKind,
 )
-from governance.ranges import BREAKER, PRICE, QUOTA, RATE_LIMIT, Range
+from governance.ranges import BREAKER, BUDGET, PRICE, QUOTA, RATE_LIMIT, Range
 from sluice.schemas import Id, Line, StrictSchema
 
 
@@ -171,19 +173,23 @@ class BreakerOut(Schema):
 
 def _usd(bounds: Range, places: int = 6) -> Any:
     """A price: a decimal in dollars within its range, at most `places` decimals (a JSON
-    number or a string; never read through a float's error: "0.1" is 0.1)."""
-    return Field(ge=Decimal(bounds.lo), le=Decimal(bounds.hi), decimal_places=places,
-                 allow_inf_nan=False)
+    number or a string; never read through a float's error: "0.1" is 0.1). The OpenAPI
+    document states both forms, the string's by its pattern."""
+    return (Field(ge=Decimal(bounds.lo), le=Decimal(bounds.hi), decimal_places=places,
+                  allow_inf_nan=False),
+            WithJsonSchema({"anyOf": [
+                {"type": "number", "minimum": bounds.lo, "maximum": bounds.hi},
+                {"type": "string", "pattern": rf"^[0-9]+(\.[0-9]{{1,{places}}})?$"}]}))
 
 
 class PriceIn(StrictSchema):
     model: Annotated[str, StringConstraints(min_length=1, max_length=100,
                                             pattern=r"^[A-Za-z0-9._-]+$")]
-    input_per_mtok_usd: Annotated[Decimal, _usd(PRICE["input_per_mtok_usd"])]
-    output_per_mtok_usd: Annotated[Decimal, _usd(PRICE["output_per_mtok_usd"])]
+    input_per_mtok_usd: Annotated[Decimal, *_usd(PRICE["input_per_mtok_usd"])]
+    output_per_mtok_usd: Annotated[Decimal, *_usd(PRICE["output_per_mtok_usd"])]
     cached_input_per_mtok_usd: Annotated[
-        Decimal, _usd(PRICE["cached_input_per_mtok_usd"])] | None = None
-    gpu_second_usd: Annotated[Decimal, _usd(PRICE["gpu_second_usd"], 9)] | None = None
+        Decimal, *_usd(PRICE["cached_input_per_mtok_usd"])] | None = None
+    gpu_second_usd: Annotated[Decimal, *_usd(PRICE["gpu_second_usd"], 9)] | None = None
     valid_from: AwareDatetime | None = None  # default: now
 
 
@@ -200,6 +206,42 @@ class PriceOut(Schema):
     gpu_second_usd: Usd | None
     valid_from: datetime
     created_at: datetime
+
+
+class BudgetFields(StrictSchema):
+    limit_usd: Annotated[Decimal, *_usd(BUDGET["limit_usd"])] | None = None
+
+
+class BudgetCreateIn(StrictSchema):
+    tenant_id: Id | None = None  # default: the caller's
+    scope: BudgetScope = BudgetScope.TENANT
+    member_id: Id | None = None
+    key_id: Id | None = None
+    model: ModelName = ""
+    window: BudgetWindow = BudgetWindow.MONTH
+    limit_usd: Annotated[Decimal, *_usd(BUDGET["limit_usd"])]
+
+
+class BudgetOut(Schema):
+    id: int
+    tenant_id: int
+    scope: BudgetScope
+    member_id: int | None
+    key_id: int | None = Field(None, validation_alias="api_key_id")
+    model: str
+    window: BudgetWindow
+    limit_usd: Usd
+    created_at: datetime
+
+
+class BudgetUseOut(Schema):
+    spent_usd: str  # settled in the current window
+    held_usd: str  # reserved by calls still running (their worst case)
+    resets_at: datetime | None  # None: a `total` budget
+
+
+class BudgetDetailOut(BudgetOut):
+    usage: BudgetUseOut
 
 
 class UsageOut(Schema):

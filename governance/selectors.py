@@ -19,6 +19,7 @@ from governance.models import (
     AuditEvent,
     AuditExport,
     BreakerPolicy,
+    Budget,
     Price,
     Quota,
     RateLimitPolicy,
@@ -28,7 +29,7 @@ from governance.models import (
 from inference.models import Deployment
 from sluice.errors import NotFound
 from tenants import selectors as tenant_selectors
-from tenants.models import ApiKey, Tenant
+from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -112,6 +113,33 @@ def price_get(*, actor: Principal, price_id: int) -> Price:
     row = price_list(actor=actor).filter(pk=price_id).first()
     if row is None:
         raise NotFound("No such price.")
+    return row
+
+
+def governed_member(*, actor: Principal, tenant_id: int, member_id: int) -> Member:
+    """A member of a governed tenant that a budget may name: NotFound (param member_id)
+    for one missing or in another tenant."""
+    tenant = governed_tenant(actor=actor, tenant_id=tenant_id)
+    member = Member.objects.filter(pk=member_id, tenant=tenant).first()
+    if member is None:
+        raise NotFound("No such member in that tenant.", param="member_id")
+    return member
+
+
+def budget_list(*, actor: Principal, tenant_id: int | None = None) -> QuerySet[Budget]:
+    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY)
+    rows = Budget.objects.select_related("tenant").order_by("id")
+    if not _any(actor):
+        rows = rows.filter(tenant_id=actor.tenant_id)
+    if tenant_id is not None:
+        rows = rows.filter(tenant_id=tenant_id)
+    return rows
+
+
+def budget_get(*, actor: Principal, budget_id: int) -> Budget:
+    row = budget_list(actor=actor).filter(pk=budget_id).first()
+    if row is None:
+        raise NotFound("No such budget.")
     return row
 
 

@@ -3,7 +3,8 @@ reaches every gateway within about a second (cache epoch), and, for breaker poli
 hands the memory guard's thresholds to the deployment's workers through Redis.
 
 Who may write: platform admins anything; tenant admins only rate limits of scope
-api_key on their own tenant (limits they put on their own keys). Every object a write
+api_key on their own tenant (limits they put on their own keys) and their members' and
+keys' budgets (never above a tenant budget of theirs). Every object a write
 names (tenant, key, policy, pattern) is looked up through governance.selectors, so one
 outside the caller's reach is the same NotFound as a missing one, checked before any
 rule that would tell them apart.
@@ -21,6 +22,8 @@ from governance.audit import record_action
 from governance.models import (
     AuditExport,
     BreakerPolicy,
+    Budget,
+    BudgetScope,
     Price,
     Quota,
     RateLimitPolicy,
@@ -29,10 +32,11 @@ from governance.models import (
 )
 from governance.ranges import check as check_ranges
 from inference.queue import guard_key
-from sluice.errors import Conflict, PermissionDenied, Unprocessable
+from sluice.errors import Conflict, NotFound, PermissionDenied, Unprocessable
 from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
 from sluice.redis import sync_redis
 from sluice.validation import validate
+from tenants.models import ApiKey
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -183,6 +187,78 @@ def price_delete(*, actor: Principal, price_id: int) -> None:
                   detail=_price_detail(price))
     price.delete()
     cache.invalidate()
+
+
+@transaction.atomic
+def budget_create(*, actor: Principal, tenant_id: int | None = None,
+                  scope: str = BudgetScope.TENANT, member_id: int | None = None,
+                  key_id: int | None = None, **fields: Any) -> Budget:
+    """A spend budget. Platform admins set tenant budgets; tenant admins set their
+    members' and keys' budgets, each at most the tenant's budget of the same window
+    (of the same model, or of all models)."""
+    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY)
+    tenant = selectors.governed_tenant(
+        actor=actor, tenant_id=actor.tenant_id if tenant_id is None else tenant_id)
+    budget = Budget(tenant=tenant, scope=scope)
+    if member_id is not None:
+        budget.member = selectors.governed_member(actor=actor, tenant_id=tenant.pk,
+                                                  member_id=member_id)
+    if key_id is not None:
+        key = ApiKey.objects.filter(pk=key_id, tenant=tenant).first()
+        if key is None:
+            raise NotFound("No such API key in that tenant.", param="key_id")
+        budget.api_key = key
+    if scope == BudgetScope.TENANT and not actor.can(Action.GOVERNANCE_MANAGE_ANY):
+        raise PermissionDenied("Tenant budgets are set by platform admins; tenant admins "
+                               "set their members' and keys' budgets.")
+    _apply(budget, fields, ("model", "window", "limit_usd"))
+    _below_the_tenants(budget)
+    _save(actor, budget, "budget.create", "budget", _budget_detail(budget))
+    return budget
+
+
+@transaction.atomic
+def budget_update(*, actor: Principal, budget_id: int, **fields: Any) -> Budget:
+    budget = selectors.budget_get(actor=actor, budget_id=budget_id)
+    _may_write_budget(actor, budget)
+    _apply(budget, fields, ("limit_usd",))
+    _below_the_tenants(budget)
+    _save(actor, budget, "budget.update", "budget", _budget_detail(budget))
+    return budget
+
+
+@transaction.atomic
+def budget_delete(*, actor: Principal, budget_id: int) -> None:
+    budget = selectors.budget_get(actor=actor, budget_id=budget_id)
+    _may_write_budget(actor, budget)
+    record_action(actor=actor, action="budget.delete", target=f"budget:{budget_id}",
+                  detail=_budget_detail(budget))
+    budget.delete()
+    cache.invalidate()
+
+
+def _may_write_budget(actor: Principal, budget: Budget) -> None:
+    if budget.scope == BudgetScope.TENANT and not actor.can(Action.GOVERNANCE_MANAGE_ANY):
+        raise PermissionDenied("Tenant budgets are set by platform admins.")
+
+
+def _below_the_tenants(budget: Budget) -> None:
+    """A member's or key's budget may not exceed a tenant budget of the same window that
+    covers its model: 422 naming limit_usd."""
+    if budget.scope == BudgetScope.TENANT or budget.limit_usd is None:
+        return
+    ceiling = Budget.objects.filter(tenant=budget.tenant, scope=BudgetScope.TENANT,
+                                    window=budget.window, model__in=("", budget.model),
+                                    limit_usd__lt=budget.limit_usd).first()
+    if ceiling is not None:
+        raise Unprocessable(f"limit_usd: above the tenant's {budget.window} budget "
+                            f"(${ceiling.limit_usd.normalize():f}).", param="limit_usd")
+
+
+def _budget_detail(budget: Budget) -> dict[str, Any]:
+    return {"scope": budget.scope, "member_id": budget.member_id,
+            "key_id": budget.api_key_id, "model": budget.model, "window": budget.window,
+            "limit_usd": str(budget.limit_usd)}
 
 
 @transaction.atomic

@@ -137,6 +137,12 @@ class QuotaExceeded(RateLimited):
     default_code = "quota_exceeded"
 
 
+class BudgetExceeded(QuotaExceeded):
+    """A spend budget (of a tenant, a member or a key) cannot afford the call."""
+
+    default_code = "budget_exceeded"
+
+
 class Unavailable(ApiError):
     status = 503
     type = "service_unavailable"

@@ -12,7 +12,7 @@ from django.conf import settings
 
 from governance import cache as policy_cache
 from sluice.redis import sync_client
-from tests.streaming.conftest import live, tiny  # noqa: F401 - live server fixtures
+from tests.streaming.conftest import grpc_target, live, tiny  # noqa: F401 - live server fixtures
 
 
 @pytest.fixture

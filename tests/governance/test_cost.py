@@ -21,7 +21,7 @@ from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
 from tests.conftest import Org, eventually, make_org
-from tests.streaming.conftest import Live, grpc_target  # noqa: F401 - the gRPC server
+from tests.streaming.conftest import Live
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

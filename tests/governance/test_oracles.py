@@ -24,6 +24,8 @@ from governance import audit
 from governance.models import (
     AuditEvent,
     AuditExport,
+    Budget,
+    BudgetScope,
     Quota,
     RateLimitPolicy,
     RateLimitScope,
@@ -48,6 +50,7 @@ class Ids:
     key: int
     limit: int
     quota: int
+    budget: int
     export: int
     pattern: int
     event: int
@@ -81,6 +84,8 @@ def bobs_objects(bob: Org) -> Ids:
         tenant=bob.tenant.pk, member=bob.members[Role.DEVELOPER].pk,
         key=bob.key_rows[Role.DEVELOPER].pk, limit=limit.pk,
         quota=Quota.objects.create(tenant=bob.tenant, max_requests=5).pk,
+        budget=Budget.objects.create(tenant=bob.tenant, scope=BudgetScope.MEMBER,
+                                     member=bob.members[Role.DEVELOPER], limit_usd=1).pk,
         export=AuditExport.objects.create(tenant=bob.tenant, requested_by=admin.subject,
                                           format="csv").pk,
         pattern=RedactionPattern.objects.create(tenant=bob.tenant, label="X",
@@ -97,14 +102,14 @@ def missing_ids(theirs: Ids) -> Ids:
     """Ids of the same shape that nothing has."""
     big = 10**9
     return Ids(tenant=big + 1, member=big + 2, key=big + 3, limit=big + 4, quota=big + 5,
-               export=big + 6, pattern=big + 7, event=big + 8,
+               budget=big + 9, export=big + 6, pattern=big + 7, event=big + 8,
                conversation=f"conv_{'0' * 24}", file=f"file-{'0' * 24}",
                batch=f"batch_{'0' * 24}", response=f"resp_{'0' * 24}")
 
 
 SNAPSHOT: list[tuple[type[Model], list[str]]] = [
     (Tenant, []), (Member, []), (ApiKey, ["last_used_at"]), (Conversation, []),
-    (RateLimitPolicy, []), (Quota, []), (AuditExport, []), (RedactionPattern, []),
+    (RateLimitPolicy, []), (Quota, []), (Budget, []), (AuditExport, []), (RedactionPattern, []),
     (StoredFile, []), (Batch, []), (StoredResponse, []),
 ]
 
@@ -198,6 +203,22 @@ CASES: dict[str, Case] = {
                          lambda i: {"tenant_id": i.tenant, "max_tokens": 5}),
     "quota list": Case("api", "GET", "api/v1/governance/quotas",
                        lambda i: f"/api/v1/governance/quotas?tenant_id={i.tenant}"),
+    "budget get": Case("api", "GET", "api/v1/governance/budgets/<int:budget_id>",
+                       lambda i: f"/api/v1/governance/budgets/{i.budget}"),
+    "budget update": Case("api", "PATCH", "api/v1/governance/budgets/<int:budget_id>",
+                          lambda i: f"/api/v1/governance/budgets/{i.budget}",
+                          lambda i: {"limit_usd": 2}),
+    "budget delete": Case("api", "DELETE", "api/v1/governance/budgets/<int:budget_id>",
+                          lambda i: f"/api/v1/governance/budgets/{i.budget}"),
+    "budget for a member": Case("api", "POST", "api/v1/governance/budgets",
+                                lambda i: "/api/v1/governance/budgets",
+                                lambda i: {"scope": "member", "member_id": i.member,
+                                           "limit_usd": 1}),
+    "budget for a key": Case("api", "POST", "api/v1/governance/budgets",
+                             lambda i: "/api/v1/governance/budgets",
+                             lambda i: {"scope": "key", "key_id": i.key, "limit_usd": 1}),
+    "budget list": Case("api", "GET", "api/v1/governance/budgets",
+                        lambda i: f"/api/v1/governance/budgets?tenant_id={i.tenant}"),
     "usage list": Case("api", "GET", "api/v1/governance/usage",
                        lambda i: f"/api/v1/governance/usage?tenant_id={i.tenant}"),
     "pattern delete": Case("api", "DELETE",
