@@ -12,6 +12,8 @@ rule that would tell them apart.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -24,6 +26,7 @@ from governance.models import (
     BreakerPolicy,
     Budget,
     BudgetScope,
+    BudgetWindow,
     Price,
     Quota,
     RateLimitPolicy,
@@ -36,7 +39,7 @@ from sluice.errors import Conflict, NotFound, PermissionDenied, Unprocessable
 from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
 from sluice.redis import sync_redis
 from sluice.validation import validate
-from tenants.models import ApiKey
+from tenants.models import ApiKey, Tenant
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -332,3 +335,24 @@ def redaction_pattern_delete(*, actor: Principal, pattern_id: int) -> None:
     cache.invalidate()
     record_action(actor=actor, action="redaction.delete", target=f"pattern:{pattern_id}")
 
+
+# Illustrative prices of the seeded models (US dollars per million tokens), so that a
+# newcomer's first calls show what they cost; an operator replaces them.
+DEMO_PRICES = {"smollm2-135m-instruct": ("0.10", "0.20"), "all-minilm-l6-v2": ("0.02", "0"),
+               "echo": ("0.01", "0.01")}
+DEMO_BUDGET_USD = Decimal("10")
+
+
+@transaction.atomic
+def demo_money_seed(*, tenant_slug: str = "demo") -> Budget:
+    """Idempotent: the seeded models have prices from 2026-01-01 (UTC) and the demo
+    tenant a monthly budget of DEMO_BUDGET_USD (the run command's first minute)."""
+    since = datetime(2026, 1, 1, tzinfo=UTC)
+    for model, (given, made) in DEMO_PRICES.items():
+        Price.objects.get_or_create(model=model, valid_from=since, defaults={
+            "input_per_mtok_usd": Decimal(given), "output_per_mtok_usd": Decimal(made)})
+    budget, _ = Budget.objects.get_or_create(
+        tenant=Tenant.objects.get(slug=tenant_slug), scope=BudgetScope.TENANT, model="",
+        window=BudgetWindow.MONTH, defaults={"limit_usd": DEMO_BUDGET_USD})
+    cache.invalidate()
+    return budget

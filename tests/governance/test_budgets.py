@@ -110,6 +110,19 @@ def test_another_tenants_member_or_key_is_the_same_as_a_missing_one(alice: Org,
     assert Budget.objects.count() == 1
 
 
+@pytest.mark.django_db
+def test_the_demo_seed_prices_its_models_and_gives_the_tenant_a_budget() -> None:
+    from governance.services import DEMO_BUDGET_USD, DEMO_PRICES, demo_money_seed
+    from tenants.services import demo_seed
+    tenant = demo_seed().tenant
+    first = demo_money_seed(tenant_slug=tenant)
+    again = demo_money_seed(tenant_slug=tenant)  # every start: nothing doubles
+    assert first.pk == again.pk and Budget.objects.count() == 1
+    assert (first.scope, first.window, first.limit_usd) == ("tenant", "month", DEMO_BUDGET_USD)
+    assert {p.model for p in Price.objects.all()} == set(DEMO_PRICES)
+    assert Price.objects.count() == len(DEMO_PRICES)
+
+
 # -- the scripts: windows, holds -------------------------------------------------------
 def b(pk: int, window: str, limit: str = "1") -> Budget:
     row = Budget(scope=BudgetScope.TENANT, window=window, limit_usd=Decimal(limit))

@@ -112,7 +112,8 @@ def test_banner_prints_urls_login_key_and_curl(running: Running) -> None:
                      f"{running.base}/metrics", "Login     admin / ",
                      f'curl -s {running.base}/api/v1/me -H "Authorization: Bearer {running.key}"',
                      "(private, stops with Sluice)", "sqlite3",
-                     "smollm2-135m-instruct, all-minilm-l6-v2, echo"):
+                     "smollm2-135m-instruct, all-minilm-l6-v2, echo",
+                     "x-sluice-cost-usd", f"{running.base}/api/v1/governance/budgets/"):
         assert fragment in running.banner
 
 
@@ -124,6 +125,10 @@ def test_printed_key_works_against_the_live_server(running: Running) -> None:
         {"grant_type": "api_key", "api_key": running.key}).encode(),
         {"Content-Type": "application/json"})
     assert status == 200 and body["token_type"] == "Bearer"
+    status, body = http("GET", f"{running.base}/api/v1/governance/prices",
+                        headers={"Authorization": f"Bearer {running.key}"})
+    assert status == 200 and {p["model"] for p in body["items"]} == {
+        "smollm2-135m-instruct", "all-minilm-l6-v2", "echo"}, "the seeded models are priced"
     status, ready = http("GET", f"{running.base}/readyz")
     assert status == 200 and ready["checks"] == {"database": "ok", "redis": "ok"}
 

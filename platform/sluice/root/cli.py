@@ -114,12 +114,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         from django.conf import settings
 
         private_state(Path(settings.STATE_DIR), settings.DATABASES["default"])
-        from governance.services import publish_guards
+        from governance.services import demo_money_seed, publish_guards
         from inference.services import deployment_seed_defaults
         from tenants.services import demo_seed
 
         call_command("migrate", interactive=False, verbosity=0)
         creds = demo_seed()
+        budget = demo_money_seed(tenant_slug=creds.tenant)
         # One /metrics for every local serving process (HTTP workers, gRPC, Celery):
         # each writes its series here, and a scrape sums them. Fresh on every start.
         metrics_dir = Path(settings.STATE_DIR) / "prometheus"
@@ -170,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         group.start("autoscaler", [sys.executable, str(REPO / "manage.py"), "autoscale"])
         _wait_ready(f"{base}/readyz", 60, group)
         print(_banner(base, redis_url, redis_started, creds, [d.name for d in deployments],
-                      grpc_address, server), flush=True)
+                      budget, grpc_address, server), flush=True)
 
         def restarted(name: str, code: int, delay: float) -> None:
             _say(f"process {name!r} exited with code {code}; restarting it in {delay:.0f}s")
@@ -194,7 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _banner(base: str, redis_url: str, redis_started: Started | None, creds: object,
-            models: list[str], grpc_address: str, server: str) -> str:
+            models: list[str], budget: Any, grpc_address: str, server: str) -> str:
     key = getattr(creds, "api_key", "")
     user, password = getattr(creds, "username", ""), getattr(creds, "password", "")
     tenant = getattr(creds, "tenant", "")
@@ -223,6 +224,10 @@ Sluice is running.
 
   Login     {user} / {password}   (tenant {tenant}, platform admin)
   API key   {key}   (developer)
+  Spend     each reply's cost is its x-sluice-cost-usd header; the prices:
+            {base}/api/v1/governance/prices; the tenant's budget
+            (${budget.limit_usd.normalize():f} a month, spent so far):
+            {base}/api/v1/governance/budgets/{budget.pk}   (as the admin)
 
 Try it:
   curl -s {base}/api/v1/me -H "Authorization: Bearer {key}"
