@@ -66,6 +66,13 @@ def test_each_role_sees_its_own_pages(ops: Org, alice: Org) -> None:
     assert signed_in(alice, Role.AUDITOR).get("/ui/members").status_code == 403
 
 
+def test_the_top_bar_names_the_person_and_their_tenant(alice: Org) -> None:
+    page = signed_in(alice, Role.DEVELOPER).get("/ui/keys").content.decode()
+    who = page.split('<div class="who"', 1)[1].split("</div>", 1)[0]
+    assert f">alice-{Role.DEVELOPER} · developer · alice" in who, who
+    assert ">member:" not in who
+
+
 def test_tenant_admins_read_their_quotas_and_platform_admins_set_them(ops: Org, alice: Org,
                                                                       bob: Org) -> None:
     mine = Quota.objects.create(tenant=alice.tenant, model="echo", max_tokens=1000)
