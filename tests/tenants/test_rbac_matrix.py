@@ -15,7 +15,14 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.urls import get_resolver
 
-from governance.models import AuditExport, Quota, RateLimitPolicy, RedactionPattern
+from governance.models import (
+    AuditExport,
+    Budget,
+    Price,
+    Quota,
+    RateLimitPolicy,
+    RedactionPattern,
+)
 from inference.models import AliasTarget, Deployment, ModelAlias
 from streaming.apis.responses.store import response_create
 from tenants.conversations import conversation_create
@@ -81,6 +88,14 @@ class Ctx:
 
     def fresh_quota(self) -> int:
         return Quota.objects.create(tenant=self.org.tenant, max_requests=10).pk
+
+    def fresh_price(self) -> int:
+        return Price.objects.create(model=f"m-{token_hex(4)}", input_per_mtok_usd=1,
+                                    output_per_mtok_usd=2).pk
+
+    def fresh_budget(self) -> int:
+        return Budget.objects.create(tenant=self.org.tenant, scope="member",
+                                     member=self.fresh_member(), limit_usd=1).pk
 
 
 @dataclass
@@ -246,6 +261,34 @@ MATRIX: dict[str, Row] = {
     "quota delete": Row("DELETE", lambda c: f"/api/v1/governance/quotas/{c.fresh_quota()}",
                         None, {PA: 204, TA: 403, DEV: 403, AUD: 403},
                         "api/v1/governance/quotas/<int:quota_id>"),
+    "price list": Row("GET", lambda c: "/api/v1/governance/prices", None,
+                      {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/governance/prices"),
+    "price create": Row("POST", lambda c: "/api/v1/governance/prices",
+                        lambda c: {"model": f"m-{token_hex(4)}", "input_per_mtok_usd": 1,
+                                   "output_per_mtok_usd": 2},
+                        {PA: 201, TA: 403, DEV: 403, AUD: 403}, "api/v1/governance/prices"),
+    "price get": Row("GET", lambda c: f"/api/v1/governance/prices/{c.fresh_price()}", None,
+                     {PA: 200, TA: 200, DEV: 200, AUD: 200},
+                     "api/v1/governance/prices/<int:price_id>"),
+    "price delete": Row("DELETE", lambda c: f"/api/v1/governance/prices/{c.fresh_price()}",
+                        None, {PA: 204, TA: 403, DEV: 403, AUD: 403},
+                        "api/v1/governance/prices/<int:price_id>"),
+    "budget list": Row("GET", lambda c: "/api/v1/governance/budgets", None,
+                       {PA: 200, TA: 200, DEV: 403, AUD: 403}, "api/v1/governance/budgets"),
+    "budget create": Row("POST", lambda c: "/api/v1/governance/budgets",
+                         lambda c: {"tenant_id": c.org.tenant.pk, "scope": "member",
+                                    "member_id": c.fresh_member().pk, "limit_usd": 1},
+                         {PA: 201, TA: 201, DEV: 403, AUD: 403}, "api/v1/governance/budgets"),
+    "budget get": Row("GET", lambda c: f"/api/v1/governance/budgets/{c.fresh_budget()}",
+                      None, {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                      "api/v1/governance/budgets/<int:budget_id>"),
+    "budget update": Row("PATCH", lambda c: f"/api/v1/governance/budgets/{c.fresh_budget()}",
+                         lambda c: {"limit_usd": 2}, {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                         "api/v1/governance/budgets/<int:budget_id>"),
+    "budget delete": Row("DELETE",
+                         lambda c: f"/api/v1/governance/budgets/{c.fresh_budget()}",
+                         None, {PA: 204, TA: 204, DEV: 403, AUD: 403},
+                         "api/v1/governance/budgets/<int:budget_id>"),
     "breaker get": Row("GET", lambda c: f"/api/v1/governance/breakers/{c.deployment()}", None,
                        {PA: 200, TA: 403, DEV: 403, AUD: 403},
                        "api/v1/governance/breakers/<name>"),
