@@ -56,13 +56,14 @@ def governed_tenant(*, actor: Principal, tenant_id: int) -> Tenant:
     return tenant
 
 
-def governed_key(*, actor: Principal, tenant_id: int, key_id: int) -> ApiKey:
-    """An API key of a governed tenant that a limit may name: NotFound (param
-    api_key_id) for a key missing or in another tenant."""
+def governed_key(*, actor: Principal, tenant_id: int, key_id: int,
+                 param: str = "api_key_id") -> ApiKey:
+    """An API key of a governed tenant that a limit or a budget may name: NotFound
+    (naming `param`, the caller's field) for a key missing or in another tenant."""
     tenant = governed_tenant(actor=actor, tenant_id=tenant_id)
     key = ApiKey.objects.filter(pk=key_id, tenant=tenant).first()
     if key is None:
-        raise NotFound("No such API key in that tenant.", param="api_key_id")
+        raise NotFound("No such API key in that tenant.", param=param)
     return key
 
 

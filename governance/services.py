@@ -35,11 +35,11 @@ from governance.models import (
 )
 from governance.ranges import check as check_ranges
 from inference.queue import guard_key
-from sluice.errors import Conflict, NotFound, PermissionDenied, Unprocessable
+from sluice.errors import Conflict, PermissionDenied, Unprocessable
 from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
 from sluice.redis import sync_redis
 from sluice.validation import validate
-from tenants.models import ApiKey, Tenant
+from tenants.models import Tenant
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
@@ -207,10 +207,8 @@ def budget_create(*, actor: Principal, tenant_id: int | None = None,
         budget.member = selectors.governed_member(actor=actor, tenant_id=tenant.pk,
                                                   member_id=member_id)
     if key_id is not None:
-        key = ApiKey.objects.filter(pk=key_id, tenant=tenant).first()
-        if key is None:
-            raise NotFound("No such API key in that tenant.", param="key_id")
-        budget.api_key = key
+        budget.api_key = selectors.governed_key(actor=actor, tenant_id=tenant.pk,
+                                                key_id=key_id, param="key_id")
     if scope == BudgetScope.TENANT and not actor.can(Action.GOVERNANCE_MANAGE_ANY):
         raise PermissionDenied("Tenant budgets are set by platform admins; tenant admins "
                                "set their members' and keys' budgets.")
