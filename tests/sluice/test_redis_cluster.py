@@ -179,7 +179,11 @@ def _calls_streamed_and_not(stack: Stack, org: Org) -> None:
                                             messages=[{"role": "user", "content": text}])
         assert reply.choices[0].message.content == text
         rid = reply.id.removeprefix("chatcmpl-")
-        assert _finals(stack.rds, "alice", rid) == 1
+        # The worker's step writes the request's stream and tells the gateway in one
+        # pipeline, but on a cluster they are different nodes: the reply may come first.
+        eventually(lambda rid=rid: _finals(stack.rds, "alice", rid) == 1, 10,
+                   what="the final in the request's stream")
+        assert _finals(stack.rds, "alice", rid) == 1, "written once"
         streamed = sdk.chat.completions.create(
             model="echo", stream=True, messages=[{"role": "user", "content": text}])
         assert "".join(c.choices[0].delta.content or "" for c in streamed
