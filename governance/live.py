@@ -25,10 +25,12 @@ from inference.queue import (
 from sluice.redis import sync_redis
 
 
-def quota_use(row: Quota | Budget) -> quota.QuotaUse:
+def quota_use(row: Quota | Budget, clock: float | None = None) -> quota.QuotaUse:
+    """The quota's or budget's window now (or at epoch seconds `clock`: reservations that
+    expire before it are dropped for good)."""
     redis = sync_redis()
     reply = redis.eval(quota.PEEK_LUA, 3, *quota.keys_for(row.tenant.slug, [row]),
-                       *quota.peek_args([row]))
+                       *quota.peek_args([row], clock))
     return quota.QuotaUse.from_reply(reply[0])
 
 

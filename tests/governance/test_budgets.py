@@ -5,17 +5,21 @@ hold expiring uncharged, and the refusal in each API's own shape."""
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from subprocess import Popen
 from typing import Any
 
 import anthropic
 import grpc
+import httpx
 import openai
 import pytest
 import redis
 
 from governance import cache as policy_cache
+from governance import live as live_state
 from governance import pricing
 from governance.models import Budget, BudgetScope, Price
 from governance.quota import (
@@ -31,8 +35,14 @@ from governance.quota import (
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
-from tests.conftest import Org, assert_openai_error, eventually, make_org
-from tests.governance.test_gateway import fire
+from tests.conftest import (
+    Org,
+    assert_openai_error,
+    eventually,
+    gateway_process,
+    make_org,
+    process_env,
+)
 from tests.streaming.conftest import Live
 
 PA, TA, DEV, AUD = Role.PLATFORM_ADMIN, Role.TENANT_ADMIN, Role.DEVELOPER, Role.AUDITOR
@@ -208,31 +218,75 @@ def body(text: str, max_tokens: int = 16) -> dict[str, Any]:
             "max_tokens": max_tokens}
 
 
+async def _fire_and_kill(urls: list[str], key: str, n: int, victim: Popen[bytes] | None
+                         ) -> list[httpx.Response | None]:
+    """n calls spread over the gateways, 50 at a time; with a `victim`, that gateway is
+    SIGKILLed once a fifth of the replies are in (its unanswered calls: None)."""
+    gate, done = asyncio.Semaphore(50), 0
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as http:
+        async def one(i: int) -> httpx.Response | None:
+            nonlocal done
+            async with gate:
+                try:
+                    return await http.post(f"{urls[i % len(urls)]}/chat/completions",
+                                           json=body("0123456789"),
+                                           headers={"Authorization": f"Bearer {key}"})
+                except httpx.HTTPError:
+                    assert victim is not None and i % 2 == 1, "the living gateway failed"
+                    return None
+                finally:
+                    done += 1
+                    if victim is not None and done == n // 5:
+                        victim.kill()
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_concurrent_calls_never_overshoot_a_budget(live: Live, payer: Org) -> None:
-    # $1000 per million tokens: a call of a 10-character prompt and 16 tokens out is
-    # at most a few cents; the budget affords about twenty of a hundred at once.
-    limit = Decimal("0.75")
-    Budget.objects.create(tenant=payer.tenant, scope=BudgetScope.TENANT, window="day",
-                          limit_usd=limit)
+@pytest.mark.parametrize("kill", [False, True], ids=["both-live", "one-killed"])
+def test_500_calls_through_two_gateways_never_overshoot_a_budget(live: Live, payer: Org,
+                                                                 kill: bool) -> None:
+    """A budget that affords about 100 calls, 500 calls at once through two gateway
+    processes: the spend settled is at most the limit, every refusal is a 429
+    budget_exceeded, and each call is charged once (the spend is the sum of the costs the
+    replies name). With the second gateway SIGKILLed mid-run, its open reservations
+    expire uncharged and the spend still stays under the limit."""
+    key = payer.keys[Role.DEVELOPER]
+    client = openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=30)
+    probe = client.chat.completions.with_raw_response.create(**body("0123456789"))
+    limit = Decimal(probe.headers[pricing.COST_HEADER]) * 100
+    budget = Budget.objects.create(tenant=payer.tenant, scope=BudgetScope.TENANT,
+                                   window="total", limit_usd=limit)
     policy_cache.clear()
-    replies = asyncio.run(fire([live.base_url], payer.keys[Role.DEVELOPER], 100,
-                               body("0123456789"), concurrency=50))
-    ok = [r for r in replies if r.status_code == 200]
-    refused = [r for r in replies if r.status_code != 200]
-    assert ok and refused, [r.status_code for r in replies]
+    with gateway_process(process_env()) as (proc, second):
+        replies = asyncio.run(_fire_and_kill([live.base_url, f"{second}/v1"], key, 500,
+                                             proc if kill else None))
+    answered = [r for r in replies if r is not None]
+    ok = [r for r in answered if r.status_code == 200]
+    refused = [r for r in answered if r.status_code != 200]
+    assert len(ok) >= 40 and len(refused) >= 100, (len(ok), len(refused))
     for r in refused:
         assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
     costs = sum(Decimal(r.headers[pricing.COST_HEADER]) for r in ok)
-    assert costs <= limit
-    budget = Budget.objects.get(tenant=payer.tenant)
-
-    def settled() -> bool:
-        from governance import live as live_state
-        use = live_state.budget_use(budget)
-        return Decimal(use["spent_usd"]) == costs and use["held_usd"] == "0.000000000"
-    eventually(settled, 10, what="every call's settlement")
+    print(f"500 calls, kill={kill}: {len(ok)} answered 200 costing ${costs} of ${limit}, "
+          f"{len(refused)} refused, {replies.count(None)} cut")
+    if not kill:
+        assert costs <= limit
+        eventually(lambda: live_state.budget_use(budget)["held_usd"] == "0.000000000", 10,
+                   what="every call settled")
+        assert Decimal(live_state.budget_use(budget)["spent_usd"]) == costs
+        return
+    assert replies.count(None) > 0, "the kill cut no call"
+    survivors = sum(Decimal(r.headers[pricing.COST_HEADER]) for r in replies[0::2]
+                    if r is not None and r.status_code == 200)
+    eventually(lambda: Decimal(live_state.budget_use(budget)["spent_usd"]) >= survivors, 10,
+               what="the living gateway's settlements")
+    # The killed gateway's holds outlive it by its deadline: an hour on (a `total`
+    # window, so no window rolls) they are gone, and what stands charged is what was
+    # settled: no more than the limit, at least what the living gateway answered.
+    use = live_state.quota_use(budget, clock=time.time() + 3600)
+    assert use.reserved_tokens == 0 and use.open_reservations == 0
+    assert survivors <= Decimal(pricing.usd(use.tokens)) <= limit
 
 
 @pytest.mark.slow
