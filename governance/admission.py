@@ -30,8 +30,8 @@ from typing import Any
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from governance import audit, breaker, cache, pricing, quota, ratelimit, signals
-from governance.models import BreakerPolicy, Budget, DegradeMode, RateLimitPolicy
+from governance import audit, breaker, cache, pricing, quota, ratelimit, refusals, signals
+from governance.models import BreakerPolicy, DegradeMode, RateLimitPolicy
 from governance.recorder import Recorder
 from inference import jobs
 from inference.client import InferenceClient
@@ -40,9 +40,7 @@ from inference.spec import DeploymentSpec
 from sluice.aio import finish_or_cancel
 from sluice.errors import (
     ApiError,
-    BudgetExceeded,
     DeadlineExceeded,
-    QuotaExceeded,
     RateLimited,
     Unavailable,
     audit_unavailable,
@@ -324,18 +322,7 @@ class Governor:
     @staticmethod
     def _check_quota(adm: Admission, quotas: list[quota.Metered], reply: list[Any]) -> None:
         if reply[0] == 0:
-            refused = quota.refusal(quotas, reply)
-            if isinstance(refused.quota, Budget):
-                raise _over_budget(refused.quota, refused)
-            wait = (refused.resets_at - time.time()) if refused.resets_at else 1.0
-            details = {"quota": {
-                "id": refused.quota.pk, "model": refused.quota.model or None,
-                "metric": refused.metric, "period": refused.quota.period,
-                "window": refused.quota.window, "limit": refused.limit, "used": refused.used,
-                "resets_at": (datetime.fromtimestamp(refused.resets_at, UTC).isoformat()
-                              if refused.resets_at else None)}}
-            raise QuotaExceeded(refused.message(adm.spec.name), retry_after_s=max(1.0, wait),
-                                details=details)
+            raise refusals.over_quota(quota.refusal(quotas, reply), adm.spec.name)
         for hit, metric in quota.shadow_hits(quotas, reply):
             logger.info("shadow quota %s would refuse (%s) for tenant %s", hit.pk, metric,
                         adm.principal.tenant_slug)
@@ -467,24 +454,3 @@ class Governor:
         pending. Calls still running keep their reservations until those expire."""
         await finish_or_cancel(self._background, grace_s)
         await self.recorder.close()
-
-
-def _over_budget(budget: Budget, refused: quota.Refusal) -> BudgetExceeded:
-    """A budget's refusal: which budget, what it allows, what is spent or held, and when
-    its window resets (a `total` never does: no Retry-After worth waiting for)."""
-    limit, spent = pricing.usd(refused.limit), pricing.usd(refused.used)
-    whose = {"tenant": "the tenant", "member": "this member", "key": "this API key"}.get(
-        budget.scope, budget.scope)
-    scope = f"model '{budget.model}'" if budget.model else "all models"
-    resets = (datetime.fromtimestamp(refused.resets_at, UTC).isoformat()
-              if refused.resets_at else None)
-    when = f" It resets at {resets}." if resets else " It does not reset."
-    return BudgetExceeded(
-        f"Budget exceeded: {whose} may spend ${limit} per {budget.window} on {scope}; "
-        f"${spent} is spent or held by running calls, and this call could cost more than "
-        f"is left.{when}",
-        retry_after_s=max(1.0, (refused.resets_at or 0) - time.time()),
-        headers={"x-should-retry": "false"} if resets is None else None,
-        details={"budget": {"id": budget.pk, "scope": budget.scope,
-                            "model": budget.model or None, "window": budget.window,
-                            "limit_usd": limit, "spent_usd": spent, "resets_at": resets}})

@@ -11,13 +11,15 @@ from django.http import FileResponse, HttpRequest
 from ninja import Router, Status
 from ninja.pagination import paginate
 
-from governance import live, selectors, services
+from governance import billing, live, selectors, services
 from governance.exports import export_file
 from governance.models import BreakerPolicy, Quota
 from governance.schemas import (
     AuditEventOut,
     AuditExportIn,
     AuditExportOut,
+    BillingIn,
+    BillingOut,
     BreakerFields,
     BreakerOut,
     BudgetCreateIn,
@@ -145,6 +147,18 @@ def budget_update(request: HttpRequest, budget_id: int, data: BudgetFields):
 def budget_delete(request: HttpRequest, budget_id: int):
     services.budget_delete(actor=actor_of(request), budget_id=budget_id)
     return Status(204, None)
+
+
+# -- a tenant's money settings -------------------------------------------------------
+@router.get("/tenants/{int:tenant_id}/billing", response=BillingOut)
+def billing_get(request: HttpRequest, tenant_id: int):
+    return billing.billing_get(actor=actor_of(request), tenant_id=tenant_id)
+
+
+@router.patch("/tenants/{int:tenant_id}/billing", response=BillingOut)
+def billing_update(request: HttpRequest, tenant_id: int, data: BillingIn):
+    return billing.billing_update(actor=actor_of(request), tenant_id=tenant_id,
+                                  **data.model_dump(exclude_unset=True))
 
 
 # -- prices --------------------------------------------------------------------------

@@ -152,6 +152,10 @@ def write_events(batch: list[dict[str, Any]]) -> int:
         _insert(rows)
         for head in heads.values():
             head.save(update_fields=["seq", "last_hash"])
+        stored_alerts = [r["source"] for r in rows if r["action"] == "budget.alert"]
+        if stored_alerts:
+            from governance import alerts  # its webhooks go out once the alerts are stored
+            transaction.on_commit(lambda: alerts.enqueue(stored_alerts))
         return len(rows)
 
 

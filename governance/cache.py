@@ -111,7 +111,8 @@ def load_tenant(tenant_id: int) -> TenantPolicies:
             continue
     return TenantPolicies(rate_limits=tuple(sane(p) for p in limits), quotas=tuple(
         sane(q) for q in Quota.objects.filter(tenant_id=tenant_id)), redaction=tuple(patterns),
-        budgets=tuple(Budget.objects.filter(tenant_id=tenant_id)))
+        # with its tenant: the windows follow the tenant's time zone (quota.shape_args)
+        budgets=tuple(Budget.objects.filter(tenant_id=tenant_id).select_related("tenant")))
 
 
 def load_breaker(deployment: str) -> BreakerPolicy:

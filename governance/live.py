@@ -39,7 +39,7 @@ def budget_use(row: Budget) -> dict[str, Any]:
     use = quota_use(row)
     return {"spent_usd": pricing.usd(use.tokens), "held_usd": pricing.usd(use.reserved_tokens),
             "resets_at": (datetime.fromtimestamp(use.resets_at, UTC)
-                          if use.resets_at else None)}
+                          if use.resets_at else None), "alerted_pct": use.alerted}
 
 
 def breaker_state(row: BreakerPolicy) -> dict[str, Any]:

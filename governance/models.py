@@ -163,10 +163,14 @@ class BudgetScope(models.TextChoices):
 
 
 class BudgetWindow(models.TextChoices):
-    DAY = "day", "Calendar day (UTC)"
-    WEEK = "week", "Calendar week from Monday (UTC)"
-    MONTH = "month", "Calendar month (UTC)"
+    DAY = "day", "Calendar day (the tenant's time zone)"
+    WEEK = "week", "Calendar week from Monday (the tenant's time zone)"
+    MONTH = "month", "Calendar month (the tenant's time zone)"
     TOTAL = "total", "Never resets"
+
+
+def default_alert_at() -> list[int]:
+    return [50, 80, 100]
 
 
 class Budget(models.Model):
@@ -186,6 +190,12 @@ class Budget(models.Model):
     window = models.CharField(max_length=8, choices=BudgetWindow.choices,
                               default=BudgetWindow.MONTH)
     limit_usd = models.DecimalField(max_digits=16, decimal_places=6)
+    # Percentages of limit_usd whose crossing alerts, each once per window
+    # (governance/alerts.py): an audit event, the tenant's webhook, the UI's banner.
+    alert_at = models.JSONField(default=default_alert_at, blank=True)
+    # A model or alias the tenant's calls go to instead while this budget refuses them
+    # ("": refused with budget_exceeded).
+    fallback_model = models.CharField(max_length=100, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -201,6 +211,22 @@ class Budget(models.Model):
         if (self.scope == BudgetScope.KEY) != (self.api_key_id is not None):
             raise ValidationError({"key_id": "A key budget names its key (and only a key "
                                              "budget does)."})
+
+
+class AlertWebhook(models.Model):
+    """Where a tenant's budget alerts are POSTed (governance/alerts.py), signed with a
+    secret that is sealed at rest (inference/upstream/secrets.py) and never shown again
+    after it is set."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE,
+                                  related_name="alert_webhook")
+    url = models.CharField(max_length=2048)
+    secret_sealed = models.TextField()
+    secret_hint = models.CharField(max_length=8, blank=True, default="")
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"alerts of tenant {self.tenant_id}"
 
 
 class WindowKind(models.TextChoices):

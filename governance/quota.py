@@ -37,8 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from governance import usage
+from governance.alerts import alert_thresholds
 from governance.models import Budget, BudgetWindow, Quota, QuotaPeriod, QuotaWindow
 from governance.pricing import NANO_PER_USD
 
@@ -55,7 +57,10 @@ Metered = Quota | Budget
 SETTLED_TTL_S = 900
 _ROLLING_SLOTS = 60
 
-_PRELUDE = """
+# How many values `shape_args` gives per quota.
+SHAPE = 5
+
+_PRELUDE = f"local SHAPE = {SHAPE}\n" + """
 -- ARGV[1]: "" (Redis' clock, what the gateway always sends) or seconds (tests)
 local now = tonumber(ARGV[1])
 if not now then now = tonumber(redis.call('TIME')[1]) end
@@ -78,37 +83,41 @@ local function month_bounds(s)
   local start = (days - d + 1) * 86400
   return start, start + len * 86400
 end
--- -> current slot, first slot in the window, reset time (s)
-local function window(len, rolling)
+-- -> current slot, first slot in the window, reset time (s). A calendar window's
+-- slot is its start in local seconds (UTC + off, the time zone's offset now).
+local function window(len, rolling, off)
   if rolling == 1 then
     local slot_len = len / 60
     local slot = math.floor(now / slot_len)
     return slot, slot - 59, (slot + 1) * slot_len
   end
+  local t = now + off
   if len == 0 then
-    local start, stop = month_bounds(now)
-    return start, start, stop
+    local start, stop = month_bounds(t)
+    return start, start, stop - off
   end
   if len == -1 then return 0, 0, 0 end  -- total: one slot, no reset
-  if len == -7 then  -- a week from Monday 00:00 UTC (1970-01-05 was a Monday)
-    local start = math.floor((now - 345600) / 604800) * 604800 + 345600
-    return start, start, start + 604800
+  if len == -7 then  -- a week from Monday 00:00 (1970-01-05 was a Monday)
+    local start = math.floor((t - 345600) / 604800) * 604800 + 345600
+    return start, start, start + 604800 - off
   end
-  local start = math.floor(now / len) * len
-  return start, start, start + len
+  local start = math.floor(t / len) * len
+  return start, start, start + len - off
 end
--- -> requests and tokens used in the window; drops fields that left it
+-- -> requests and tokens used in the window; drops fields that left it (a budget's
+-- alert marks, a:<slot>, too)
 local function used(key, first)
   local r, tk = 0, 0
   local fields = redis.call('HGETALL', key)
   for i = 1, #fields, 2 do
     local f = fields[i]
     local slot = tonumber(string.sub(f, 3))
+    local kind = string.sub(f, 1, 1)
     if slot < first then
       redis.call('HDEL', key, f)
-    elseif string.sub(f, 1, 1) == 'r' then
+    elseif kind == 'r' then
       r = r + tonumber(fields[i + 1])
-    else
+    elseif kind == 't' then
       tk = tk + tonumber(fields[i + 1])
     end
   end
@@ -135,19 +144,19 @@ local function held(rkey, xkey)
 end
 """
 
-# KEYS: 3 per quota. ARGV: clock, rid, hold seconds, then per quota 7 values: period length
+# KEYS: 3 per quota. ARGV: clock, rid, hold seconds, then per quota 8 values: period length
 # (0 = calendar month, WEEK, TOTAL), rolling (0/1), max requests, max tokens, max concurrent (-1 =
-# none), shadow (0/1), reserved tokens.
+# none), shadow (0/1), reserved tokens, the time zone's offset now (s).
 # Returns {1, shadow hits as "i:metric"...} or {0, quota index, metric, limit, used, reset}.
 RESERVE_LUA = _PRELUDE + """
 local rid, hold = ARGV[2], tonumber(ARGV[3])
 local shadows = {}
 for q = 0, #KEYS / 3 - 1 do
-  local a = 4 + q * 7
+  local a = 4 + q * 8
   local len, rolling = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   local max_r, max_t, max_c = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
   local shadow, want = tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-  local slot, first, reset = window(len, rolling)
+  local slot, first, reset = window(len, rolling, tonumber(ARGV[a + 7]))
   local r, tk = used(KEYS[3 * q + 1], first)
   local n, held_t = held(KEYS[3 * q + 2], KEYS[3 * q + 3])
   local metric, limit, have = nil, 0, 0
@@ -162,7 +171,7 @@ for q = 0, #KEYS / 3 - 1 do
   end
 end
 for q = 0, #KEYS / 3 - 1 do
-  local want = ARGV[4 + q * 7 + 6]
+  local want = ARGV[4 + q * 8 + 6]
   if redis.call('HSETNX', KEYS[3 * q + 2], rid, want) == 1 then
     redis.call('HINCRBY', KEYS[3 * q + 2], '#n', 1)
     redis.call('HINCRBY', KEYS[3 * q + 2], '#t', want)
@@ -176,8 +185,9 @@ return {1, unpack(shadows)}
 
 # KEYS: 3 per quota, the tenant's usage counters (governance/usage.py), then the settled
 # mark (`settled_key`) of each settlement that charges, in order. ARGV: clock, the number
-# of quotas, the marks' TTL, the counters' TTL, per quota its period length, rolling
-# flag and metric (1: a budget's cost, 0: tokens), then per settled call (`Settlement`)
+# of quotas, the marks' TTL, the counters' TTL, per quota its `shape_args` (period
+# length, rolling flag, metric: 1 a budget's cost, 0 tokens; offset; alert thresholds
+# "pct:nanos,..."), then per settled call (`Settlement`)
 # its reservation id, the requests (0/1), prompt and completion tokens to charge, its
 # usage counters' field prefix and its cost (nano-dollars, governance/pricing.py): the
 # calls of one flush that had the same quotas, in one call. Drops each reservation (one
@@ -185,13 +195,16 @@ return {1, unpack(shadows)}
 # once, to the quotas and the usage counters both, whoever settles it first: the
 # gateway that ran it, or another that replayed it to a retry (SET NX of its mark). A
 # retried flush, or a second settlement of the same request, charges nothing.
+# A budget's spend reaching an alert threshold marks its window (field a:<slot>, the
+# highest threshold reached) in the same script, so each threshold is returned once per
+# window whichever gateway settles: {"<quota index>:<pct>:<spent>:<reset>", ...}.
 SETTLE_LUA = _PRELUDE + """
 local quotas, mark_ttl, usage_ttl = tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local counters = KEYS[3 * quotas + 1]
 local reqs, toks, fields = {}, {}, {}
 for q = 0, quotas - 1 do reqs[q], toks[q] = 0, 0 end
 local mark = 3 * quotas + 1
-for s = 5 + 3 * quotas, #ARGV, 6 do
+for s = 5 + SHAPE * quotas, #ARGV, 6 do
   local rid, req = ARGV[s], tonumber(ARGV[s + 1])
   for q = 0, quotas - 1 do
     unhold(KEYS[3 * q + 2], rid)
@@ -204,7 +217,7 @@ for s = 5 + 3 * quotas, #ARGV, 6 do
       local cost = tonumber(ARGV[s + 5])
       for q = 0, quotas - 1 do
         local spent = prompt + completion
-        if ARGV[7 + q * 3] == '1' then spent = cost end
+        if ARGV[7 + q * SHAPE] == '1' then spent = cost end
         reqs[q], toks[q] = reqs[q] + req, toks[q] + spent
       end
       local row = fields[ARGV[s + 4]]
@@ -217,12 +230,27 @@ for s = 5 + 3 * quotas, #ARGV, 6 do
     end
   end
 end
+local fired = {}
 for q = 0, quotas - 1 do
   if reqs[q] > 0 or toks[q] > 0 then
-    local len, rolling = tonumber(ARGV[5 + q * 3]), tonumber(ARGV[6 + q * 3])
-    local slot = window(len, rolling)
+    local a = 5 + q * SHAPE
+    local len, rolling = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    local slot, first, reset = window(len, rolling, tonumber(ARGV[a + 3]))
     redis.call('HINCRBY', KEYS[3 * q + 1], 'r:' .. slot, reqs[q])
     redis.call('HINCRBY', KEYS[3 * q + 1], 't:' .. slot, toks[q])
+    if ARGV[a + 4] ~= '' then
+      local _, spent = used(KEYS[3 * q + 1], first)
+      local high = tonumber(redis.call('HGET', KEYS[3 * q + 1], 'a:' .. slot)) or 0
+      local top = high
+      for pct, at in string.gmatch(ARGV[a + 4], '(%d+):(%d+)') do
+        pct = tonumber(pct)
+        if pct > high and spent >= tonumber(at) then
+          fired[#fired + 1] = q .. ':' .. pct .. ':' .. spent .. ':' .. math.ceil(reset)
+          if pct > top then top = pct end
+        end
+      end
+      if top > high then redis.call('HSET', KEYS[3 * q + 1], 'a:' .. slot, top) end
+    end
     if len == -1 then
       redis.call('PERSIST', KEYS[3 * q + 1])  -- a total is kept while its budget is
     else
@@ -240,19 +268,22 @@ if next(fields) then
   end
   redis.call('EXPIRE', counters, usage_ttl)
 end
-return 1
+return fired
 """
 
-# KEYS: 3 per quota. ARGV: clock, then per quota: period length, rolling, metric.
-# Returns per quota {requests used, tokens used, open reservations, reserved tokens, reset}.
+# KEYS: 3 per quota. ARGV: clock, then per quota its `shape_args`.
+# Returns per quota {requests used, tokens used, open reservations, reserved tokens, reset,
+# the highest alert threshold reached in the window}.
 PEEK_LUA = _PRELUDE + """
 local out = {}
 for q = 0, #KEYS / 3 - 1 do
-  local len, rolling = tonumber(ARGV[2 + q * 3]), tonumber(ARGV[3 + q * 3])
-  local slot, first, reset = window(len, rolling)
+  local a = 2 + q * SHAPE
+  local len, rolling = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local slot, first, reset = window(len, rolling, tonumber(ARGV[a + 3]))
   local r, tk = used(KEYS[3 * q + 1], first)
   local n, held_t = held(KEYS[3 * q + 2], KEYS[3 * q + 3])
-  out[#out + 1] = {r, tk, n, held_t, math.ceil(reset)}
+  local alerted = tonumber(redis.call('HGET', KEYS[3 * q + 1], 'a:' .. slot)) or 0
+  out[#out + 1] = {r, tk, n, held_t, math.ceil(reset), alerted}
 end
 return out
 """
@@ -283,13 +314,32 @@ def keys_for(tenant: str, quotas: Sequence[Metered]) -> list[str]:
     return out
 
 
-def shape_args(quotas: Sequence[Metered]) -> list[Any]:
-    """Each quota's period length, rolling flag and metric (1: a budget's cost; settle
-    and peek take these)."""
+def shape_args(quotas: Sequence[Metered], clock: float | None = None) -> list[Any]:
+    """Each quota's SHAPE values for settle and peek: period length, rolling flag,
+    metric (1: a budget's cost), the time zone's offset at `clock` (a budget's tenant's;
+    a quota's windows are UTC) and its alert thresholds ("pct:nanos,...", "" for none)."""
+    at = time.time() if clock is None else clock
     out: list[Any] = []
     for quota in quotas:
-        out += [period_len(quota), _rolling(quota), int(isinstance(quota, Budget))]
+        if isinstance(quota, Budget):
+            out += [period_len(quota), 0, 1, utc_offset(quota.tenant.time_zone, at),
+                    alert_thresholds(quota)]
+        else:
+            out += [period_len(quota), _rolling(quota), 0, 0, ""]
     return out
+
+
+def utc_offset(zone: str, at: float) -> int:
+    """`zone`'s offset from UTC at epoch seconds `at`, in seconds (UTC for a name that is
+    no zone: a row edited in the database; the API checks the name)."""
+    if zone == "UTC":
+        return 0
+    try:
+        tz = ZoneInfo(zone)
+    except (ZoneInfoNotFoundError, ValueError):
+        return 0
+    offset = datetime.fromtimestamp(at, tz).utcoffset()
+    return int(offset.total_seconds()) if offset is not None else 0
 
 
 def clock_arg(clock: float | None) -> str:
@@ -303,11 +353,12 @@ def reserve_args(rid: str, hold_s: float, quotas: Sequence[Metered], tokens: int
     out: list[Any] = [clock_arg(clock), rid, repr(float(hold_s))]
     for quota in quotas:
         if isinstance(quota, Budget):
-            out += [period_len(quota), 0, -1, limit_nanos(quota), -1, 0, cost]
+            out += [period_len(quota), 0, -1, limit_nanos(quota), -1, 0, cost,
+                    utc_offset(quota.tenant.time_zone, time.time() if clock is None else clock)]
         else:
             out += [period_len(quota), _rolling(quota), _limit(quota.max_requests),
                     _limit(quota.max_tokens), _limit(quota.max_concurrent),
-                    int(quota.shadow), tokens]
+                    int(quota.shadow), tokens, 0]
     return out
 
 
@@ -346,14 +397,14 @@ def settle_call(tenant: str, quotas: Sequence[Metered], settlements: Sequence[Se
     keys = [*keys_for(tenant, quotas), usage.usage_key(tenant, day.isoformat()),
             *(settled_key(tenant, s.request) for s in settlements if s.requests)]
     args: list[Any] = [clock_arg(clock), len(quotas), SETTLED_TTL_S, usage.USAGE_TTL_S,
-                       *shape_args(quotas)]
+                       *shape_args(quotas, clock)]
     for s in settlements:
         args += [s.reservation, s.requests, s.prompt, s.completion, s.usage, s.cost]
     return keys, args
 
 
 def peek_args(quotas: Sequence[Metered], clock: float | None = None) -> list[Any]:
-    return [clock_arg(clock), *shape_args(quotas)]
+    return [clock_arg(clock), *shape_args(quotas, clock)]
 
 
 @dataclass(frozen=True)
@@ -363,6 +414,7 @@ class QuotaUse:
     open_reservations: int
     reserved_tokens: int
     resets_at: int
+    alerted: int = 0  # a budget's highest alert threshold reached in the window (%)
 
     @classmethod
     def from_reply(cls, row: list[Any]) -> QuotaUse:

@@ -44,8 +44,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from governance import audit, breaker, quota, ratelimit, signals, usage
-from governance.models import BreakerPolicy
+from governance import alerts, audit, breaker, quota, ratelimit, signals, usage
+from governance.models import BreakerPolicy, Budget
 from inference.queue import deployment_key
 from sluice.redis import ScriptBatch, chunks
 
@@ -234,8 +234,11 @@ class Recorder:
         for script, keys, args in pending.writes:
             batch.script(script, keys, args)
         charged = set()
+        budgeted: list[tuple[int, str, list[quota.Metered]]] = []  # reply index, tenant
         for (tenant, _keys), (quotas, settled) in pending.settlements.items():
             for run in chunks(settled, PER_CALL):
+                if any(isinstance(q, Budget) for q in quotas):
+                    budgeted.append((len(batch), tenant, quotas))
                 batch.script(quota.SETTLE_LUA, *quota.settle_call(tenant, quotas, run))
             if any(s.requests for s in settled):
                 charged.add(tenant)
@@ -279,6 +282,9 @@ class Recorder:
         for name, reply in zip(names, replies[len(replies) - len(names):], strict=True):
             if reply == b"open":
                 self._on_open(name)
+        for index, tenant, quotas in budgeted:  # thresholds this flush's spend crossed
+            for alert in alerts.fired(quotas, replies[index]):
+                self.audit(alerts.event(alert, tenant))
 
     def _hold(self, failed: _Pending) -> None:
         """Keep a failed flush for the next one, within bounds."""

@@ -208,8 +208,13 @@ class PriceOut(Schema):
     created_at: datetime
 
 
+AlertAt = Annotated[list[Annotated[int, Field(ge=1, le=100)]], Field(max_length=10)]
+
+
 class BudgetFields(StrictSchema):
     limit_usd: Annotated[Decimal, *_usd(BUDGET["limit_usd"])] | None = None
+    alert_at: AlertAt | None = None  # percentages of limit_usd, each alerting once a window
+    fallback_model: ModelName | None = None  # "": none
 
 
 class BudgetCreateIn(StrictSchema):
@@ -220,6 +225,8 @@ class BudgetCreateIn(StrictSchema):
     model: ModelName = ""
     window: BudgetWindow = BudgetWindow.MONTH
     limit_usd: Annotated[Decimal, *_usd(BUDGET["limit_usd"])]
+    alert_at: AlertAt = Field(default_factory=lambda: [50, 80, 100])
+    fallback_model: ModelName = ""
 
 
 class BudgetOut(Schema):
@@ -231,6 +238,8 @@ class BudgetOut(Schema):
     model: str
     window: BudgetWindow
     limit_usd: Usd
+    alert_at: list[int]
+    fallback_model: str
     created_at: datetime
 
 
@@ -238,6 +247,7 @@ class BudgetUseOut(Schema):
     spent_usd: str  # settled in the current window
     held_usd: str  # reserved by calls still running (their worst case)
     resets_at: datetime | None  # None: a `total` budget
+    alerted_pct: int  # the highest alert threshold reached in this window (0: none)
 
 
 class BudgetDetailOut(BudgetOut):
@@ -319,3 +329,17 @@ class RedactionPatternOut(Schema):
     label: str
     pattern: str
     created_at: datetime
+
+
+class BillingOut(Schema):
+    tenant_id: int
+    time_zone: str  # where the budgets' days, weeks and months begin
+    webhook_url: str | None  # where budget alerts are POSTed, signed
+    webhook_secret_hint: str | None  # the secret's last four characters
+    webhook_secret: str | None = None  # in the reply that made it only
+
+
+class BillingIn(StrictSchema):
+    time_zone: Annotated[str, StringConstraints(max_length=64)] | None = None
+    webhook_url: Annotated[str, StringConstraints(max_length=2048)] | None = None
+    webhook_secret: Annotated[str, StringConstraints(max_length=200)] | None = None

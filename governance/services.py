@@ -34,6 +34,7 @@ from governance.models import (
     RedactionPattern,
 )
 from governance.ranges import check as check_ranges
+from inference.models import Deployment, ModelAlias
 from inference.queue import guard_key
 from sluice.errors import Conflict, PermissionDenied, Unprocessable
 from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
@@ -212,8 +213,9 @@ def budget_create(*, actor: Principal, tenant_id: int | None = None,
     if scope == BudgetScope.TENANT and not actor.can(Action.GOVERNANCE_MANAGE_ANY):
         raise PermissionDenied("Tenant budgets are set by platform admins; tenant admins "
                                "set their members' and keys' budgets.")
-    _apply(budget, fields, ("model", "window", "limit_usd"))
+    _apply(budget, fields, ("model", "window", "limit_usd", "alert_at", "fallback_model"))
     _below_the_tenants(budget)
+    _known_fallback(budget)
     _save(actor, budget, "budget.create", "budget", _budget_detail(budget))
     return budget
 
@@ -222,8 +224,9 @@ def budget_create(*, actor: Principal, tenant_id: int | None = None,
 def budget_update(*, actor: Principal, budget_id: int, **fields: Any) -> Budget:
     budget = selectors.budget_get(actor=actor, budget_id=budget_id)
     _may_write_budget(actor, budget)
-    _apply(budget, fields, ("limit_usd",))
+    _apply(budget, fields, ("limit_usd", "alert_at", "fallback_model"))
     _below_the_tenants(budget)
+    _known_fallback(budget)
     _save(actor, budget, "budget.update", "budget", _budget_detail(budget))
     return budget
 
@@ -256,10 +259,23 @@ def _below_the_tenants(budget: Budget) -> None:
                             f"(${ceiling.limit_usd.normalize():f}).", param="limit_usd")
 
 
+def _known_fallback(budget: Budget) -> None:
+    """A fallback names a deployment or alias other than the budget's own model."""
+    name = budget.fallback_model
+    if not name:
+        return
+    if name == budget.model or not (Deployment.objects.filter(name=name).exists()
+                                    or ModelAlias.objects.filter(name=name).exists()):
+        raise Unprocessable("fallback_model: name another model or alias that exists.",
+                            param="fallback_model")
+
+
 def _budget_detail(budget: Budget) -> dict[str, Any]:
     return {"scope": budget.scope, "member_id": budget.member_id,
             "key_id": budget.api_key_id, "model": budget.model, "window": budget.window,
-            "limit_usd": str(budget.limit_usd)}
+            "limit_usd": str(budget.limit_usd),
+            "alert_at": ",".join(str(p) for p in budget.alert_at or ()),
+            "fallback_model": budget.fallback_model}
 
 
 @transaction.atomic

@@ -6,7 +6,7 @@ from typing import Any
 
 from celery import shared_task
 
-from governance import usage
+from governance import alerts, usage
 
 
 @shared_task(acks_late=True, max_retries=3)
@@ -46,3 +46,13 @@ def audit_export(self: Any, export_id: int) -> str:
         return exports.run(export_id)
     except exports.Retryable as exc:
         raise self.retry(exc=exc) from exc
+
+
+@shared_task(bind=True, acks_late=True, max_retries=alerts.MAX_ATTEMPTS)
+def budget_alert_webhook(self: Any, source: str) -> str:
+    """Deliver a stored budget alert to its tenant's webhook; retried with backoff (5 s,
+    doubling, at most 10 minutes apart). Receivers drop a repeat by its event id."""
+    try:
+        return alerts.deliver(source)
+    except alerts.DeliveryFailed as exc:
+        raise self.retry(exc=exc, countdown=min(600, 5 * 2 ** self.request.retries)) from exc

@@ -43,6 +43,9 @@ class Tenant(models.Model):
     # Only tenant_tool_policy_update writes it, audited.
     hosted_tools = models.CharField(max_length=8, choices=HostedTools.choices,
                                     default=HostedTools.DROP)
+    # An IANA zone name: where the tenant's budgets' calendar days, weeks and months
+    # begin (governance/quota.py). Only platform admins write it, audited.
+    time_zone = models.CharField(max_length=64, default="UTC")
 
     class Meta:
         ordering = ["id"]

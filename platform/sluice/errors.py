@@ -138,9 +138,11 @@ class QuotaExceeded(RateLimited):
 
 
 class BudgetExceeded(QuotaExceeded):
-    """A spend budget (of a tenant, a member or a key) cannot afford the call."""
+    """A spend budget (of a tenant, a member or a key) cannot afford the call.
+    `fallback_model`: where the budget sends such calls instead ("": nowhere)."""
 
     default_code = "budget_exceeded"
+    fallback_model = ""
 
 
 class Unavailable(ApiError):

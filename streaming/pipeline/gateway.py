@@ -21,11 +21,13 @@ import weakref
 from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
+import msgspec
 from django.conf import settings
 from redis.exceptions import RedisError
 
 from governance.admission import Admission, Governor
 from governance.privacy import stored_messages
+from governance.refusals import FALLBACK_HEADER
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
 from inference.jobs import (
@@ -44,6 +46,7 @@ from sluice.db import async_db
 from sluice.errors import (
     ApiError,
     BadRequest,
+    BudgetExceeded,
     DeadlineExceeded,
     NotFound,
     PermissionDenied,
@@ -236,7 +239,24 @@ class Gateway:
         read the reply token by token (`req.stream` false) gets it in one piece at the
         end (no per-token events). `req.earlier` joins the conversation's history: the
         worker may drop it to fit. Errors name the request's neutral parameters
-        (streaming/pipeline/callrequest.py)."""
+        (streaming/pipeline/callrequest.py).
+
+        A budget that refuses the call and names a fallback model sends it there
+        instead, once (the fallback's own refusal stands), with FALLBACK_HEADER saying
+        so; the reply keeps the model name the caller asked for, as an alias's does."""
+        try:
+            return await self._chat(principal, req, protocol=protocol, action=action)
+        except BudgetExceeded as refused:
+            if not refused.fallback_model or refused.fallback_model == req.model:
+                raise
+            fallback = refused.fallback_model
+        sub = await self._chat(principal, msgspec.structs.replace(req, model=fallback),
+                               protocol=protocol, action=action)
+        sub.own_headers[FALLBACK_HEADER] = fallback
+        return sub
+
+    async def _chat(self, principal: Principal, req: CallRequest, *, protocol: str,
+                    action: str) -> Submitted:
         check(req)
         target = await self._model(principal, req.model, Kind.CHAT)
         if isinstance(target, DeploymentSpec):  # before the request becomes a prompt

@@ -34,6 +34,7 @@ from governance.quota import (
 )
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
+from tenants.models import Tenant
 from tenants.roles import Role
 from tests.conftest import (
     Org,
@@ -134,8 +135,10 @@ def test_the_demo_seed_prices_its_models_and_gives_the_tenant_a_budget() -> None
 
 
 # -- the scripts: windows, holds -------------------------------------------------------
-def b(pk: int, window: str, limit: str = "1") -> Budget:
-    row = Budget(scope=BudgetScope.TENANT, window=window, limit_usd=Decimal(limit))
+def b(pk: int, window: str, limit: str = "1", zone: str = "UTC",
+      alert_at: tuple[int, ...] = ()) -> Budget:
+    row = Budget(scope=BudgetScope.TENANT, window=window, limit_usd=Decimal(limit),
+                 tenant=Tenant(slug="t", time_zone=zone), alert_at=list(alert_at))
     row.pk = pk
     return row
 
@@ -182,6 +185,47 @@ def test_calendar_windows_roll_over_with_no_reset_job(rds: redis.Redis) -> None:
     keys = keys_for("t", budgets)
     rows = rds.eval(PEEK_LUA, len(keys), *keys, *peek_args(budgets, monday))
     assert [int(r[4]) for r in rows] == [ts(2026, 6, 2), ts(2026, 6, 8), ts(2026, 7, 1), 0]
+
+
+def test_a_tenants_day_begins_at_its_own_midnight(rds: redis.Redis) -> None:
+    """Tokyo (UTC+9): the day rolls over at 15:00 UTC, not at UTC midnight; the refusal
+    names Tokyo's next midnight."""
+    day = [b(1, "day", zone="Asia/Tokyo")]
+    before = ts(2026, 3, 10, 14, 59, 59)  # 23:59:59 in Tokyo
+    assert reserve(rds, day, "a", 900_000_000, before)[0] == 1
+    settle(rds, day, "a", 900_000_000, before)
+    refused = reserve(rds, day, "b", 200_000_000, before)
+    assert refused[0] == 0 and int(refused[5]) == ts(2026, 3, 10, 15)
+    assert reserve(rds, day, "b", 200_000_000, ts(2026, 3, 10, 15, 0, 1))[0] == 1
+    # A UTC budget on the same spend would still be in its day at 15:00 UTC.
+    utc = [b(2, "day")]
+    reserve(rds, utc, "c", 900_000_000, before)
+    settle(rds, utc, "c", 900_000_000, before)
+    assert reserve(rds, utc, "d", 200_000_000, ts(2026, 3, 10, 15, 0, 1))[0] == 0
+
+
+def test_each_alert_threshold_fires_once_per_window(rds: redis.Redis) -> None:
+    """Whoever settles (two settles stand for two gateways), a threshold is returned
+    once in a window; one call crossing two thresholds fires both; a new window fires
+    them again."""
+    budget = [b(1, "day", "1", alert_at=(50, 80, 100))]
+    now = ts(2026, 3, 10, 12)
+
+    def charge(rid: str, cost: int, clock: float) -> list[str]:
+        keys, args = settle_call("t", budget, [Settlement(rid, rid, 1, 10, 20, "m|k|", cost)],
+                                 clock=clock)
+        return [x.decode() for x in rds.eval(SETTLE_LUA, len(keys), *keys, *args)]
+
+    assert charge("a", 400_000_000, now) == []
+    assert charge("b", 100_000_000, now) == [f"0:50:500000000:{int(ts(2026, 3, 11))}"]
+    assert charge("c", 10_000_000, now) == [], "50% fired already this window"
+    assert [x.split(":")[1] for x in charge("d", 490_000_000, now)] == ["80", "100"]
+    assert charge("e", 1, now) == []
+    assert spent(rds, budget, now) == [(1_000_000_001, 0)]
+    keys = keys_for("t", budget)
+    assert int(rds.eval(PEEK_LUA, len(keys), *keys, *peek_args(budget, now))[0][5]) == 100
+    tomorrow = ts(2026, 3, 11, 0, 0, 1)
+    assert [x.split(":")[1] for x in charge("f", 600_000_000, tomorrow)] == ["50"]
 
 
 def test_a_dead_gateways_hold_expires_uncharged(rds: redis.Redis) -> None:
