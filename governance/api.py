@@ -8,7 +8,7 @@ from datetime import UTC, date, datetime
 from typing import Any
 
 from django.http import FileResponse, HttpRequest
-from ninja import Router, Status
+from ninja import Query, Router, Status
 from ninja.pagination import paginate
 
 from governance import billing, live, selectors, services
@@ -39,6 +39,8 @@ from governance.schemas import (
     RateLimitOut,
     RedactionPatternIn,
     RedactionPatternOut,
+    SpendQuery,
+    SpendRowOut,
     UsageOut,
 )
 from sluice.pagination import Pagination
@@ -216,6 +218,17 @@ def usage_list(request: HttpRequest, tenant_id: Id | None = None, model: str | N
                since: date | None = None, until: date | None = None):
     return selectors.usage_list(actor=actor_of(request), tenant_id=tenant_id, model=model,
                                 since=since, until=until)
+
+
+@router.get("/governance/spend", response=list[SpendRowOut])
+def spend(request: HttpRequest, query: Query[SpendQuery]):
+    return selectors.spend(actor=actor_of(request), granularity=query.granularity,
+                           since=_aware(query.since), until=_aware(query.until),
+                           group_by=query.group_by, tenant_id=query.tenant_id)
+
+
+def _aware(at: datetime) -> datetime:
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 # -- audit ---------------------------------------------------------------------------

@@ -435,3 +435,7 @@ class AuditExport(models.Model):
 
     def __str__(self) -> str:
         return f"export #{self.pk} ({self.status})"
+
+
+# The spend history's rows live in their own module; imported so that Django loads them.
+from governance.rollup_models import UsageDay, UsageHour  # noqa: E402, F401

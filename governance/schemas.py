@@ -343,3 +343,26 @@ class BillingIn(StrictSchema):
     time_zone: Annotated[str, StringConstraints(max_length=64)] | None = None
     webhook_url: Annotated[str, StringConstraints(max_length=2048)] | None = None
     webhook_secret: Annotated[str, StringConstraints(max_length=200)] | None = None
+
+
+class SpendQuery(Schema):
+    since: datetime = Field(alias="from")  # without a zone: UTC
+    until: datetime = Field(alias="to")
+    granularity: Literal["hour", "day"] = "day"
+    group_by: Literal["key", "member", "model"] | None = None
+    tenant_id: Id | None = None  # platform admins: another tenant's
+
+
+class SpendRowOut(Schema):
+    start: datetime  # the period's start (UTC hour, or the tenant's local midnight)
+    key_prefix: str | None = None  # with group_by=key
+    member_id: int | None = None  # with group_by=member (None: calls with no member)
+    model: str | None = None  # with group_by=model
+    calls: int
+    errors: int  # status 400 and above, refusals included
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cost_usd: str  # exact, at the prices valid when each call was admitted
+    latency_p50_ms: float | None = None
+    latency_p95_ms: float | None = None

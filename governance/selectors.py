@@ -10,11 +10,12 @@ tenant's ids from free ones.
 
 from __future__ import annotations
 
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 from typing import Any
 
 from django.db.models import Q, QuerySet
 
+from governance import rollups
 from governance.models import (
     AuditEvent,
     AuditExport,
@@ -27,7 +28,7 @@ from governance.models import (
     UsageRecord,
 )
 from inference.models import Deployment
-from sluice.errors import NotFound
+from sluice.errors import NotFound, Unprocessable
 from tenants import selectors as tenant_selectors
 from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import Principal
@@ -171,6 +172,39 @@ def usage_list(*, actor: Principal, tenant_id: int | None = None, model: str | N
     if until is not None:
         rows = rows.filter(day__lte=until)
     return rows
+
+
+SPEND_MAX_HOURS, SPEND_MAX_DAYS = 24 * 31, 400  # the longest range per granularity
+
+
+def spend(*, actor: Principal, granularity: str, since: datetime, until: datetime,
+          group_by: str | None = None, tenant_id: int | None = None,
+          latency: bool = True) -> list[dict[str, Any]]:
+    """The spend history (governance/rollups.py) of the caller's tenant (platform admins:
+    `tenant_id`'s, default their own). Tenant admins and auditors see all of it,
+    developers the calls of their keys (theirs, or made by them). Another tenant is
+    NotFound."""
+    require(actor, Action.GOVERNANCE_MANAGE, Action.AUDIT_READ, Action.APIKEY_MANAGE_OWN)
+    tenant = actor.tenant_id if tenant_id is None else tenant_id
+    if tenant != actor.tenant_id and not (_any(actor)
+                                          and Tenant.objects.filter(pk=tenant).exists()):
+        raise NotFound("No such tenant.")
+    if until <= since:
+        raise Unprocessable("to: after from.", param="to")
+    longest = (timedelta(hours=SPEND_MAX_HOURS) if granularity == rollups.HOUR
+               else timedelta(days=SPEND_MAX_DAYS))
+    if until - since > longest:
+        raise Unprocessable(f"from/to: at most {longest.days} days per {granularity}.",
+                            param="from")
+    prefixes = None
+    if not (actor.can(Action.GOVERNANCE_MANAGE) or actor.can(Action.AUDIT_READ)):
+        mine = Q(created_by=actor.subject)
+        if actor.member_id is not None:
+            mine |= Q(member_id=actor.member_id)
+        prefixes = list(ApiKey.objects.filter(mine, tenant_id=actor.tenant_id)
+                        .values_list("prefix", flat=True))
+    return rollups.spend(tenant_id=tenant, granularity=granularity, start=since, stop=until,
+                         group_by=group_by, key_prefixes=prefixes, latency=latency)
 
 
 def own_usage(*, actor: Principal) -> QuerySet[UsageRecord]:

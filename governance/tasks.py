@@ -15,6 +15,15 @@ def usage_rollup() -> int:
 
 
 @shared_task(acks_late=True, max_retries=3)
+def spend_rollup() -> int:
+    """The last hours' audited calls into the hourly and daily spend rows (idempotent:
+    whole periods are recomputed)."""
+    from governance import rollups
+
+    return rollups.roll()
+
+
+@shared_task(acks_late=True, max_retries=3)
 def audit_purge() -> int:
     """Delete audit events past the retention period (chains stay verifiable)."""
     from datetime import timedelta

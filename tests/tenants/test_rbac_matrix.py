@@ -273,6 +273,9 @@ MATRIX: dict[str, Row] = {
     "price delete": Row("DELETE", lambda c: f"/api/v1/governance/prices/{c.fresh_price()}",
                         None, {PA: 204, TA: 403, DEV: 403, AUD: 403},
                         "api/v1/governance/prices/<int:price_id>"),
+    "spend": Row("GET", lambda c: "/api/v1/governance/spend?from=2026-01-01T00:00:00Z"
+                 "&to=2026-01-02T00:00:00Z&group_by=key", None,
+                 {PA: 200, TA: 200, DEV: 200, AUD: 200}, "api/v1/governance/spend"),
     "billing get": Row("GET", lambda c: f"/api/v1/tenants/{c.org.tenant.pk}/billing", None,
                        {PA: 200, TA: 200, DEV: 403, AUD: 403},
                        "api/v1/tenants/<int:tenant_id>/billing"),

@@ -38,6 +38,9 @@ _RETENTION_SWEEP_S = env_int("SLUICE_RETENTION_SWEEP_S", 3600, minimum=60)
 CELERY_BEAT_SCHEDULE = {
     "usage-rollup": {"task": "governance.tasks.usage_rollup",
                      "schedule": float(env_int("SLUICE_USAGE_ROLLUP_S", 60, minimum=5))},
+    # Spend history (governance/rollups.py): the last hours, recomputed.
+    "spend-rollup": {"task": "governance.tasks.spend_rollup",
+                     "schedule": float(env_int("SLUICE_SPEND_ROLLUP_S", 300, minimum=10))},
     "audit-retention": {"task": "governance.tasks.audit_purge", "schedule": 86_400.0},
     # Conversations, batches and batch files past their tenant's retention.
     "conversations-retention": {"task": "governance.tasks.conversations_retention",
