@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from frontend import upstreams, views
+from frontend import money, upstreams, views
 
 urlpatterns = [
     path("", views.home),
@@ -38,6 +38,11 @@ urlpatterns = [
     path("keys/new", views.key_new),
     path("keys/<int:key_id>/revoke", views.key_revoke),
     path("usage", views.usage),
+    path("spend", money.spend),
+    path("spend.csv", money.spend_csv),
+    path("budgets", money.budgets),
+    path("budgets/new", money.budget_new),
+    path("budgets/<int:budget_id>", money.budget_edit),
     path("conversations", views.conversations),
     path("audit", views.audit),
     path("audit/verify", views.audit_verify),

@@ -53,6 +53,9 @@ NAV: list[tuple[str, str, tuple[Action, ...]]] = [
     ("Tool policy", "/ui/tool-policy", (Action.GOVERNANCE_MANAGE,)),
     ("Members", "/ui/members", (Action.MEMBER_READ,)),
     ("API keys", "/ui/keys", (Action.APIKEY_MANAGE_OWN,)),
+    ("Spend", "/ui/spend", (Action.GOVERNANCE_MANAGE, Action.AUDIT_READ,
+                            Action.APIKEY_MANAGE_OWN)),
+    ("Budgets", "/ui/budgets", (Action.GOVERNANCE_MANAGE,)),
     ("Usage", "/ui/usage", (Action.APIKEY_MANAGE_OWN,)),
     ("Conversations", "/ui/conversations", (Action.MODEL_USE,)),
     ("Audit log", "/ui/audit", (Action.AUDIT_READ,)),
@@ -431,11 +434,14 @@ def export_download(request: HttpRequest, actor: Principal,
 
 
 _STATIC = Path(__file__).resolve().parent / "static" / "frontend"
-_TYPES = {"app.js": "text/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8"}
+_JS, _CSS = "text/javascript; charset=utf-8", "text/css; charset=utf-8"
+_TYPES = {"app.js": _JS, "app.css": _CSS, "spend.js": _JS, "uplot.min.js": _JS,
+          "uplot.min.css": _CSS}
 
 
 def static_file(request: HttpRequest, name: str) -> HttpResponse:
-    """The UI's own two static files, vendored beside it (no collectstatic, no CDN)."""
+    """The UI's own static files and the vendored ones beside them (VENDORED.md; no
+    collectstatic, no CDN)."""
     if name not in _TYPES:
         return HttpResponse(status=404)
     response = HttpResponse((_STATIC / name).read_bytes(), content_type=_TYPES[name])

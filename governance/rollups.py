@@ -162,28 +162,32 @@ def roll(*, now: datetime | None = None, hours: int = LOOKBACK_H) -> int:
 
 def spend(*, tenant_id: int, granularity: str, start: datetime, stop: datetime,
           group_by: str | None = None, key_prefixes: list[str] | None = None,
-          latency: bool = True) -> list[dict[str, Any]]:
+          latency: bool = True, per_period: bool = True) -> list[dict[str, Any]]:
     """The tenant's rollups of the periods that overlap [start, stop), per period (and
     per `group_by`: "key", "member" or "model"), oldest first: calls, errors, tokens,
     cost (exact), and with `latency` the p50/p95 of the calls' latencies (from the
     rows' histograms; the one part that reads every row). `key_prefixes`: only these
-    keys' calls."""
+    keys' calls. Without `per_period`, one row per group for the whole range (its
+    `start`: the range's first period)."""
     model, period = ((UsageHour, timedelta(hours=1)) if granularity == HOUR
                      else (UsageDay, timedelta(days=1)))
     rows = model.objects.filter(tenant_id=tenant_id, start__gt=start - period, start__lt=stop)
     if key_prefixes is not None:
         rows = rows.filter(key_prefix__in=key_prefixes)
-    by = ["start", *([GROUPS[group_by]] if group_by else [])]
-    out = [{**r, "cost_usd": pricing.usd(r.pop("cost"))} for r in rows.values(*by).annotate(
-        calls=Sum("calls"), errors=Sum("errors"), prompt_tokens=Sum("prompt_tokens"),
-        completion_tokens=Sum("completion_tokens"), cached_tokens=Sum("cached_tokens"),
-        cost=Sum("cost_nanousd")).order_by(*by)]
+    by = [*(["start"] if per_period else []), *([GROUPS[group_by]] if group_by else [])]
+    sums = {"calls": Sum("calls"), "errors": Sum("errors"),
+            "prompt_tokens": Sum("prompt_tokens"),
+            "completion_tokens": Sum("completion_tokens"),
+            "cached_tokens": Sum("cached_tokens"), "cost": Sum("cost_nanousd")}
+    found = (list(rows.values(*by).annotate(**sums).order_by(*by)) if by
+             else [{k: v or 0 for k, v in rows.aggregate(**sums).items()}])
+    out = [{"start": start, **r, "cost_usd": pricing.usd(r.pop("cost"))} for r in found]
     if latency:
         hists: dict[tuple[Any, ...], dict[str, int]] = {}
         for values in rows.values_list(*by, "latency_hist").iterator(chunk_size=5000):
             merge(hists.setdefault(tuple(values[:-1]), {}), values[-1])
         for r in out:
             hist = hists.get(tuple(r[f] for f in by), {})
-            r["latency_p50_ms"], r["latency_p95_ms"] = percentile(hist, 0.5), percentile(hist, 0.95)
+            r["latency_p50_ms"] = percentile(hist, 0.5)
+            r["latency_p95_ms"] = percentile(hist, 0.95)
     return out
-

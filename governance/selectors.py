@@ -179,7 +179,7 @@ SPEND_MAX_HOURS, SPEND_MAX_DAYS = 24 * 31, 400  # the longest range per granular
 
 def spend(*, actor: Principal, granularity: str, since: datetime, until: datetime,
           group_by: str | None = None, tenant_id: int | None = None,
-          latency: bool = True) -> list[dict[str, Any]]:
+          latency: bool = True, per_period: bool = True) -> list[dict[str, Any]]:
     """The spend history (governance/rollups.py) of the caller's tenant (platform admins:
     `tenant_id`'s, default their own). Tenant admins and auditors see all of it,
     developers the calls of their keys (theirs, or made by them). Another tenant is
@@ -204,7 +204,8 @@ def spend(*, actor: Principal, granularity: str, since: datetime, until: datetim
         prefixes = list(ApiKey.objects.filter(mine, tenant_id=actor.tenant_id)
                         .values_list("prefix", flat=True))
     return rollups.spend(tenant_id=tenant, granularity=granularity, start=since, stop=until,
-                         group_by=group_by, key_prefixes=prefixes, latency=latency)
+                         group_by=group_by, key_prefixes=prefixes, latency=latency,
+                         per_period=per_period)
 
 
 def own_usage(*, actor: Principal) -> QuerySet[UsageRecord]:

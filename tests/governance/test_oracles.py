@@ -259,6 +259,13 @@ CASES: dict[str, Case] = {
     "response input items": Case("api", "GET", "v1/responses/<response_id>/input_items",
                                  lambda i: f"/v1/responses/{i.response}/input_items"),
     # -- the admin UI -------------------------------------------------------------------------
+    "ui budget edit page": Case("ui", "GET", "ui/budgets/<int:budget_id>",
+                                lambda i: f"/ui/budgets/{i.budget}"),
+    "ui budget save": Case("ui", "POST", "ui/budgets/<int:budget_id>",
+                           lambda i: f"/ui/budgets/{i.budget}",
+                           lambda i: {"limit_usd": "1", "alert_at": "50"}),
+    "ui budget delete": Case("ui", "POST", "ui/budgets/<int:budget_id>",
+                             lambda i: f"/ui/budgets/{i.budget}", lambda i: {"delete": "1"}),
     "ui limit edit page": Case("ui", "GET", "ui/limits/<int:policy_id>",
                                lambda i: f"/ui/limits/{i.limit}"),
     "ui limit save": Case("ui", "POST", "ui/limits/<int:policy_id>",
