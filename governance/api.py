@@ -4,7 +4,7 @@ Handlers only parse, call a selector or service, and serialize."""
 # annotations (dates) at import time.
 
 
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from django.http import FileResponse, HttpRequest
@@ -222,9 +222,11 @@ def usage_list(request: HttpRequest, tenant_id: Id | None = None, model: str | N
 
 @router.get("/governance/spend", response=list[SpendRowOut])
 def spend(request: HttpRequest, query: Query[SpendQuery]):
+    until = _aware(query.until) if query.until else datetime.now(UTC)
+    since = _aware(query.since) if query.since else until - timedelta(days=30)
     return selectors.spend(actor=actor_of(request), granularity=query.granularity,
-                           since=_aware(query.since), until=_aware(query.until),
-                           group_by=query.group_by, tenant_id=query.tenant_id)
+                           since=since, until=until, group_by=query.group_by,
+                           tenant_id=query.tenant_id)
 
 
 def _aware(at: datetime) -> datetime:

@@ -340,14 +340,17 @@ class BillingOut(Schema):
 
 
 class BillingIn(StrictSchema):
-    time_zone: Annotated[str, StringConstraints(max_length=64)] | None = None
-    webhook_url: Annotated[str, StringConstraints(max_length=2048)] | None = None
-    webhook_secret: Annotated[str, StringConstraints(max_length=200)] | None = None
+    time_zone: Annotated[str, StringConstraints(
+        max_length=64, pattern=r"^[A-Za-z0-9_+/-]*$")] | None = None  # an IANA name
+    webhook_url: Annotated[str, StringConstraints(
+        max_length=2048, pattern=r"^[\x21-\x7e]*$")] | None = None  # None: no webhook
+    webhook_secret: Annotated[str, StringConstraints(
+        max_length=200, pattern=r"^[\x21-\x7e]*$")] | None = None  # default: one made
 
 
 class SpendQuery(Schema):
-    since: datetime = Field(alias="from")  # without a zone: UTC
-    until: datetime = Field(alias="to")
+    since: datetime | None = Field(None, alias="from")  # default: 30 days ago; no zone: UTC
+    until: datetime | None = Field(None, alias="to")  # default: now
     granularity: Literal["hour", "day"] = "day"
     group_by: Literal["key", "member", "model"] | None = None
     tenant_id: Id | None = None  # platform admins: another tenant's

@@ -26,7 +26,6 @@ from tests.conftest import (
     assert_openai_error,
     eventually,
     gateway_process,
-    make_org,
     process_env,
 )
 from tests.governance.test_gateway import fire
@@ -34,15 +33,6 @@ from tests.streaming.conftest import Live
 
 pytestmark = [pytest.mark.slow]
 TA, DEV = Role.TENANT_ADMIN, Role.DEVELOPER
-
-
-@pytest.fixture
-def payer(live: Live) -> Org:
-    Price.objects.create(model="echo", input_per_mtok_usd=1000, output_per_mtok_usd=1000,
-                         valid_from=datetime.now(UTC) - timedelta(days=1))
-    org = make_org("payer", [TA, DEV])
-    policy_cache.clear()
-    return org
 
 
 @pytest.fixture

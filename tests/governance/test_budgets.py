@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from decimal import Decimal
 from subprocess import Popen
 from typing import Any
@@ -41,7 +41,6 @@ from tests.conftest import (
     assert_openai_error,
     eventually,
     gateway_process,
-    make_org,
     process_env,
 )
 from tests.streaming.conftest import Live
@@ -248,15 +247,6 @@ def test_a_call_is_charged_once_whoever_settles_it(rds: redis.Redis) -> None:
 
 
 # -- through the gateway -----------------------------------------------------------------
-@pytest.fixture
-def payer(live: Live) -> Org:
-    Price.objects.create(model="echo", input_per_mtok_usd=1000, output_per_mtok_usd=1000,
-                         valid_from=datetime.now(UTC) - timedelta(days=1))
-    org = make_org("payer", [Role.TENANT_ADMIN, Role.DEVELOPER])
-    policy_cache.clear()
-    return org
-
-
 def body(text: str, max_tokens: int = 16) -> dict[str, Any]:
     return {"model": "echo", "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens}
