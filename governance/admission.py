@@ -132,9 +132,12 @@ class Admission:
     def cost(self, final: FinalEvent | None) -> int | None:
         """What the call costs in nano-dollars by its price at admission, for the tokens
         its final event counts; None when it is not priced or ended without one."""
-        if self.terms is None or final is None:
+        return None if final is None else self.price(final["usage"])
+
+    def price(self, usage: jobs.Usage) -> int | None:
+        """What `usage` costs in nano-dollars at the call's price (None: unpriced)."""
+        if self.terms is None:
             return None
-        usage = final["usage"]
         return self.terms.cost(usage["prompt_tokens"], usage["completion_tokens"])
 
     def audit_detail(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import struct
 import time
 from typing import Any
 
+from governance import pricing
 from inference.jobs import DoneEvent, ToolCall, ToolDelta, Usage
 from streaming.pipeline.callrequest import CallRequest
 from streaming.pipeline.fold import Fold
@@ -79,6 +80,13 @@ def usage(counted: Usage) -> dict[str, int]:
     prompt, completion = counted["prompt_tokens"], counted["completion_tokens"]
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def cost(sub: Submitted | None, counted: Usage) -> dict[str, str]:
+    """A stream's usage object's `cost_usd`: what `counted` costs at the call's price,
+    the figure COST_HEADER gives a reply answered whole ({} when unpriced)."""
+    nanos = sub.admission.price(counted) if sub is not None else None
+    return {} if nanos is None else {"cost_usd": pricing.usd(nanos)}
 
 
 def message(text: str, final: DoneEvent) -> dict[str, Any]:

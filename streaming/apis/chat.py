@@ -160,7 +160,9 @@ async def _stream(send: Send, fold: Fold, rids: list[str], req: ChatCompletionRe
             await out.flush()
         if req.stream_options is not None and req.stream_options.include_usage \
                 and fold.done:
-            emit(i, seq, {**base, "choices": [], "usage": bodies.usage(fold.usage())})
+            counted = fold.usage()
+            emit(i, seq, {**base, "choices": [], "usage": {
+                **bodies.usage(counted), **bodies.cost(subs[0] if subs else None, counted)}})
     if before_done is not None:
         await before_done("".join(parts))
     await sse.last(send, out, b"data: [DONE]\n\n")

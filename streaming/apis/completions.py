@@ -283,7 +283,9 @@ async def _stream(send: Send, req: CompletionRequest, prompts: list[str],
                 await emit(chunk(piece.i, "", finish=bodies.finish_reason(piece.event)))
         if req.stream_options is not None and req.stream_options.include_usage \
                 and fold.done:
-            await emit({**base, "choices": [], "usage": bodies.usage(fold.usage())})
+            counted = fold.usage()
+            await emit({**base, "choices": [], "usage": {
+                **bodies.usage(counted), **bodies.cost(subs[0] if subs else None, counted)}})
     await sse.last(send, out, b"data: [DONE]\n\n")
 
 

@@ -1,6 +1,6 @@
 """What a call cost, on every answered-in-one-piece reply: `x-sluice-cost-usd` on REST
-(OpenAI's and Anthropic's official clients), gRPC's trailing metadata, the call's audit
-event and the usage rows, all the same exact figure from the price valid when the call
+(OpenAI's and Anthropic's official clients), the usage that ends a stream, gRPC's
+trailing metadata, the call's audit event and the usage rows, all the same exact figure from the price valid when the call
 was admitted; an unpriced model's replies carry none."""
 
 from __future__ import annotations
@@ -74,6 +74,41 @@ def test_each_api_reports_the_cost_of_its_reply(live: Live, org: Org) -> None:
     # Not priced: no figure rather than a made-up zero.
     plain = client.embeddings.with_raw_response.create(model="minilm", input=["free"])
     assert pricing.COST_HEADER not in plain.headers
+
+
+def test_each_apis_stream_ends_with_its_cost_in_its_usage(live: Live, org: Org) -> None:
+    """A stream's headers leave before its cost is known: the usage that ends it carries
+    `cost_usd` (an extra field each official client keeps)."""
+    key = org.keys[Role.DEVELOPER]
+    client = openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=30)
+    chunks = list(client.chat.completions.create(
+        model="echo", stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "a streamed cost"}]))
+    used = chunks[-1].usage
+    assert used is not None and used.model_extra is not None
+    assert used.model_extra["cost_usd"] == expected(used.prompt_tokens, used.completion_tokens)
+    legacy = list(client.completions.create(model="echo", prompt="streamed", max_tokens=4,
+                                            stream=True,
+                                            stream_options={"include_usage": True}))
+    counted = legacy[-1].usage
+    assert counted is not None and counted.model_extra is not None
+    assert counted.model_extra["cost_usd"] == expected(counted.prompt_tokens, 4)
+    events = list(client.responses.create(model="echo", input="a streamed response",
+                                          store=False, stream=True))
+    done = events[-1]
+    assert done.type == "response.completed" and done.response.usage is not None
+    assert done.response.usage.model_extra is not None
+    assert done.response.usage.model_extra["cost_usd"] == expected(
+        done.response.usage.input_tokens, done.response.usage.output_tokens)
+    an = anthropic.Anthropic(base_url=live.base_url.removesuffix("/v1"), api_key=key,
+                             max_retries=0, timeout=30)
+    with an.messages.stream(model="echo", max_tokens=64,
+                            messages=[{"role": "user", "content": "a message"}]) as stream:
+        deltas = [e for e in stream if e.type == "message_delta"]
+        final = stream.get_final_message()
+    assert deltas and deltas[-1].usage.model_extra is not None
+    assert deltas[-1].usage.model_extra["cost_usd"] == expected(final.usage.input_tokens,
+                                                               final.usage.output_tokens)
 
 
 def test_grpc_carries_the_cost_in_its_trailing_metadata(grpc_target: str, org: Org) -> None:

@@ -122,7 +122,7 @@ async def stream(sub: Submitted, model: str, send: Send,
                 out.add(_sse("error", error_body(piece.error)))
                 break
             elif isinstance(piece, Final):
-                blocks.finish(piece.event)
+                blocks.finish(piece.event, bodies.cost(sub, piece.event["usage"]))
     await sse.last(send, out)
 
 
@@ -182,7 +182,9 @@ class _Blocks:
                 self._streamed[piece["index"]] += piece["arguments"]
                 self._input(piece["arguments"])
 
-    def finish(self, final: DoneEvent) -> None:
+    def finish(self, final: DoneEvent, cost: dict[str, str]) -> None:
+        """The open blocks closed, then `message_delta` (its usage with `cost`, the
+        call's `cost_usd` when priced) and `message_stop`."""
         calls = final.get("tool_calls") or []
         last = len(self._streamed) - 1
         if self._tool_open and 0 <= last < len(calls):
@@ -201,7 +203,7 @@ class _Blocks:
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason(final),
                       "stop_sequence": final.get("stop_sequence")},
-            "usage": usage(final)}))
+            "usage": {**usage(final), **cost}}))
         self._write(_sse("message_stop", {"type": "message_stop"}))
 
 

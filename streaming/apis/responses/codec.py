@@ -268,15 +268,18 @@ class ResponsesApi(Api):
                     # another deployment is never kept: its reply began here).
                     kept = "kept_at" in piece.event and sub.handle.rid == rid
                     await self._finish(ctx, stream, req, items, final=piece.event,
-                                       kept=kept)
+                                       kept=kept,
+                                       cost=bodies.cost(sub, piece.event["usage"]))
         await sse.last(ctx.send, out)
 
     async def _finish(self, ctx: Context, stream: EventStream, req: ResponsesRequest,
                       items: list[dict[str, Any]], *, final: DoneEvent | None = None,
-                      error: ApiError | None = None, kept: bool = False) -> None:
+                      error: ApiError | None = None, kept: bool = False,
+                      cost: dict[str, str] | None = None) -> None:
         """The stream's last events (queued: they go with its last message): the output
         closed, the response stored (when asked and the worker did not keep it), then
-        completed / incomplete / failed."""
+        completed / incomplete / failed, its usage with `cost` (the call's `cost_usd`
+        when priced; not stored: a stored response's usage is OpenAI's)."""
         body = stream.end(final) if final is not None else \
             stream.fail(error or BadRequest("The generation failed."))
         if req.store and not kept:
@@ -286,6 +289,8 @@ class ResponsesApi(Api):
             except ApiError as exc:  # Redis went away: the caller must not chain
                 body = {**body, "status": "failed", "completed_at": None,
                         "error": {"code": "server_error", "message": exc.message}}
+        if cost and body.get("usage"):
+            body = {**body, "usage": {**body["usage"], **cost}}
         stream.close(body)
 
 
