@@ -113,7 +113,8 @@ def test_banner_prints_urls_login_key_and_curl(running: Running) -> None:
                      f'curl -s {running.base}/api/v1/me -H "Authorization: Bearer {running.key}"',
                      "(private, stops with Sluice)", "sqlite3",
                      "smollm2-135m-instruct, all-minilm-l6-v2, echo",
-                     "x-sluice-cost-usd", f"{running.base}/api/v1/governance/budgets/"):
+                     "x-sluice-cost-usd", f"{running.base}/api/v1/governance/budgets/",
+                     f"{running.base}/ui/spend"):
         assert fragment in running.banner
 
 

@@ -220,11 +220,13 @@ Sluice is running.
   Model workers               {", ".join(models) or "none"} (autoscaled; the first
                               start converts the chat model's weights once: ~30 s)
   Celery                      batches worker; maintenance worker + beat (usage
-                              rollup, retention, exports); audit writer; responses writer
+                              and spend rollups, retention, exports); audit writer;
+                              responses writer
 
   Login     {user} / {password}   (tenant {tenant}, platform admin)
   API key   {key}   (developer)
-  Spend     each reply's cost is its x-sluice-cost-usd header; the prices:
+  Spend     each reply's cost is its x-sluice-cost-usd header; over time (chart,
+            CSV, budgets): {base}/ui/spend; the prices:
             {base}/api/v1/governance/prices; the tenant's budget
             (${budget.limit_usd.normalize():f} a month, spent so far):
             {base}/api/v1/governance/budgets/{budget.pk}   (as the admin)
