@@ -138,7 +138,8 @@ class Admission:
         """What `usage` costs in nano-dollars at the call's price (None: unpriced)."""
         if self.terms is None:
             return None
-        return self.terms.cost(usage["prompt_tokens"], usage["completion_tokens"])
+        return self.terms.cost(usage["prompt_tokens"], usage["completion_tokens"],
+                               device_us=usage.get("device_us", 0))
 
     def audit_detail(self) -> dict[str, Any]:
         """What the call's audit event adds to its detail beyond the finish, the probe
@@ -160,6 +161,7 @@ class Admission:
                     else None, "probe": self.probe,
                     "degraded": self.max_tokens_cap is not None, **self.audit_detail(),
                     **({} if cost is None else {"cost_usd": pricing.usd(cost)}),
+                    **({"device_us": usage["device_us"]} if "device_us" in usage else {}),
                     **self.notes}))
 
 
@@ -271,7 +273,8 @@ class Governor:
                                             ratelimit.args_for(buckets, costs, "check")))
             if quotas:
                 hold = settings.SLUICE_REQUEST_TIMEOUT_S + 30
-                worst = adm.terms.worst(adm.tokens) if adm.terms is not None else 0
+                worst = (adm.terms.worst(adm.tokens, settings.SLUICE_REQUEST_TIMEOUT_S)
+                         if adm.terms is not None else 0)
                 calls.append(scripts.script(
                     quota.RESERVE_LUA, quota.keys_for(tenant, quotas),
                     quota.reserve_args(adm.id, hold, quotas, adm.tokens, cost=worst)))

@@ -16,6 +16,7 @@ before its first version a model has no price (its calls cost nothing and say so
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,21 +51,30 @@ class Terms:
                    gpu_second=(None if row.gpu_second_usd is None
                                else int(Decimal(row.gpu_second_usd) * NANO_PER_USD)))
 
-    def worst(self, tokens: int) -> int:
+    def worst(self, tokens: int, seconds: float = 0.0) -> int:
         """Nano-dollars that `tokens` (a call's bound: its prompt's and what it may
-        generate) cost at most, each at the highest of the prices: what a budget
+        generate) cost at most, each at the highest of the prices, plus, with a price
+        per GPU-second, `seconds` of the whole device (a call's share of the steps it
+        ran in never exceeds the time it ran, at most its deadline): what a budget
         reserves, never less than the call's real `cost`."""
-        return -(-tokens * max(self.input, self.output, self.cached_input) // 1000)
+        most = -(-tokens * max(self.input, self.output, self.cached_input) // 1000)
+        if self.gpu_second:
+            most += math.ceil(seconds * self.gpu_second)
+        return most
 
-    def cost(self, prompt: int, completion: int, cached: int = 0) -> int:
+    def cost(self, prompt: int, completion: int, cached: int = 0, device_us: int = 0) -> int:
         """Nano-dollars for a call's tokens; `cached` of the `prompt` tokens at the
-        cached-input price. Rounded up once, so a priced call never costs 0 unless its
-        prices are 0."""
-        if not 0 <= cached <= prompt or completion < 0:
-            raise ValueError(f"token counts out of range: {prompt=} {completion=} {cached=}")
+        cached-input price; with a price per GPU-second, `device_us` microseconds of the
+        device (its share of the steps: inference/engine/engine.py). Rounded up once, so
+        a priced call never costs 0 unless its prices are 0."""
+        if not 0 <= cached <= prompt or completion < 0 or device_us < 0:
+            raise ValueError(f"usage out of range: {prompt=} {completion=} {cached=} "
+                             f"{device_us=}")
         pico = ((prompt - cached) * self.input + cached * self.cached_input
                 + completion * self.output)
-        return -(-pico // 1000)
+        # femto-dollars: pico * 1000, and µs x nano-dollars per second
+        femto = pico * 1000 + device_us * (self.gpu_second or 0)
+        return -(-femto // 10**6)
 
 
 def micros(usd: Decimal | int | str) -> int:

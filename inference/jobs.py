@@ -18,6 +18,7 @@ finds a request's final event by `"t":"done"` / `"t":"error"`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
 import msgspec
@@ -224,6 +225,10 @@ def decode_job(body: bytes | str) -> Job:
 class Usage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
+    # The request's share of the model's step time, in microseconds (a step's time split
+    # evenly among its sequences, a prefill's by prompt length): device time on a GPU,
+    # wall time on a CPU. A self-hosted chat model's only; priced by `gpu_second_usd`.
+    device_us: NotRequired[int]
 
 
 class ToolCall(TypedDict):
@@ -323,8 +328,21 @@ def is_final(event: Event) -> TypeIs[FinalEvent]:
     return event["t"] == "done" or event["t"] == "error"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, device_us: int = 0) -> Usage:
+    counted: Usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    if device_us:
+        counted["device_us"] = device_us
+    return counted
+
+
+def summed(finals: Sequence[FinalEvent] | Sequence[DoneEvent]) -> Usage:
+    """The usage of final events (one call's, or its choices') summed."""
+    prompt = completion = device = 0
+    for final in finals:
+        prompt += final["usage"]["prompt_tokens"]
+        completion += final["usage"]["completion_tokens"]
+        device += final["usage"].get("device_us", 0)
+    return usage(prompt, completion, device)
 
 
 def encode_event(event: Event) -> str:

@@ -100,7 +100,8 @@ class Worker:
                                  spec.extra.get("reclaim_after_ms", 30000))))
         self.engine = Engine(self.runtime, overlap_min_step_s=overlap_min_step_s)
         self.outbox = Outbox(served=self.health.served)
-        self.output = OutputProcessor(self.outbox, self.runtime)
+        self.output = OutputProcessor(self.outbox, self.runtime,
+                                      device_s=self.engine.take_device_s)
         self.inputs = InputProcessor(self.runtime, model_name=spec.name) \
             if isinstance(self.runtime, ChatRuntime) else None
         self.writer = Writer(client, spec.name, self.id)

@@ -26,6 +26,11 @@ see a constraint one token ahead of the token it handles (the output processor a
 for it). A shorter step (the echo runtime without delay) runs inline, where a thread
 handoff would cost more than it hides.
 
+Device time (`take_device_s`): each step's time is split evenly among the sequences it
+advanced, a prefill's among the sequences it started by prompt length; on a GPU the
+step ends with its tokens on the host, so its time is the device's, on a CPU it is the
+step's wall time. What a request was given is priced by `gpu_second_usd`.
+
 Newcomers' first tokens (their prefill's) are handled after the tokens of the step that
 ended as they joined: a batch's events keep one order from step to step, newcomers
 last (ahead of the batch, a newcomer's first token went out first in its wave and its
@@ -62,6 +67,7 @@ class Engine:
         self._dropping: list[str] = []
         self._firsts: Tokens = {}
         self._step_s = 0.0
+        self._device_s: dict[str, float] = {}  # each sequence's share of step time so far
 
     @property
     def chat(self) -> ChatRuntime:
@@ -86,7 +92,10 @@ class Engine:
             else:
                 refused.append((seq, refusal))
         if accepted:
+            started = time.perf_counter()
             self._firsts.update(chat.add(accepted))
+            self._share(time.perf_counter() - started,
+                        {seq.rid: max(1, len(seq.prompt_ids)) for seq in accepted})
             self.rows.update(seq.rid for seq in accepted)
         return refused
 
@@ -105,7 +114,21 @@ class Engine:
         yield tokens or {}
         yield firsts
         if not overlap and tokens is None and self.rows:
-            yield self._timed_step()
+            tokens = self._timed_step()
+            self._share(self._step_s, dict.fromkeys(tokens, 1))
+            yield tokens
+
+    def take_device_s(self, rid: str) -> float:
+        """The seconds of step time `rid` was given (see the module's docstring), once:
+        the request's final event reports them."""
+        return self._device_s.pop(rid, 0.0)
+
+    def _share(self, seconds: float, weights: dict[str, int], total: int = 0) -> None:
+        """`seconds` split among `weights`' sequences by weight (of `total`, when some
+        that took part are not among them)."""
+        total = total or sum(weights.values())
+        for rid, weight in weights.items():
+            self._device_s[rid] = self._device_s.get(rid, 0.0) + seconds * weight / total
 
     def drop(self, rids: Iterable[str]) -> None:
         """Take finished sequences out of the runtime: now, or after the running step."""
@@ -136,11 +159,14 @@ class Engine:
             return
         stepping, self._stepping = self._stepping, None
         tokens = stepping.result()
+        advanced = len(tokens)
         if self._dropping:
             gone = set(self._dropping)
             self.chat.drop(self._dropping)
             self._dropping = []
             tokens = {rid: token for rid, token in tokens.items() if rid not in gone}
+        # A sequence that ended meanwhile has reported its time: its share is nobody's.
+        self._share(self._step_s, dict.fromkeys(tokens, 1), total=advanced)
         self._stepped = tokens
 
     def settle(self) -> None:
@@ -156,6 +182,7 @@ class Engine:
                 self._stepping.result()
             self._stepping = None
         self._stepped, self._firsts = None, {}
+        self._device_s.clear()
         if isinstance(self.runtime, ChatRuntime):
             self.runtime.drop([*self.rows, *self._dropping])
         self._dropping = []

@@ -28,6 +28,7 @@ row that is cancelled or expires meanwhile ends through `finish_parked`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -102,11 +103,13 @@ class Row:
 
 
 def done_event(seq: int, reason: str, *, prompt_tokens: int, completion_tokens: int,
-               tool_calls: list[ToolCall] | None = None, stop_sequence: str = "") -> DoneEvent:
+               tool_calls: list[ToolCall] | None = None, stop_sequence: str = "",
+               device_us: int = 0) -> DoneEvent:
     """A request's end. `stop_sequence`: the stop string that ended the reply
-    (Anthropic's Messages API names it; finish stays "stop")."""
+    (Anthropic's Messages API names it; finish stays "stop"); `device_us`: its share of
+    the model's step time (inference/engine/engine.py)."""
     event: DoneEvent = {"t": "done", "seq": seq, "finish": reason,
-                        "usage": usage(prompt_tokens, completion_tokens)}
+                        "usage": usage(prompt_tokens, completion_tokens, device_us)}
     if tool_calls:
         event["tool_calls"] = tool_calls
     if stop_sequence:
@@ -125,8 +128,12 @@ def error_event(exc: RequestError, *, seq: int = 0, cost: tuple[int, int] = (0, 
 
 
 class OutputProcessor:
-    def __init__(self, outbox: Outbox, runtime: ChatRuntime | EmbeddingRuntime) -> None:
+    def __init__(self, outbox: Outbox, runtime: ChatRuntime | EmbeddingRuntime,
+                 device_s: Callable[[str], float] | None = None) -> None:
+        """`device_s(rid)`: the seconds of step time a finishing request was given (the
+        engine's `take_device_s`), reported in its final event's usage."""
         self.outbox = outbox
+        self._device_s = device_s
         self.rows: dict[str, Row] = {}  # the running requests, by request id
         self.parked: dict[str, Row] = {}  # rows preempted, waiting to run again
         # Each tracked row's prompt and sampling parameters (a parked row restarts).
@@ -328,6 +335,8 @@ class OutputProcessor:
         self._emit_text(row, final=True)  # whatever was held back, if anything
         self.rows.pop(row.req.rid, None)
         self._inputs.pop(row.req.rid, None)
+        device_us = (round(self._device_s(row.req.rid) * 1e6)
+                     if self._device_s is not None else 0)
         pending, cost = row.pending, (row.prompt_tokens, len(row.ids))
         if reason == "tool_calls" and row.constraint is not None:
             calls = self._calls(row)
@@ -336,7 +345,7 @@ class OutputProcessor:
             self.outbox.final(pending, done_event(
                 row.seq, reason, prompt_tokens=row.prompt_tokens,
                 completion_tokens=max(len(row.ids), len(row.constraint.emitted)),
-                tool_calls=calls))
+                tool_calls=calls, device_us=device_us))
         elif reason == "deadline":
             self.outbox.final(pending, error_event(expired_in_generation(), seq=row.seq,
                                                    cost=cost))
@@ -346,7 +355,8 @@ class OutputProcessor:
         else:
             self.outbox.final(pending, done_event(
                 row.seq, reason, prompt_tokens=row.prompt_tokens,
-                completion_tokens=len(row.ids), stop_sequence=row.stopped_by))
+                completion_tokens=len(row.ids), stop_sequence=row.stopped_by,
+                device_us=device_us))
         return True
 
 

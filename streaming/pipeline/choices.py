@@ -30,7 +30,16 @@ from redis.exceptions import RedisError
 
 from governance.admission import Admission
 from inference.client import RequestHandle
-from inference.jobs import ChatJob, Event, FinalEvent, Job, is_done, is_error, is_final, usage
+from inference.jobs import (
+    ChatJob,
+    Event,
+    FinalEvent,
+    Job,
+    is_done,
+    is_error,
+    is_final,
+    summed,
+)
 from sluice.aio import finish_or_cancel
 from sluice.errors import ApiError, BadRequest, DeadlineExceeded
 
@@ -137,12 +146,8 @@ def combined(finals: list[FinalEvent]) -> FinalEvent | None:
     failed = [e for e in ordered if is_error(e)]
     base = failed[0] if failed else ordered[0]
     finishes = [e.get("finish") for e in ordered]
-    prompt = completion = 0
-    for event in ordered:
-        prompt += event["usage"]["prompt_tokens"]
-        completion += event["usage"]["completion_tokens"]
     merged = base.copy()
-    merged["usage"] = usage(prompt, completion)
+    merged["usage"] = summed(ordered)
     if is_done(merged) and "cancelled" in finishes:
         merged["finish"] = "cancelled"
     return merged

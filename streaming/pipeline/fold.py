@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from inference.jobs import DoneEvent, Event, FinalEvent, ToolDelta, Usage, usage
+from inference.jobs import DoneEvent, Event, FinalEvent, ToolDelta, Usage, summed
 from sluice.errors import ApiError, ServerError
 from streaming.pipeline.gateway import error_from_event
 from streaming.pipeline.submitted import cancelled_error
@@ -103,15 +103,6 @@ class Whole:
 
     def usage(self) -> Usage:
         return summed(self.finals)
-
-
-def summed(finals: list[FinalEvent] | list[DoneEvent]) -> Usage:
-    """The usage of final events (one call's, or its choices') summed."""
-    prompt = completion = 0
-    for final in finals:
-        prompt += final["usage"]["prompt_tokens"]
-        completion += final["usage"]["completion_tokens"]
-    return usage(prompt, completion)
 
 
 class Fold:

@@ -1,11 +1,13 @@
 """What a call cost, on every answered-in-one-piece reply: `x-sluice-cost-usd` on REST
 (OpenAI's and Anthropic's official clients), the usage that ends a stream, gRPC's
-trailing metadata, the call's audit event and the usage rows, all the same exact figure from the price valid when the call
-was admitted; an unpriced model's replies carry none."""
+trailing metadata, the call's audit event and the usage rows, all the same exact
+figure from the price valid when the call was admitted; an unpriced model's replies
+carry none."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -16,7 +18,7 @@ import pytest
 
 from governance import audit, pricing, usage
 from governance import cache as policy_cache
-from governance.models import AuditEvent, Price, UsageRecord
+from governance.models import AuditEvent, Budget, BudgetScope, Price, UsageRecord
 from streaming.protos import inference_pb2 as pb
 from streaming.protos import inference_pb2_grpc as pb_grpc
 from tenants.roles import Role
@@ -109,6 +111,38 @@ def test_each_apis_stream_ends_with_its_cost_in_its_usage(live: Live, org: Org) 
     assert deltas and deltas[-1].usage.model_extra is not None
     assert deltas[-1].usage.model_extra["cost_usd"] == expected(final.usage.input_tokens,
                                                                final.usage.output_tokens)
+
+
+def test_a_gpu_second_price_charges_the_calls_share_of_the_steps(live: Live, tiny: str,
+                                                                 org: Org) -> None:
+    """A self-hosted model priced by device time: the worker reports each request's
+    share of its steps' time (a CPU's wall time here), the reply costs exactly that at
+    the price, and a budget holds the deadline's worth of the whole device."""
+    Price.objects.create(model=tiny, input_per_mtok_usd=0, output_per_mtok_usd=0,
+                         gpu_second_usd=Decimal("0.5"),
+                         valid_from=datetime.now(UTC) - timedelta(days=1))
+    policy_cache.clear()
+    client = openai.OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER],
+                           max_retries=0, timeout=60)
+    began = time.monotonic()
+    raw = client.chat.completions.with_raw_response.create(
+        model=tiny, max_tokens=8, messages=[{"role": "user", "content": "time me"}])
+    took_us = (time.monotonic() - began) * 1e6
+    cost = raw.headers[pricing.COST_HEADER]
+    audit.drain()
+    event = eventually(lambda: AuditEvent.objects.filter(model=tiny).order_by("-id").first())
+    device_us = event.detail["device_us"]
+    assert 0 < device_us < took_us
+    assert cost == event.detail["cost_usd"] == pricing.usd(-(-device_us * 500_000_000
+                                                             // 10**6))
+    # The hold: the whole device for the deadline ($0.5 a second), more than $1.
+    Budget.objects.create(tenant=org.tenant, scope=BudgetScope.TENANT, window="day",
+                          limit_usd=Decimal("1"))
+    policy_cache.clear()
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model=tiny, max_tokens=8,
+                                       messages=[{"role": "user", "content": "again"}])
+    assert caught.value.code == "budget_exceeded"
 
 
 def test_grpc_carries_the_cost_in_its_trailing_metadata(grpc_target: str, org: Org) -> None:

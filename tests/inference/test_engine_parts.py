@@ -272,6 +272,32 @@ def test_an_inline_step_runs_after_the_handed_out_tokens_are_handled() -> None:
     engine.close(wait=True)
 
 
+def test_each_sequence_is_given_its_share_of_the_step_time() -> None:
+    """Device time: a step's time split evenly among the sequences it advanced, a
+    prefill's by prompt length; what a finished sequence reports is taken once; a
+    sequence that ended during an overlapped step gets none of it. The shares add up
+    to the steps' time."""
+    runtime = EchoRuntime(token_delay_ms=20)
+    engine = Engine(runtime, overlap_min_step_s=0.0)
+    began = time.perf_counter()
+    try:
+        engine.add([sequence("a", b"a" * 30), sequence("b", b"b" * 10)])
+        for _ in range(3):
+            list(engine.step())
+        engine.drop(["b"])  # its step is running: its token of it is nobody's
+        b = engine.take_device_s("b")
+        list(engine.step())
+        engine.settle()
+        a = engine.take_device_s("a")
+    finally:
+        engine.close(wait=True)
+    assert engine.take_device_s("a") == 0.0, "taken once"
+    assert 0.02 <= b < a < time.perf_counter() - began
+    # a: half of each of the three steps it shared (b's half of the third is nobody's)
+    # and the whole of the one it ran alone, each at least the echo's 20 ms.
+    assert a >= 3 * 0.02 / 2 + 0.02
+
+
 # -- intake ---------------------------------------------------------------------------
 
 
