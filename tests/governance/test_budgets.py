@@ -340,6 +340,15 @@ def test_each_api_refuses_over_budget_in_its_own_shape(live: Live, payer: Org,
     with pytest.raises(openai.RateLimitError) as caught:
         client.responses.create(model="echo", input="over")
     assert caught.value.code == "budget_exceeded"
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model="echo", prompt="over", max_tokens=4)
+    assert caught.value.code == "budget_exceeded"
+    with pytest.raises(openai.RateLimitError) as caught:  # a stream is refused before it starts
+        client.chat.completions.create(stream=True, **body("over"))
+    assert caught.value.code == "budget_exceeded"
+    frames = asyncio.run(_over_the_socket(key))
+    assert frames[0]["type"] == "error" and frames[0]["id"] == "b1"
+    assert frames[0]["error"]["code"] == "budget_exceeded", frames
     an = anthropic.Anthropic(base_url=live.base_url.removesuffix("/v1"), api_key=key,
                              max_retries=0, timeout=30)
     with pytest.raises(anthropic.RateLimitError) as refused:
@@ -365,3 +374,17 @@ def test_each_api_refuses_over_budget_in_its_own_shape(live: Live, payer: Org,
     admin = openai.OpenAI(base_url=live.base_url, api_key=payer.keys[Role.TENANT_ADMIN],
                           max_retries=0, timeout=30)
     assert admin.chat.completions.create(**body("fine")).choices[0].message.content == "fine"
+
+
+async def _over_the_socket(key: str) -> list[dict[str, Any]]:
+    """A chat request over the WebSocket transport (its own error frame)."""
+    from streaming.pipeline.gateway import shared_gateway
+    from tests.streaming.test_websocket import chat, frames_until, socket
+    ws = socket(key)
+    try:
+        assert (await ws.connect())[0]
+        await ws.send_to(text_data=chat("b1", "over"))
+        return await frames_until(ws, {"b1"})
+    finally:
+        await ws.disconnect()
+        await shared_gateway().close()
