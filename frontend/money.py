@@ -2,8 +2,8 @@
 from the rollups only, governance/rollups.py), and budgets with their burn-down, the
 alerts their window has reached, and their form. The management API's selectors and
 services decide what each role sees and may change: tenant admins and auditors see the
-tenant's spend, developers their keys'; tenant admins set their members' and keys'
-budgets, platform admins tenants'."""
+tenant's spend and budgets, developers their keys' spend; tenant admins set their
+members' and keys' budgets, platform admins tenants'."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def spend(request: HttpRequest, actor: Principal) -> HttpResponse:
                  calls=sum(r["calls"] for r in series), groups=groups[:BREAKDOWN_ROWS],
                  more=max(0, len(groups) - BREAKDOWN_ROWS), group_by=group_by,
                  days=days, granularity=granularity, budgets=_budgets(actor),
+                 can_edit=actor.can(Action.GOVERNANCE_MANAGE),
                  query=request.GET.urlencode(),
                  own_only=not any(actor.can(a) for a in SPEND_ROLES[:2]))
 
@@ -106,7 +107,7 @@ def _cell(value: Any) -> Any:
 def _budgets(actor: Principal) -> list[tuple[Budget, dict[str, Any], int]]:
     """The budgets the actor may see, each with its window's use and its spend as a
     whole percentage of the limit (the burn-down bar)."""
-    if not actor.can(Action.GOVERNANCE_MANAGE):
+    if not (actor.can(Action.GOVERNANCE_MANAGE) or actor.can(Action.AUDIT_READ)):
         return []
     out = []
     for budget in gov.budget_list(actor=actor)[:100]:
@@ -117,9 +118,11 @@ def _budgets(actor: Principal) -> list[tuple[Budget, dict[str, Any], int]]:
     return out
 
 
-@page(Action.GOVERNANCE_MANAGE)
+@page(Action.GOVERNANCE_MANAGE, Action.AUDIT_READ)
 def budgets(request: HttpRequest, actor: Principal) -> HttpResponse:
-    return _page(request, actor, "budgets.html", budgets=_budgets(actor))
+    """Every role that reads budgets sees them; those that set them get the form."""
+    return _page(request, actor, "budgets.html", budgets=_budgets(actor),
+                 can_edit=actor.can(Action.GOVERNANCE_MANAGE))
 
 
 class BudgetForm(forms.Form):

@@ -55,7 +55,7 @@ NAV: list[tuple[str, str, tuple[Action, ...]]] = [
     ("API keys", "/ui/keys", (Action.APIKEY_MANAGE_OWN,)),
     ("Spend", "/ui/spend", (Action.GOVERNANCE_MANAGE, Action.AUDIT_READ,
                             Action.APIKEY_MANAGE_OWN)),
-    ("Budgets", "/ui/budgets", (Action.GOVERNANCE_MANAGE,)),
+    ("Budgets", "/ui/budgets", (Action.GOVERNANCE_MANAGE, Action.AUDIT_READ)),
     ("Usage", "/ui/usage", (Action.APIKEY_MANAGE_OWN,)),
     ("Conversations", "/ui/conversations", (Action.MODEL_USE,)),
     ("Audit log", "/ui/audit", (Action.AUDIT_READ,)),

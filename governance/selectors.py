@@ -129,7 +129,9 @@ def governed_member(*, actor: Principal, tenant_id: int, member_id: int) -> Memb
 
 
 def budget_list(*, actor: Principal, tenant_id: int | None = None) -> QuerySet[Budget]:
-    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY)
+    """The budgets the caller may see: their tenant's (tenant admins and auditors), or
+    every tenant's (platform admins)."""
+    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY, Action.AUDIT_READ)
     rows = Budget.objects.select_related("tenant").order_by("id")
     if not _any(actor):
         rows = rows.filter(tenant_id=actor.tenant_id)

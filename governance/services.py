@@ -242,6 +242,7 @@ def budget_delete(*, actor: Principal, budget_id: int) -> None:
 
 
 def _may_write_budget(actor: Principal, budget: Budget) -> None:
+    require(actor, Action.GOVERNANCE_MANAGE, Action.GOVERNANCE_MANAGE_ANY)  # auditors read
     if budget.scope == BudgetScope.TENANT and not actor.can(Action.GOVERNANCE_MANAGE_ANY):
         raise PermissionDenied("Tenant budgets are set by platform admins.")
 

@@ -77,8 +77,10 @@ def test_platform_admins_set_tenant_budgets_tenant_admins_their_members_and_keys
                                               {"limit_usd": 100}), 403)
     assert alice.client(TA).call("PATCH", f"{URL}/{made.body['id']}",
                                  {"limit_usd": "3"}).body["limit_usd"] == "3"
-    for role in (DEV, AUD):
-        assert_openai_error(alice.client(role).get(URL), 403)
+    assert_openai_error(alice.client(DEV).get(URL), 403)
+    assert alice.client(AUD).get(URL).body["count"] == 3, "auditors read budgets"
+    assert_openai_error(alice.client(AUD).call("PATCH", f"{URL}/{made.body['id']}",
+                                               {"limit_usd": "1"}), 403)
     assert Budget.objects.count() == 3
 
 
