@@ -15,13 +15,15 @@ from typing import Any
 from django import forms
 from django.http import HttpRequest, HttpResponse
 
+from frontend.paging import keyset
 from frontend.session import page
 from frontend.views import _deleted, _form_view, _page
 from governance import live
 from governance import selectors as gov
 from governance import services as gov_services
-from governance.models import Budget, BudgetScope, BudgetWindow
-from sluice.errors import Unprocessable
+from governance.models import Budget, BudgetScope, BudgetWindow, Price
+from governance.services import PRICE_FIELDS
+from sluice.errors import NotFound, Unprocessable
 from tenants.principal import Principal
 from tenants.roles import Action
 
@@ -196,3 +198,42 @@ def budget_edit(request: HttpRequest, actor: Principal, budget_id: int) -> HttpR
     return _form_view(request, actor, form,
                       title=f"Budget #{budget_id}: {budget.scope} per {budget.window}",
                       save=save, done="/ui/budgets", saved="Budget saved.", deletable=True)
+
+
+class PriceForm(forms.ModelForm):
+    class Meta:
+        model = Price
+        fields = PRICE_FIELDS
+        help_texts = {"model": "A deployment or alias name.",
+                      "valid_from": "From when (UTC; default now). Versions are never "
+                                    "edited: a new price is a new version."}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["valid_from"].required = False
+        self.fields["valid_from"].show_hidden_initial = False
+
+
+@page(Action.MODEL_LIST)
+def prices(request: HttpRequest, actor: Principal) -> HttpResponse:
+    """Every price version, newest first (every role reads them); platform admins add
+    and delete versions."""
+    if request.method == "POST":
+        price_id = request.POST.get("price_id", "")
+        if not price_id.isdigit() or len(price_id) > 18:
+            raise NotFound("No such price.")
+        done = _deleted(request, lambda: gov_services.price_delete(
+            actor=actor, price_id=int(price_id)), done="/ui/prices", what="Price")
+        if done is not None:
+            return done
+    rows = keyset(request, gov.price_list(actor=actor), newest_first=True)
+    return _page(request, actor, "prices.html", page=rows,
+                 can_edit=actor.can(Action.GOVERNANCE_MANAGE_ANY))
+
+
+@page(Action.GOVERNANCE_MANAGE_ANY)
+def price_new(request: HttpRequest, actor: Principal) -> HttpResponse:
+    form = PriceForm(request.POST or None)
+    return _form_view(request, actor, form, title="New price version",
+                      save=lambda data: gov_services.price_create(actor=actor, **data),
+                      done="/ui/prices", saved="Price added.")

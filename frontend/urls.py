@@ -40,6 +40,8 @@ urlpatterns = [
     path("usage", views.usage),
     path("spend", money.spend),
     path("spend.csv", money.spend_csv),
+    path("prices", money.prices),
+    path("prices/new", money.price_new),
     path("budgets", money.budgets),
     path("budgets/new", money.budget_new),
     path("budgets/<int:budget_id>", money.budget_edit),
