@@ -327,6 +327,15 @@ def _cluster_pass(pytest_args: list[str], env: dict[str, str]) -> int:
             cluster.stop()
 
 
+def _mypy_cache() -> str:
+    """mypy's incremental cache, outside the checkout (as pip's is): shared by every
+    clone and worktree of this user, so that a fresh clone checks in seconds what it
+    would take a minute to check from nothing. `$XDG_CACHE_HOME/sluice-mypy`, else
+    `~/.cache/sluice-mypy`."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "sluice-mypy")
+
+
 def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
     started: list[Started] = []
     # A SIGTERM (a CI job's timeout) unwinds like Ctrl-C: the servers started here stop.
@@ -351,7 +360,7 @@ def cmd_test(args: argparse.Namespace, pytest_args: list[str]) -> int:
                 "PYTHONDONTWRITEBYTECODE": "1",
             }
             if not args.no_lint:
-                for tool in (["ruff", "check", "."], ["mypy"]):
+                for tool in (["ruff", "check", "."], ["mypy", "--cache-dir", _mypy_cache()]):
                     _say(" ".join(tool))
                     lint = subprocess.call([sys.executable, "-m", *tool], cwd=REPO, env=env)  # noqa: S603
                     if lint != 0:
