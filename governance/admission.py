@@ -328,8 +328,8 @@ class Governor:
     @staticmethod
     def _check_quota(adm: Admission, quotas: list[quota.Metered], reply: list[Any]) -> None:
         if reply[0] == 0:
-            raise refusals.over_quota(quota.refusal(quotas, reply), adm.spec.name)
-        for hit, metric in quota.shadow_hits(quotas, reply):
+            raise refusals.over_quota(refusals.refusal(quotas, reply), adm.spec.name)
+        for hit, metric in refusals.shadow_hits(quotas, reply):
             logger.info("shadow quota %s would refuse (%s) for tenant %s", hit.pk, metric,
                         adm.principal.tenant_slug)
             adm.headers["x-sluice-quota-shadow"] = f"{hit.pk}:{metric}"

@@ -419,39 +419,3 @@ class QuotaUse:
     @classmethod
     def from_reply(cls, row: list[Any]) -> QuotaUse:
         return cls(*(int(x) for x in row))
-
-
-@dataclass(frozen=True)
-class Refusal:
-    quota: Metered
-    metric: str  # "requests" | "tokens" | "concurrent"
-    limit: int
-    used: int
-    resets_at: int | None  # epoch seconds; None for concurrency
-
-    def message(self, model: str) -> str:
-        what = {"requests": "requests", "tokens": "tokens",
-                "concurrent": "concurrent requests"}[self.metric]
-        scope = f"model '{model}'" if self.quota.model else "all models"
-        if self.metric == "concurrent":
-            return (f"Quota exceeded: at most {self.limit} {what} at once for {scope}; "
-                    f"{self.used} are running.")
-        when = datetime.fromtimestamp(self.resets_at or 0, UTC).isoformat()
-        period = self.quota.window if isinstance(self.quota, Budget) else self.quota.period
-        return (f"Quota exceeded: {what} per {period} for {scope} is "
-                f"{self.limit}; {self.used} used or reserved. It resets at {when}.")
-
-
-def refusal(quotas: Sequence[Metered], reply: list[Any]) -> Refusal:
-    metric = reply[2].decode() if isinstance(reply[2], bytes) else str(reply[2])
-    return Refusal(quota=quotas[int(reply[1])], metric=metric, limit=int(reply[3]),
-                   used=int(reply[4]),
-                   resets_at=None if metric == "concurrent" else int(reply[5]))
-
-
-def shadow_hits(quotas: Sequence[Metered], reply: list[Any]) -> list[tuple[Metered, str]]:
-    out = []
-    for raw in reply[1:]:
-        index, _, metric = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(":")
-        out.append((quotas[int(index)], metric))
-    return out

@@ -1,20 +1,61 @@
-"""The refusals of a quota or budget that cannot take a call, in the shape every API
-renders (sluice.errors: a 429 with the quota's or budget's details and when it resets)."""
+"""The refusals of a quota or budget that cannot take a call: RESERVE_LUA's reply read
+(governance/quota.py), and the error every API renders from it (sluice.errors: a 429
+with the quota's or budget's details and when it resets)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
-from governance import pricing, quota
+from governance import pricing
 from governance.models import Budget
+from governance.quota import Metered
 from sluice.errors import BudgetExceeded, QuotaExceeded
 
 # Names the model a budget's fallback sent a call to (the reply keeps the name asked for).
 FALLBACK_HEADER = "x-sluice-fallback-model"
 
 
-def over_quota(refused: quota.Refusal, model: str) -> QuotaExceeded:
+@dataclass(frozen=True)
+class Refusal:
+    quota: Metered
+    metric: str  # "requests" | "tokens" | "concurrent"
+    limit: int
+    used: int
+    resets_at: int | None  # epoch seconds; None for concurrency
+
+    def message(self, model: str) -> str:
+        what = {"requests": "requests", "tokens": "tokens",
+                "concurrent": "concurrent requests"}[self.metric]
+        scope = f"model '{model}'" if self.quota.model else "all models"
+        if self.metric == "concurrent":
+            return (f"Quota exceeded: at most {self.limit} {what} at once for {scope}; "
+                    f"{self.used} are running.")
+        when = datetime.fromtimestamp(self.resets_at or 0, UTC).isoformat()
+        period = self.quota.window if isinstance(self.quota, Budget) else self.quota.period
+        return (f"Quota exceeded: {what} per {period} for {scope} is "
+                f"{self.limit}; {self.used} used or reserved. It resets at {when}.")
+
+
+def refusal(quotas: Sequence[Metered], reply: list[Any]) -> Refusal:
+    metric = reply[2].decode() if isinstance(reply[2], bytes) else str(reply[2])
+    return Refusal(quota=quotas[int(reply[1])], metric=metric, limit=int(reply[3]),
+                   used=int(reply[4]),
+                   resets_at=None if metric == "concurrent" else int(reply[5]))
+
+
+def shadow_hits(quotas: Sequence[Metered], reply: list[Any]) -> list[tuple[Metered, str]]:
+    out = []
+    for raw in reply[1:]:
+        index, _, metric = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(":")
+        out.append((quotas[int(index)], metric))
+    return out
+
+
+def over_quota(refused: Refusal, model: str) -> QuotaExceeded:
     """`refused` (a call of `model`) as its error: which quota or budget, its limit,
     what is used, when it resets."""
     if isinstance(refused.quota, Budget):
@@ -30,7 +71,7 @@ def over_quota(refused: quota.Refusal, model: str) -> QuotaExceeded:
                          details=details)
 
 
-def over_budget(budget: Budget, refused: quota.Refusal) -> BudgetExceeded:
+def over_budget(budget: Budget, refused: Refusal) -> BudgetExceeded:
     """A budget's refusal: which budget, what it allows, what is spent or held, and when
     its window resets (a `total` never does: no Retry-After worth waiting for)."""
     limit, spent = pricing.usd(refused.limit), pricing.usd(refused.used)

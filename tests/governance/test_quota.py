@@ -18,11 +18,10 @@ from governance.quota import (
     Settlement,
     keys_for,
     peek_args,
-    refusal,
     reserve_args,
     settle_call,
-    shadow_hits,
 )
+from governance.refusals import refusal, shadow_hits
 
 pytestmark = pytest.mark.cluster
 
