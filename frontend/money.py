@@ -84,7 +84,7 @@ def spend_csv(request: HttpRequest, actor: Principal) -> HttpResponse:
     days, group_by, granularity = SpendForm(request.GET or None).choice()
     since, until = _window(days)
     rows = gov.spend(actor=actor, granularity=granularity, since=since, until=until,
-                     group_by=group_by)
+                     group_by=group_by, latency=True)
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="spend-{granularity}.csv"'
     columns = ["start", {"key": "key_prefix", "member": "member_id", "model": "model"}[

@@ -226,7 +226,7 @@ def spend(request: HttpRequest, query: Query[SpendQuery]):
     since = _aware(query.since) if query.since else until - timedelta(days=30)
     return selectors.spend(actor=actor_of(request), granularity=query.granularity,
                            since=since, until=until, group_by=query.group_by,
-                           tenant_id=query.tenant_id)
+                           tenant_id=query.tenant_id, latency=query.latency)
 
 
 def _aware(at: datetime) -> datetime:

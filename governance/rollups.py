@@ -162,7 +162,7 @@ def roll(*, now: datetime | None = None, hours: int = LOOKBACK_H) -> int:
 
 def spend(*, tenant_id: int, granularity: str, start: datetime, stop: datetime,
           group_by: str | None = None, key_prefixes: list[str] | None = None,
-          latency: bool = True, per_period: bool = True) -> list[dict[str, Any]]:
+          latency: bool = False, per_period: bool = True) -> list[dict[str, Any]]:
     """The tenant's rollups of the periods that overlap [start, stop), per period (and
     per `group_by`: "key", "member" or "model"), oldest first: calls, errors, tokens,
     cost (exact), and with `latency` the p50/p95 of the calls' latencies (from the

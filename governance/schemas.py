@@ -354,6 +354,7 @@ class SpendQuery(Schema):
     granularity: Literal["hour", "day"] = "day"
     group_by: Literal["key", "member", "model"] | None = None
     tenant_id: Id | None = None  # platform admins: another tenant's
+    latency: bool = False  # p50/p95 too (reads every row's histogram: slower)
 
 
 class SpendRowOut(Schema):

@@ -181,7 +181,7 @@ SPEND_MAX_HOURS, SPEND_MAX_DAYS = 24 * 31, 400  # the longest range per granular
 
 def spend(*, actor: Principal, granularity: str, since: datetime, until: datetime,
           group_by: str | None = None, tenant_id: int | None = None,
-          latency: bool = True, per_period: bool = True) -> list[dict[str, Any]]:
+          latency: bool = False, per_period: bool = True) -> list[dict[str, Any]]:
     """The spend history (governance/rollups.py) of the caller's tenant (platform admins:
     `tenant_id`'s, default their own). Tenant admins and auditors see all of it,
     developers the calls of their keys (theirs, or made by them). Another tenant is

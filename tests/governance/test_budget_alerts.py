@@ -20,6 +20,8 @@ import pytest
 from governance import alerts, audit, pricing
 from governance import cache as policy_cache
 from governance.models import AuditEvent, Budget, Price
+from inference import selectors as inference_selectors
+from inference.models import AliasTarget, Deployment, ModelAlias
 from tenants.roles import Role
 from tests.conftest import (
     Org,
@@ -127,15 +129,19 @@ def test_a_budgets_fallback_serves_the_calls_it_refuses(live: Live, payer: Org) 
         "scope": "key", "key_id": payer.key_rows[DEV].pk, "window": "total",
         "model": "echo", "limit_usd": "0", "fallback_model": "no-such-model"})
     assert_openai_error(refused_model, 422)
+    # An alias as the fallback: its routing picks the deployment (slow-echo).
+    alias = ModelAlias.objects.create(name="cheap")
+    AliasTarget.objects.create(alias=alias, deployment=Deployment.objects.get(name="slow-echo"))
+    inference_selectors.clear_routes()
     made = admin.post("/api/v1/governance/budgets", {
         "scope": "key", "key_id": payer.key_rows[DEV].pk, "window": "total",
-        "model": "echo", "limit_usd": "0", "fallback_model": "slow-echo"})
+        "model": "echo", "limit_usd": "0", "fallback_model": "cheap"})
     assert made.status == 201, made.body
     policy_cache.clear()
     client = openai.OpenAI(base_url=live.base_url, api_key=payer.keys[DEV], max_retries=0,
                            timeout=30)
     raw = client.chat.completions.with_raw_response.create(**body("cheaper, please"))
-    assert raw.headers["x-sluice-fallback-model"] == "slow-echo"
+    assert raw.headers["x-sluice-fallback-model"] == "cheap"
     reply = raw.parse()
     assert reply.choices[0].message.content == "cheaper, please" and reply.model == "echo"
     # The fallback's own budget refusing: refused, no second fallback.

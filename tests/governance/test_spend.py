@@ -60,7 +60,7 @@ def test_calls_roll_into_exact_spend_rows_each_role_sees_its_part(live: Live) ->
     assert written > 0 and rollups.roll() == written, "a rerun writes the same rows"
     assert UsageHour.objects.filter(tenant=org.tenant).exists()
     by_key = org.client(TA).get(_query({**_range(), "group_by": "key",
-                                        "granularity": "hour"}))
+                                        "granularity": "hour", "latency": "true"}))
     assert by_key.status == 200, by_key.body
     spent: dict[str, Decimal] = {}
     calls: dict[str, tuple[int, int]] = {}
