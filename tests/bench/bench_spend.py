@@ -7,9 +7,10 @@ model, a latency histogram each, as the rollup writes them); its tenant admin, s
 in through a real session, asks for /ui/spend?days=90&group_by=key through Django's
 test client (the whole middleware stack, the template rendered; no network) `--runs`
 times after two warm-up runs; the same for an empty tenant's admin. Also timed: what
-the spend API's heaviest answer computes (governance/rollups.py spend, group_by=key with
-latency percentiles, which reads every row's histogram), for the same range. Printed:
-the median and the 90th percentile in ms, and the ratios to the empty page.
+the spend API computes for group_by=key over the same range (governance/rollups.py
+spend: a row per day and key), without and with latency percentiles (which read every
+row's histogram). Printed: the median and the 90th percentile in ms, and the ratios to
+the empty page.
 
 On the run command's embedded SQLite in a temporary state dir unless --database-url
 names an empty PostgreSQL database (migrated here, its rows left in place).
