@@ -182,7 +182,7 @@ class _Blocks:
                 self._streamed[piece["index"]] += piece["arguments"]
                 self._input(piece["arguments"])
 
-    def finish(self, final: DoneEvent, cost: dict[str, str]) -> None:
+    def finish(self, final: DoneEvent, cost: dict[str, str] | None = None) -> None:
         """The open blocks closed, then `message_delta` (its usage with `cost`, the
         call's `cost_usd` when priced) and `message_stop`."""
         calls = final.get("tool_calls") or []
@@ -203,7 +203,7 @@ class _Blocks:
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason(final),
                       "stop_sequence": final.get("stop_sequence")},
-            "usage": {**usage(final), **cost}}))
+            "usage": {**usage(final), **(cost or {})}}))
         self._write(_sse("message_stop", {"type": "message_stop"}))
 
 
