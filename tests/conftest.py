@@ -39,7 +39,7 @@ from tenants.models import ApiKey, Member, Tenant
 from tenants.principal import AuthMethod, Principal
 from tenants.roles import Role
 from tenants.services import apikey_create
-from tests import parallel
+from tests import fastflush, parallel
 
 T = TypeVar("T")
 PASSWORD = "correct horse battery staple"
@@ -66,6 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
             f"{os.environ.get('DJANGO_SETTINGS_MODULE')}")
     config.addinivalue_line("markers", "single_redis(reason): runs on a single Redis only "
                             "(skipped when REDIS_URL is a Redis Cluster), for the reason given")
+    fastflush.install()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
