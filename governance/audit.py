@@ -155,7 +155,8 @@ def write_events(batch: list[dict[str, Any]]) -> int:
         stored_alerts = [r["source"] for r in rows if r["action"] == "budget.alert"]
         if stored_alerts:
             from governance import alerts  # its webhooks go out once the alerts are stored
-            transaction.on_commit(lambda: alerts.enqueue(stored_alerts))
+            # robust: a broker away loses those webhooks (logged), never the writer
+            transaction.on_commit(lambda: alerts.enqueue(stored_alerts), robust=True)
         return len(rows)
 
 
