@@ -23,7 +23,7 @@ from governance import selectors as gov
 from governance import services as gov_services
 from governance.models import Budget, BudgetScope, BudgetWindow, Price
 from governance.services import PRICE_FIELDS
-from sluice.errors import NotFound, Unprocessable
+from sluice.errors import NotFound
 from tenants.principal import Principal
 from tenants.roles import Action
 
@@ -189,15 +189,12 @@ def budget_edit(request: HttpRequest, actor: Principal, budget_id: int) -> HttpR
     budget = gov.budget_get(actor=actor, budget_id=budget_id)
     initial = {"limit_usd": budget.limit_usd, "fallback_model": budget.fallback_model,
                "alert_at": ", ".join(str(p) for p in budget.alert_at or ())}
-    form = BudgetForm(request.POST or None, initial=initial)
-
-    def save(data: dict[str, Any]) -> Any:
-        if data.get("limit_usd") is None:
-            raise Unprocessable("limit_usd: required.", param="limit_usd")
-        return gov_services.budget_update(actor=actor, budget_id=budget_id, **data)
+    form = BudgetForm(request.POST or None, initial=initial)  # limit_usd is required
     return _form_view(request, actor, form,
                       title=f"Budget #{budget_id}: {budget.scope} per {budget.window}",
-                      save=save, done="/ui/budgets", saved="Budget saved.", deletable=True)
+                      save=lambda data: gov_services.budget_update(
+                          actor=actor, budget_id=budget_id, **data),
+                      done="/ui/budgets", saved="Budget saved.", deletable=True)
 
 
 class PriceForm(forms.ModelForm):
