@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -19,6 +20,9 @@ from django.db.models import Q
 
 from governance import pricing
 from governance.breaker import default_policy
+from governance.guardrail_models import GuardrailPolicy
+from governance.guardrails.guards import Broken, guard_of
+from governance.guardrails.policy import Applied, Policy, applied
 from governance.models import (
     BreakerPolicy,
     Budget,
@@ -45,9 +49,14 @@ class TenantPolicies:
     budgets: tuple[Budget, ...] = ()
     # the tenant's own redaction patterns, compiled (label, pattern)
     redaction: tuple[tuple[str, re.Pattern[str]], ...] = ()
+    # the tenant's guardrail policies and the platform's (governance/guardrails/policy.py)
+    guardrails: tuple[Policy, ...] = ()
     # limits_for's answers: the policies never change (a change replaces this object).
     _limits: dict[tuple[int | None, str], list[tuple[RateLimitPolicy, str]]] = field(
         default_factory=dict, compare=False, repr=False)
+    _guards: dict[tuple[int | None, str], Applied] = field(
+        default_factory=dict, compare=False, repr=False)
+    _built: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def limits_for(self, *, key_id: int | None, model: str
                    ) -> list[tuple[RateLimitPolicy, str]]:
@@ -94,6 +103,25 @@ class TenantPolicies:
                 and b.member_id == member_id)
             or (b.scope == BudgetScope.KEY and key_id is not None and b.api_key_id == key_id))]
 
+    def guardrails_for(self, *, key_id: int | None, model: str) -> Applied:
+        """The guardrail policies of a call of `model` (the name asked for) by key
+        `key_id`, worked out once per key and model."""
+        known = self._guards.get((key_id, model))
+        if known is None:
+            known = self._guards[(key_id, model)] = applied(
+                self.guardrails, key_id=key_id, model=model, build=self._guard)
+        return known
+
+    def _guard(self, policy: Policy) -> Any:
+        guard = self._built.get(policy.id)
+        if guard is None:
+            try:
+                guard = guard_of(policy, self.redaction)
+            except Exception as exc:  # a row that no longer builds: its on_error decides
+                guard = Broken(f"{type(exc).__name__}: {exc}")
+            self._built[policy.id] = guard
+        return guard
+
 
 _tenants: AsyncTTLCache[int, TenantPolicies] = AsyncTTLCache(max_entries=100_000)
 _breakers: AsyncTTLCache[str, BreakerPolicy] = AsyncTTLCache(max_entries=10_000)
@@ -112,7 +140,9 @@ def load_tenant(tenant_id: int) -> TenantPolicies:
     return TenantPolicies(rate_limits=tuple(sane(p) for p in limits), quotas=tuple(
         sane(q) for q in Quota.objects.filter(tenant_id=tenant_id)), redaction=tuple(patterns),
         # with its tenant: the windows follow the tenant's time zone (quota.shape_args)
-        budgets=tuple(Budget.objects.filter(tenant_id=tenant_id).select_related("tenant")))
+        budgets=tuple(Budget.objects.filter(tenant_id=tenant_id).select_related("tenant")),
+        guardrails=tuple(Policy.of(row) for row in GuardrailPolicy.objects.filter(
+            Q(tenant_id=tenant_id) | Q(tenant__isnull=True))))
 
 
 def load_breaker(deployment: str) -> BreakerPolicy:

@@ -437,5 +437,7 @@ class AuditExport(models.Model):
         return f"export #{self.pk} ({self.status})"
 
 
-# The spend history's rows live in their own module; imported so that Django loads them.
+# The spend history's and guardrail policies' rows live in their own modules; imported so
+# that Django loads them.
+from governance.guardrail_models import GuardrailPolicy  # noqa: E402, F401
 from governance.rollup_models import UsageDay, UsageHour  # noqa: E402, F401

@@ -78,6 +78,18 @@ class BadRequest(ApiError):
     type = "invalid_request_error"
 
 
+class ContentBlocked(BadRequest):
+    """A guardrail policy refused the call (governance/guardrails/): the message names
+    the policy, never what it found. `audit`: the verdicts, for the call's audit event."""
+
+    default_code = "content_blocked"
+
+    def __init__(self, policy: str, *, audit: dict[str, Any] | None = None) -> None:
+        super().__init__(f"The request was blocked by the guardrail policy '{policy}'.",
+                         details={"policy": policy})
+        self.audit = audit or {}
+
+
 class Unauthenticated(ApiError):
     status = 401
     type = "authentication_error"

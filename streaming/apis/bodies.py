@@ -22,7 +22,10 @@ def finish_reason(final: DoneEvent) -> str | None:
     never made of one (`all_done`)."""
     if final["finish"] == "cancelled":
         return None
-    return {"length": "length", "tool_calls": "tool_calls"}.get(final["finish"], "stop")
+    return _FINISH.get(final["finish"], "stop")
+
+
+_FINISH = {"length": "length", "tool_calls": "tool_calls", "content_filter": "content_filter"}
 
 
 def tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:

@@ -82,7 +82,7 @@ class CompletionChoice(BaseModel):
     text: str
     index: int
     logprobs: LegacyLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "content_filter"]
 
 
 class TextCompletionUsage(BaseModel):

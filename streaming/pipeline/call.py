@@ -43,7 +43,7 @@ from redis.exceptions import RedisError
 
 from governance import audit
 from inference.jobs import Event
-from sluice.errors import ApiError, NotFound
+from sluice.errors import ApiError, ContentBlocked, NotFound
 from sluice.observability import metrics, telemetry
 from streaming.pipeline import replay
 from streaming.pipeline.callrequest import NEUTRAL, CallRequest, Params
@@ -130,7 +130,8 @@ class Call:
             model=self.model[:100], protocol=self.protocol, status=exc.status,
             latency_ms=(time.monotonic() - self.began) * 1000,
             trace_id=telemetry.ids()[0],
-            detail={"code": exc.code, "type": exc.type, **self._notes}))
+            detail={"code": exc.code, "type": exc.type, **self._notes,
+                    **(exc.audit if isinstance(exc, ContentBlocked) else {})}))
 
     def note(self, detail: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         """What the codec decided about the request, noted before admission: `detail`

@@ -57,6 +57,7 @@ from sluice.errors import (
 from sluice.observability import telemetry
 from streaming.pipeline import choices, max_tokens_policy, replay
 from streaming.pipeline.callrequest import CallRequest, check
+from streaming.pipeline.guarding import Guarding
 from streaming.pipeline.prompting import (
     chat_job,
     prompt_bound,
@@ -259,6 +260,28 @@ class Gateway:
                     action: str) -> Submitted:
         check(req)
         target = await self._model(principal, req.model, Kind.CHAT)
+        guarding = await Guarding.of(principal, req.model)
+        if guarding is None:
+            return await self._chat_on(principal, req, target, protocol=protocol,
+                                       action=action)
+        req = await guarding.pre(req)
+        if guarding.rewrites:  # the reply is stored as sent (the worker keeps it raw)
+            req = msgspec.structs.replace(req, keep=None)
+        guarding.start_during(req)
+        try:
+            sub = await self._chat_on(principal, req, target, protocol=protocol,
+                                      action=action, resumable=not guarding.rewrites)
+        except BaseException:
+            guarding.cancel()
+            raise
+        sub.guarding = guarding
+        sub.admission.notes.update(guarding.audit())
+        return sub
+
+    async def _chat_on(self, principal: Principal, req: CallRequest,
+                       target: DeploymentSpec | Route, *, protocol: str, action: str,
+                       resumable: bool = True) -> Submitted:
+        """`req` (checked, through its pre rules) admitted and queued on `target`."""
         if isinstance(target, DeploymentSpec):  # before the request becomes a prompt
             refuse_unfitting([m["content"] for m in req.messages], target)
         n, conversation_id = req.n, req.conversation_id
@@ -308,7 +331,7 @@ class Gateway:
                 idempotency_key=key if resume is None else None,
                 fingerprint=fingerprint,
                 owner=replay.ownership(principal, req.model, conversation_id)
-                if req.stream and n == 1 else None)
+                if req.stream and n == 1 and resumable else None)
             return Submitted(principal, spec, handle, admission, conversation_id,
                              prompt.turn, more, routed=routed, idempotency_key=key)
 
@@ -387,6 +410,9 @@ class Gateway:
         inputs = [req.input] if isinstance(req.input, str) else req.input
         if any(not text for text in inputs):
             raise BadRequest("input must not contain empty strings.", param="input")
+        guarding = await Guarding.of(principal, req.model)
+        if guarding is not None:
+            inputs = await guarding.inputs(inputs)
 
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
             admission = await self.governor.admit(
@@ -395,6 +421,8 @@ class Gateway:
                 admission = routed.admission(admission)
             admission.action, admission.protocol = "embeddings", protocol
             admission.request_text = inputs[0]
+            if guarding is not None:
+                admission.notes.update(guarding.audit())
             [handle] = await self._submit(
                 principal, spec, [EmbedJob(input=inputs)], admission,
                 timeout_s=routed.left_s() if routed is not None else timeout_s)

@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry.trace import Status, StatusCode
 from redis.exceptions import RedisError
@@ -36,6 +36,9 @@ from sluice.observability import metrics, telemetry
 from streaming.pipeline import choices, replay
 from streaming.pipeline.routed import Routed, retriable_failure
 from tenants.principal import Principal
+
+if TYPE_CHECKING:
+    from streaming.pipeline.guarding import Guarding
 
 
 @dataclass
@@ -64,6 +67,8 @@ class Submitted:
     own_headers: dict[str, str] = field(default_factory=dict)
     # The final event it settles with, once its events ended (every choice's, combined).
     final: FinalEvent | None = None
+    # Its guardrails' during and post rules (None: no policy covers the call).
+    guarding: Guarding | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -101,11 +106,19 @@ class Submitted:
         """Stop the call's generation on the worker, every choice of it."""
         await asyncio.gather(*(handle.cancel() for handle in self.handles))
 
-    async def events(self) -> AsyncGenerator[Event]:
-        """The call's events; settles its admission when they end (or, when the consumer
-        stops early, once the worker's final events arrive). With n > 1 choices: every
-        choice's events as they arrive, each tagged with its index (`"i"`; absent means
-        0), ending after the last choice's final event (streaming/pipeline/choices.py)."""
+    def events(self) -> AsyncGenerator[Event]:
+        """The call's events (through its guardrails' during and post rules, when it
+        has any: streaming/pipeline/guarding.py); see `_events`."""
+        if self.guarding is None:
+            return self._events()
+        return self.guarding.events(self, self._events())
+
+    async def _events(self) -> AsyncGenerator[Event]:
+        """The call's events as the worker sent them; settles its admission when they
+        end (or, when the consumer stops early, once the worker's final events arrive).
+        With n > 1 choices: every choice's events as they arrive, each tagged with its
+        index (`"i"`; absent means 0), ending after the last choice's final event
+        (streaming/pipeline/choices.py)."""
         finals: list[FinalEvent] = []
         self.read = True
         self.admission.request_id = self.handle.rid

@@ -58,6 +58,11 @@ TOKENS = Counter("sluice_tokens", "Tokens processed.", ["model", "kind"])
 RATELIMITED = Counter("sluice_ratelimit_rejections", "Calls refused by a rate limit.",
                       ["model", "limit"])
 QUOTA_REFUSED = Counter("sluice_quota_rejections", "Calls refused by a quota.", ["model"])
+GUARD_VERDICTS = Counter("sluice_guardrail_verdicts", "Guardrail checks by guard, phase "
+                         "and outcome (allow, block, mask, flag, shadow, error).",
+                         ["guard", "phase", "outcome"])
+GUARD_SECONDS = Histogram("sluice_guardrail_duration_seconds", "Time a guard took to "
+                          "answer.", ["guard", "phase"], buckets=_LATENCY_BUCKETS)
 SHED = Counter("sluice_load_shed", "Calls refused to protect a deployment.",
                ["model", "reason"])
 
@@ -96,6 +101,11 @@ def observe_refusal(model: str, code: str | None) -> None:
     count = _REFUSALS.get(code or "")
     if count is not None and model:
         count(model)
+
+
+def observe_guard(guard: str, phase: str, outcome: str, seconds: float) -> None:
+    _child(GUARD_VERDICTS, guard, phase, outcome).inc()
+    _child(GUARD_SECONDS, guard, phase).observe(seconds)
 
 
 def observe_generation(model: str, *, ttft_s: float | None, decode_s: float,

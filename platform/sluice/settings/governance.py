@@ -36,3 +36,8 @@ if SLUICE_RETENTION_DAYS > 3650:  # tenants.models.MAX_RETENTION_DAYS
     raise ImproperlyConfigured("SLUICE_RETENTION_DAYS must be <= 3650")
 # How often Celery beat deletes what is past its tenant's retention.
 SLUICE_RETENTION_SWEEP_S = env_int("SLUICE_RETENTION_SWEEP_S", 3600, minimum=60)
+# Guardrails (docs/GUARDRAILS.md): the characters of a streamed reply that post-call
+# guards hold back before they leave the gateway (at least the longest text a guard
+# must see whole: a masked or blocked string never leaves in part). A match still
+# growing at the window's edge is held up to 8 windows, then masked as it stands.
+SLUICE_GUARD_HOLDBACK_CHARS = env_int("SLUICE_GUARD_HOLDBACK_CHARS", 128, minimum=16)

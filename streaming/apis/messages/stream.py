@@ -67,6 +67,8 @@ def stop_reason(final: DoneEvent) -> str:
         return "max_tokens"
     if finish == "tool_calls":
         return "tool_use"
+    if finish == "content_filter":  # a guardrail stopped the reply
+        return "refusal"
     return "stop_sequence" if final.get("stop_sequence") else "end_turn"
 
 

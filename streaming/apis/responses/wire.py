@@ -88,7 +88,11 @@ def call_item(item_id: str, call: ToolCall, status: str = "completed",
 
 
 def _status(final: DoneEvent) -> str:
-    return "incomplete" if final.get("finish") == "length" else "completed"
+    return "incomplete" if final.get("finish") in _INCOMPLETE else "completed"
+
+
+# Why a response is incomplete (OpenAI's incomplete_details.reason) by the finish.
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
 
 def output(rid: str, text: str, final: DoneEvent,
@@ -109,7 +113,7 @@ def finished(head: dict[str, Any], items: list[dict[str, Any]],
             # The worker's time when it kept the reply: the stored copy says the same.
             "completed_at": final.get("kept_at") or int(time.time())
             if status == "completed" else None,
-            "incomplete_details": {"reason": "max_output_tokens"}
+            "incomplete_details": {"reason": _INCOMPLETE[final["finish"]]}
             if status == "incomplete" else None}
 
 
