@@ -5,6 +5,7 @@ blocked string out, however a reply is split into chunks."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -86,12 +87,12 @@ def test_words_guard_denies_whole_words_except_where_allowed() -> None:
 
 # -- the runner ------------------------------------------------------------------------
 class Slow(Guard):
-    def __init__(self, seconds: float, verdict: Verdict = Verdict(False)) -> None:
-        self.seconds, self.answer = seconds, verdict
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
 
     async def check(self, texts: Any, ctx: Context) -> Verdict:
         await asyncio.sleep(self.seconds)
-        return self.answer
+        return Verdict(False)
 
 
 class Failing(Guard):
@@ -153,7 +154,7 @@ async def _streamed(rules: list[Rule], chunks: list[str], window: int
 def _chunked(text: str, cuts: list[int]) -> list[str]:
     points = sorted({c % (len(text) + 1) for c in cuts})
     bounds = [0, *points, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 @settings(max_examples=150, deadline=None)

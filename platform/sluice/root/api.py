@@ -14,6 +14,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
 from governance.api import router as governance_router
+from governance.guardrails.api import router as guardrails_router
 from inference.api import models_router
 from inference.api import router as inference_router
 from sluice.db import OUTAGE
@@ -80,6 +81,7 @@ api = SluiceAPI(
 api.add_router("/api/v1/", tenants_router)
 api.add_router("/api/v1/", inference_router)
 api.add_router("/api/v1/", governance_router)
+api.add_router("/api/v1/", guardrails_router)
 api.add_router("/v1/auth/", auth_router)
 api.add_router("/v1/", models_router)
 api.add_router("/v1/", batch_router)
