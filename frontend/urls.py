@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from frontend import money, upstreams, views
+from frontend import guardrails, money, upstreams, views
 
 urlpatterns = [
     path("", views.home),
@@ -42,6 +42,9 @@ urlpatterns = [
     path("spend.csv", money.spend_csv),
     path("prices", money.prices),
     path("prices/new", money.price_new),
+    path("guardrails", guardrails.guardrails),
+    path("guardrails/new", guardrails.guardrail_new),
+    path("guardrails/<int:policy_id>", guardrails.guardrail_edit),
     path("budgets", money.budgets),
     path("budgets/new", money.budget_new),
     path("budgets/<int:budget_id>", money.budget_edit),

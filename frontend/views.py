@@ -56,6 +56,7 @@ NAV: list[tuple[str, str, tuple[Action, ...]]] = [
     ("Spend", "/ui/spend", (Action.GOVERNANCE_MANAGE, Action.AUDIT_READ,
                             Action.APIKEY_MANAGE_OWN)),
     ("Budgets", "/ui/budgets", (Action.GOVERNANCE_MANAGE, Action.AUDIT_READ)),
+    ("Guardrails", "/ui/guardrails", (Action.GOVERNANCE_MANAGE, Action.AUDIT_READ)),
     ("Prices", "/ui/prices", (Action.MODEL_LIST,)),
     ("Usage", "/ui/usage", (Action.APIKEY_MANAGE_OWN,)),
     ("Conversations", "/ui/conversations", (Action.MODEL_USE,)),

@@ -2,8 +2,8 @@
 it (governance/guardrails/ runs them). Imported by governance/models.py, so Django
 knows them.
 
-A policy names a guard (`pii`, `words`, `webhook`; `classifier` and `judge` are
-reserved names, refused until they are built), a phase (`pre`: the request, before
+A policy names a guard (`pii`, `words`, `webhook`, `classifier`; `judge` is a
+reserved name, refused until it is built), a phase (`pre`: the request, before
 admission; `during`: the request, beside the queued call; `post`: the reply, held back
 in streams), an action (`block`, `mask`, `flag`) and a scope: the platform (tenant
 None), a tenant, one API key, or one deployment or alias by name. For each guard and
@@ -28,7 +28,7 @@ class GuardKind(models.TextChoices):
     PII = "pii", "Personal data and secrets"
     WORDS = "words", "Deny and allow lists"
     WEBHOOK = "webhook", "A guardrail service (LiteLLM's generic guardrail API)"
-    CLASSIFIER = "classifier", "A classification model (not built yet)"
+    CLASSIFIER = "classifier", "A classification model served as a deployment"
     JUDGE = "judge", "An LLM judge (not built yet)"
 
 

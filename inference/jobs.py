@@ -298,9 +298,13 @@ class ErrorEvent(TypedDict):
 
 
 class EmbeddingEvent(TypedDict):
+    """An embedding request's vectors, one per input; a classifier's are probabilities,
+    one per label, in `labels` order."""
+
     t: Literal["embedding"]
     seq: int
     data: list[list[float]]
+    labels: NotRequired[list[str]]
     i: NotRequired[int]
 
 

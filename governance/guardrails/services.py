@@ -7,14 +7,15 @@ Every write is validated before anything is saved (a 4xx saves nothing), audited
 (`guardrail.create` / `.update` / `.delete`, never a secret) and reaches the gateways
 within a second (governance/cache.py).
 
-What: `guard` pii, words or webhook (classifier and judge are refused until built);
+What: `guard` pii, words, webhook or classifier (judge is refused until built);
 `action` mask is refused in phase `during` (the request is already queued: only block
-or flag); scope `key` names a key of the policy's tenant (another tenant's is the same
-404 as a missing one); scope `deployment` names a deployment or alias that exists;
-`config` is checked per guard (guards.py `check_words_config`; a webhook's `url`
-passes the upstream SSRF guard, its `params` are a small object); a webhook's secret is
-sealed at rest and write-only: Sluice makes one when none is given and returns it
-once, in the reply that created the policy.
+or flag) and for a classifier (it finds, it does not rewrite); scope `key` names a key
+of the policy's tenant (another tenant's is the same 404 as a missing one); scope
+`deployment` names a deployment or alias that exists; `config` is checked per guard
+(guards.py `check_words_config`; a webhook's `url` passes the upstream SSRF guard, its
+`params` are a small object; a classifier's `deployment` is a classifier deployment);
+a webhook's secret is sealed at rest and write-only: Sluice makes one when none is
+given and returns it once, in the reply that created the policy.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from django.db.models import Q, QuerySet
 from governance import cache
 from governance.audit import record_action
 from governance.guardrail_models import GuardrailPolicy, GuardScope
+from governance.guardrails.classifier import check_config as check_classifier_config
 from governance.guardrails.guards import check_words_config
 from governance.models import RedactionPattern
 from governance.selectors import governed_key, governed_tenant
 from inference.models import Deployment, ModelAlias
+from inference.spec import RuntimeName
 from inference.upstream.secrets import hint, seal
 from inference.upstream.urls import UpstreamURLError, validate_url
 from sluice.errors import NotFound, PermissionDenied, Unprocessable
@@ -41,7 +44,7 @@ from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
 
-BUILT = ("pii", "words", "webhook")
+BUILT = ("pii", "words", "webhook", "classifier")
 PARAMS_MAX_BYTES = 4096
 SECRET_MIN, SECRET_MAX = 16, 200
 _FIELDS = ("name", "action", "categories", "config", "mandatory", "shadow", "enabled",
@@ -145,6 +148,9 @@ def _write(actor: Principal, row: GuardrailPolicy, fields: dict[str, Any],
     if row.phase == "during" and row.action == "mask":
         raise Unprocessable("action: a during policy blocks or flags (the request is "
                             "already queued: it cannot be masked).", param="action")
+    if row.guard == "classifier" and row.action == "mask":
+        raise Unprocessable("action: a classifier finds what it reads, it does not "
+                            "rewrite it: block or flag.", param="action")
     if row.mandatory and (row.tenant_id is not None or not actor.can(
             Action.GOVERNANCE_MANAGE_ANY)):
         raise Unprocessable("mandatory: only a platform admin's policy without a tenant "
@@ -197,6 +203,12 @@ def _config(row: GuardrailPolicy) -> dict[str, Any]:
             return check_words_config(config)
         if row.guard == "webhook":
             return _webhook_config(config)
+        if row.guard == "classifier":
+            checked = check_classifier_config(config)
+            if not Deployment.objects.filter(name=checked["deployment"],
+                                             runtime=RuntimeName.CLASSIFIER).exists():
+                raise ValueError("deployment: name a classifier deployment that exists")
+            return checked
     except ValueError as exc:
         raise Unprocessable(f"config.{exc}", param="config") from None
     if config:

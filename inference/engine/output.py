@@ -42,7 +42,15 @@ from inference.engine.entries import (
 )
 from inference.engine.logprobs import TokenTexts
 from inference.engine.writer import Outbox
-from inference.jobs import DeltaEvent, DoneEvent, ErrorEvent, ToolCall, ToolDelta, usage
+from inference.jobs import (
+    DeltaEvent,
+    DoneEvent,
+    EmbeddingEvent,
+    ErrorEvent,
+    ToolCall,
+    ToolDelta,
+    usage,
+)
 from inference.runtimes.base import (
     FAILED,
     ChatRuntime,
@@ -222,15 +230,19 @@ class OutputProcessor:
         self.parked.clear()
         self._inputs.clear()
 
-    def embedded(self, pending: Pending, vectors: list[list[float]], prompt_tokens: int
-                 ) -> None:
-        """An embedding request's vectors: its embedding event and its final event, or
-        a 500 when the model's output was not finite."""
+    def embedded(self, pending: Pending, vectors: list[list[float]], prompt_tokens: int,
+                 *, labels: list[str] | None = None) -> None:
+        """An embedding request's vectors (a classifier's probabilities, per its
+        `labels`): its embedding event and its final event, or a 500 when the model's
+        output was not finite."""
         # A vector is finite iff its sum is (floats; the check is C-speed).
         if not all(math.isfinite(sum(v)) for v in vectors):
             self.outbox.final(pending, error_event(not_finite(pending.req.rid, "embeddings")))
             return
-        self.outbox.add(pending.req, {"t": "embedding", "seq": 0, "data": vectors})
+        event: EmbeddingEvent = {"t": "embedding", "seq": 0, "data": vectors}
+        if labels is not None:
+            event["labels"] = labels
+        self.outbox.add(pending.req, event)
         self.outbox.final(pending, done_event(1, "stop", prompt_tokens=prompt_tokens,
                                               completion_tokens=0))
 

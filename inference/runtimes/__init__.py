@@ -42,6 +42,11 @@ def load_runtime(spec: DeploymentSpec) -> ChatRuntime | EmbeddingRuntime:
                            options=options)
         return runtime.from_folder(resolve(spec.weights), device=device,
                                    max_context=spec.max_context, options=options)
+    if spec.runtime == RuntimeName.CLASSIFIER:
+        from inference.runtimes.classifier import ClassifierRuntime
+
+        return ClassifierRuntime.from_folder(resolve(spec.weights), device=device,
+                                             max_context=spec.max_context)
     from inference.runtimes.encoder import EncoderRuntime
 
     return EncoderRuntime.from_folder(resolve(spec.weights), device=device,

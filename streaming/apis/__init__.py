@@ -79,5 +79,6 @@ def _load() -> None:
         importlib.import_module(f"streaming.apis.{name}")
 
 
-_MODULES: list[str] = ["chat", "embeddings", "completions", "messages.codec", "responses.codec"]
+_MODULES: list[str] = ["chat", "embeddings", "completions", "messages.codec", "responses.codec",
+                       "moderations"]
 _load()

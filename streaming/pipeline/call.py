@@ -47,8 +47,9 @@ from sluice.errors import ApiError, ContentBlocked, NotFound
 from sluice.observability import metrics, telemetry
 from streaming.pipeline import replay
 from streaming.pipeline.callrequest import NEUTRAL, CallRequest, Params
+from streaming.pipeline.failures import queue_unavailable
 from streaming.pipeline.fold import Fold
-from streaming.pipeline.gateway import Gateway, queue_unavailable
+from streaming.pipeline.gateway import Gateway
 from streaming.pipeline.schemas import EmbeddingRequest
 from streaming.pipeline.submitted import Submitted
 from tenants.principal import Principal
@@ -180,6 +181,12 @@ class Call:
         self.model = req.model
         return await self._admit(self.gateway.embed(
             self.principal, req, protocol=self.protocol, timeout_s=timeout_s))
+
+    async def classify(self, model: str, inputs: list[str]) -> Submitted:
+        """A classifier's probabilities for `inputs` (Gateway.classify)."""
+        self.model = model
+        return await self._admit(self.gateway.classify(
+            self.principal, model, inputs, action=self.action, protocol=self.protocol))
 
     async def _admit(self, admission: Awaitable[Submitted]) -> Submitted:
         self._admitting = True

@@ -12,7 +12,8 @@ event into typed pieces, in order:
 - `Final(i, seq, event)`: choice `i` ended; `event["finish"]` says why (stop, length,
   tool_calls, cancelled), its tool calls whole, its usage;
 - `Failure(i, seq, error)`: choice `i` failed; `error` the ApiError to send or raise;
-- `Vectors(i, seq, data)`: an embeddings call's vectors.
+- `Vectors(i, seq, data, labels)`: an embeddings call's vectors (a classifier's
+  probabilities, with the labels they are of).
 
 `seq` is the event's own (an SSE event id is `<rid>:<seq>`); `i` is 0 unless the call
 has several choices. The fold keeps what encoders need across pieces: each choice's
@@ -44,7 +45,7 @@ from typing import Any
 
 from inference.jobs import DoneEvent, Event, FinalEvent, ToolDelta, Usage, summed
 from sluice.errors import ApiError, ServerError
-from streaming.pipeline.gateway import error_from_event
+from streaming.pipeline.failures import error_from_event
 from streaming.pipeline.submitted import cancelled_error
 
 # Pieces are small slotted structs: one is made per token of every stream.
@@ -78,6 +79,7 @@ class Vectors:
     i: int
     seq: int
     data: list[list[float]]
+    labels: list[str] | None = None  # a classifier's, naming each vector's entries
 
 
 Piece = Delta | Final | Failure | Vectors
@@ -92,6 +94,7 @@ class Whole:
     lps: list[list[dict[str, Any]]]
     finals: list[DoneEvent]
     vectors: list[list[float]] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)  # a classifier's
 
     @property
     def text(self) -> str:
@@ -169,7 +172,7 @@ class Fold:
         if event["t"] == "error":
             self._final(event)
             return Failure(event.get("i", 0), event["seq"], error_from_event(event))
-        return Vectors(event.get("i", 0), event["seq"], event["data"])
+        return Vectors(event.get("i", 0), event["seq"], event["data"], event.get("labels"))
 
     def _final(self, event: FinalEvent) -> None:
         self.finals.append(event)
@@ -193,6 +196,7 @@ class Fold:
             lps.append([])
             finals.append(None)
         vectors: list[list[float]] = []
+        labels: list[str] = []
         read = self.read
         try:
             async for event in self._events:  # a fold not started: no first event held
@@ -206,10 +210,10 @@ class Fold:
                 elif isinstance(piece, Failure):
                     raise piece.error
                 elif isinstance(piece, Vectors):
-                    vectors = piece.data
+                    vectors, labels = piece.data, piece.labels or []
         finally:
             await self.aclose()
-        return Whole(["".join(t) for t in texts], lps, all_whole(finals), vectors)
+        return Whole(["".join(t) for t in texts], lps, all_whole(finals), vectors, labels)
 
 
 def stored(events: Iterable[Event]) -> list[Piece]:

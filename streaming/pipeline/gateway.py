@@ -33,7 +33,6 @@ from inference.client import InferenceClient, RequestHandle
 from inference.jobs import (
     ChatJob,
     EmbedJob,
-    ErrorEvent,
     Job,
     Message,
     default_max_tokens,
@@ -44,19 +43,17 @@ from inference.spec import DeploymentSpec, Kind, MaxTokensPolicy, RuntimeName
 from inference.structured.grammar_check import GrammarChecker
 from sluice.db import async_db
 from sluice.errors import (
-    ApiError,
     BadRequest,
     BudgetExceeded,
     DeadlineExceeded,
     NotFound,
     PermissionDenied,
-    ServerError,
     Unauthenticated,
-    Unavailable,
 )
 from sluice.observability import telemetry
 from streaming.pipeline import choices, max_tokens_policy, replay
 from streaming.pipeline.callrequest import CallRequest, check
+from streaming.pipeline.failures import queue_unavailable
 from streaming.pipeline.guarding import Guarding
 from streaming.pipeline.prompting import (
     chat_job,
@@ -73,28 +70,6 @@ from tenants.cache import authenticate_cached
 from tenants.conversations import conversation_append, conversation_history
 from tenants.principal import Principal
 from tenants.roles import Action
-
-
-def queue_unavailable() -> Unavailable:
-    """What a caller gets when Redis (the queue) fails under its call: retriable."""
-    return Unavailable("The request queue is unavailable; try again shortly.",
-                       code="queue_unavailable", headers={"Retry-After": "1"})
-
-
-def error_from_event(event: ErrorEvent) -> ApiError:
-    """A worker's error event as the typed error every adapter knows how to send. One
-    the worker marks as certain to fail again (`"retry": false`: a model fault on this
-    input, a dead-lettered request) tells the OpenAI SDKs not to retry it, as they
-    would any 5xx (`x-should-retry: false`, a header they honour)."""
-    status, code, message = event["status"], event["code"], event["message"]
-    headers = {"x-should-retry": "false"} if event.get("retry") is False else None
-    if status == 504:
-        return DeadlineExceeded(message, code=code, headers=headers)
-    if status == 503:
-        return Unavailable(message, code=code, headers=headers)
-    if 400 <= status < 500:
-        return BadRequest(message, code=code, headers=headers)
-    return ServerError(message, code=code, headers=headers)
 
 
 class Gateway:
@@ -260,7 +235,7 @@ class Gateway:
                     action: str) -> Submitted:
         check(req)
         target = await self._model(principal, req.model, Kind.CHAT)
-        guarding = await Guarding.of(principal, req.model)
+        guarding = await Guarding.of(self, principal, req.model)
         if guarding is None:
             return await self._chat_on(principal, req, target, protocol=protocol,
                                        action=action)
@@ -410,19 +385,44 @@ class Gateway:
         inputs = [req.input] if isinstance(req.input, str) else req.input
         if any(not text for text in inputs):
             raise BadRequest("input must not contain empty strings.", param="input")
-        guarding = await Guarding.of(principal, req.model)
+        guarding = await Guarding.of(self, principal, req.model)
         if guarding is not None:
             inputs = await guarding.inputs(inputs)
+        return await self._vectors(principal, target, Kind.EMBEDDING, inputs,
+                                   action="embeddings", protocol=protocol, timeout_s=timeout_s,
+                                   notes=guarding.audit() if guarding is not None else None)
 
+    async def classify(self, principal: Principal, model: str, inputs: list[str], *,
+                       action: str = "moderations", protocol: str = "rest",
+                       timeout_s: float | None = None, chosen: bool = False) -> Submitted:
+        """A classifier deployment's probabilities for `inputs` (one event of vectors,
+        with their labels). `chosen`: a policy chose the model (a classifier guard), not
+        the caller, so neither the caller's role nor its key's model allow-list is asked
+        (the call is still admitted: limits, quotas, breaker, shedding)."""
+        if not chosen:
+            target = await self._model(principal, model, Kind.CLASSIFY)
+        else:
+            spec = await enabled_spec(model)
+            if spec is None or spec.kind != Kind.CLASSIFY:
+                raise NotFound(f"The classifier '{model}' is not an enabled deployment.",
+                               code="model_not_found", param="model")
+            target = spec
+        return await self._vectors(principal, target, Kind.CLASSIFY, inputs, action=action,
+                                   protocol=protocol, timeout_s=timeout_s)
+
+    async def _vectors(self, principal: Principal, target: DeploymentSpec | Route,
+                       kind: Kind, inputs: list[str], *, action: str, protocol: str,
+                       timeout_s: float | None,
+                       notes: dict[str, Any] | None = None) -> Submitted:
+        """An embedding or classification call of `inputs` on `target`, admitted."""
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
             admission = await self.governor.admit(
                 principal, spec, tokens=sum(prompt_bound([t], spec) for t in inputs))
             if routed is not None:
                 admission = routed.admission(admission)
-            admission.action, admission.protocol = "embeddings", protocol
+            admission.action, admission.protocol = action, protocol
             admission.request_text = inputs[0]
-            if guarding is not None:
-                admission.notes.update(guarding.audit())
+            admission.notes.update(notes or {})
             [handle] = await self._submit(
                 principal, spec, [EmbedJob(input=inputs)], admission,
                 timeout_s=routed.left_s() if routed is not None else timeout_s)
@@ -431,7 +431,7 @@ class Gateway:
         if isinstance(target, DeploymentSpec):
             return await on(target)
         # Not routed by context: an encoder truncates its inputs to its own.
-        return await self._routed(target, Kind.EMBEDDING, on, texts=[], max_tokens=None,
+        return await self._routed(target, kind, on, texts=[], max_tokens=None,
                                   timeout_s=timeout_s)
 
 

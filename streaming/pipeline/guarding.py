@@ -37,9 +37,11 @@ from governance.guardrails.runner import Blocked, Verdicts, run
 from inference.jobs import Event, Message, ToolSpec
 from sluice.errors import BadRequest, ContentBlocked
 from streaming.pipeline.callrequest import CallRequest
+from streaming.pipeline.fold import Fold
 from tenants.principal import Principal
 
 if TYPE_CHECKING:
+    from streaming.pipeline.gateway import Gateway
     from streaming.pipeline.submitted import Submitted
 
 
@@ -54,14 +56,24 @@ class Guarding:
                             for r in rules.post)
 
     @classmethod
-    async def of(cls, principal: Principal, model: str) -> Guarding | None:
+    async def of(cls, gateway: Gateway, principal: Principal, model: str
+                 ) -> Guarding | None:
         rules = (await tenant_policies(principal.tenant_id)).guardrails_for(
             key_id=principal.key_id, model=model)
         if not rules:
             return None
+
+        async def classify(deployment: str, texts: list[str]
+                           ) -> tuple[list[list[float]], list[str]]:
+            """A classifier guard's call: the caller's, on the policy's model."""
+            sub = await gateway.classify(principal, deployment, texts, chosen=True,
+                                         action="guardrails.classify", protocol="guard")
+            whole = await Fold(sub.events()).whole()
+            return whole.vectors, whole.labels
+
         return cls(rules, Context(tenant=principal.tenant_slug,
                                   key_prefix=principal.key_prefix or "", model=model,
-                                  phase="pre"))
+                                  phase="pre", classify=classify))
 
     def audit(self) -> dict[str, Any]:
         return {"guardrails": self.verdicts.summary()} if self.verdicts else {}

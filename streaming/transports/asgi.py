@@ -21,7 +21,8 @@ from sluice.observability.telemetry import RequestScope
 from streaming import apis
 from streaming.apis.httpio import ClientGone, Receive, Scope, Send, read_json, send_json
 from streaming.pipeline.call import Call
-from streaming.pipeline.gateway import queue_unavailable, shared_gateway
+from streaming.pipeline.failures import queue_unavailable
+from streaming.pipeline.gateway import shared_gateway
 from tenants.throttle import asgi_source
 
 logger = logging.getLogger("sluice.streaming")

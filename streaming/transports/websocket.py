@@ -61,8 +61,9 @@ from sluice.observability.observe import served
 from streaming.apis import bodies, chat_request
 from streaming.pipeline.call import Call
 from streaming.pipeline.callrequest import CallRequest
+from streaming.pipeline.failures import queue_unavailable
 from streaming.pipeline.fold import Delta, Failure, Final, Fold
-from streaming.pipeline.gateway import Gateway, queue_unavailable, shared_gateway
+from streaming.pipeline.gateway import Gateway, shared_gateway
 from streaming.pipeline.max_tokens_policy import CLAMPED_HEADER
 from streaming.pipeline.nesting import MAX_JSON_DEPTH, check_depth
 from streaming.pipeline.schemas import EmbeddingRequest, parse

@@ -21,6 +21,10 @@ own CPU is not counted: its server is shared.)
 Mode "chat budget" (issue #44) is chat again with a second key that has a monthly spend
 budget no run reaches; echo then has a price, so every mode's calls are priced and the
 budget's reservation and settlement are the one difference: its goal is 5% of chat.
+Modes "chat 1k" and "chat 1k pii" (issue #45) send a 1 KB prompt (one reply token), the
+second with a key whose pre-call PII guardrail masks it: the guard's cost per call is
+their difference (goal: at most 0.3 ms). A revision without guardrails sends "chat 1k
+pii" with its plain key.
 
 Printed for each mode: calls/s, the gateway's CPU ms per call, and its ratio to chat's
 with the same transport (plain to plain chat, streamed to streamed chat) measured in
@@ -67,12 +71,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import bench_http as bench
 import redis
+from bench_seeds import GUARDED, KB, KEYED, SEED
 
 from sluice.localinfra import free_port, start_redis
 from sluice.processes import ProcessGroup
@@ -98,35 +104,16 @@ APIS: dict[str, tuple[str, dict[str, Any]]] = {
     "messages": ("/v1/messages", {"model": "echo", "max_tokens": 64, "messages": HELLO}),
     # Chat again, with a key that has a spend budget (issue #44: <= 5% above chat).
     "chat budget": ("/v1/chat/completions", {"model": "echo", "messages": HELLO}),
+    # A 1 KB prompt, without and with a pre-call PII guardrail (issue #45).
+    "chat 1k": ("/v1/chat/completions", {"model": "echo", "messages": KB, "max_tokens": 1}),
+    "chat 1k pii": ("/v1/chat/completions",
+                    {"model": "echo", "messages": KB, "max_tokens": 1}),
 }
 BUDGETED = "chat budget"
 # Frames whose share of the gateway's samples --profile prints (a stack holding several
 # counts once for each).
 WATCHED = ("response_save", "response_create", "save", "insert", "bulk_create",
            "execute", "close_old_connections", "_clean_item", "send_json", "whole_reply")
-SEED = ("import django; django.setup(); from django.core.management import call_command; "
-        "call_command('migrate', verbosity=0); from tenants.services import demo_seed; "
-        "from inference.services import deployment_seed_defaults; "
-        "deployment_seed_defaults(); print(demo_seed().api_key); "
-        # bench_http.govern_demo's policies, with values PostgreSQL's columns hold
-        "from governance.models import Quota, RateLimitPolicy as R; "
-        "from tenants.models import Tenant; t = Tenant.objects.get(slug='demo'); "
-        "R.objects.create(scope='tenant', tenant=t, requests_per_minute=10**8, "
-        "tokens_per_minute=10**9); R.objects.create(scope='model', tenant=t, "
-        "requests_per_minute=10**8, adaptive=True, qps_ref=1); "
-        "Quota.objects.create(tenant=t, max_tokens=10**12)")
-# With the budget mode: echo gets a price (every mode's calls are priced, so that the
-# budget is the one difference), and a second key a monthly budget no run reaches.
-BUDGET_SEED = (
-    "; from decimal import Decimal; import datetime as dt; "
-    "from governance.models import Budget, Price; from tenants.models import ApiKey; "
-    "Price.objects.create(model='echo', input_per_mtok_usd=Decimal('0.5'), "
-    "output_per_mtok_usd=Decimal('1.5'), valid_from=dt.datetime(2026, 1, 1, "
-    "tzinfo=dt.timezone.utc)); second = demo_seed().api_key; "
-    "Budget.objects.create(tenant=t, scope='key', api_key=ApiKey.objects.order_by('-id')"
-    ".first(), window='month', limit_usd=Decimal('999999')); print(second)")
-
-
 @dataclass
 class Mode:
     side: Side
@@ -165,7 +152,7 @@ class Mode:
 class Side:
     name: str
     key: str
-    budget_key: str  # a key with a spend budget ("": not seeded)
+    keys: dict[str, str]  # the keyed modes' own keys (KEYED)
     gateway_pid: int
     redis_url: str
     # the pipeline's other processes by what they count as: "writers", "worker"
@@ -194,9 +181,9 @@ class Side:
 
 
 def start_side(name: str, repo: Path, database_url: str | None, workers: int,
-               folder: Path, stack: contextlib.ExitStack, budget: bool = False) -> Side:
+               folder: Path, stack: contextlib.ExitStack, keyed: Iterable[str] = ()) -> Side:
     """`repo`'s pipeline on a private Redis and its own state dir (removed at the end);
-    with `budget`, a price and a budgeted key as well (BUDGET_SEED)."""
+    with the `keyed` modes' keys seeded as well (KEYED), where the revision has them."""
     state = tempfile.mkdtemp(prefix="sluice-apis-")
     stack.callback(shutil.rmtree, state, ignore_errors=True)
     started = start_redis()
@@ -207,10 +194,12 @@ def start_side(name: str, repo: Path, database_url: str | None, workers: int,
     env.pop("DATABASE_URL", None)
     if database_url:
         env["DATABASE_URL"] = database_url
-    printed = subprocess.run([sys.executable, "-c", SEED + (BUDGET_SEED if budget else "")],
+    seeded = [m for m in keyed if (repo / KEYED[m][1]).exists()]
+    printed = subprocess.run([sys.executable, "-c", SEED + "".join(KEYED[m][0] for m in seeded)],
                              cwd=repo, env=env, check=True, capture_output=True,
                              text=True).stdout.strip().splitlines()
-    key, budget_key = (printed[-2], printed[-1]) if budget else (printed[-1], "")
+    key = printed[-1 - len(seeded)]
+    keys = dict(zip(seeded, printed[len(printed) - len(seeded):], strict=True))
     group = ProcessGroup(env)
     stack.callback(group.stop, first=bench.FRONT)
     port = free_port()
@@ -228,7 +217,7 @@ def start_side(name: str, repo: Path, database_url: str | None, workers: int,
         for writer in writers:
             group.start(writer, [*manage, writer])
     bench.wait_http(f"http://127.0.0.1:{port}/healthz")
-    side = Side(name, key, budget_key, group.children["sluice"].proc.pid, started.url, others={
+    side = Side(name, key, keys, group.children["sluice"].proc.pid, started.url, others={
         "writers": [group.children[w].proc.pid for w in writers],
         "worker": [group.children["worker"].proc.pid]})
     for api, (path, body) in APIS.items():
@@ -237,7 +226,7 @@ def start_side(name: str, repo: Path, database_url: str | None, workers: int,
             file = folder / f"{re.sub(r'[^a-z0-9]+', '-', f'{name} {label}')}.json"
             file.write_text(json.dumps({**body, "stream": True} if stream else body))
             side.modes[label] = Mode(side, label, stream, f"http://127.0.0.1:{port}{path}",
-                                     file, key=budget_key if api == BUDGETED else "")
+                                     file, key=keys.get(api, ""))
     return side
 
 
@@ -322,6 +311,11 @@ def print_side(side: Side, other: Side | None) -> None:
         print(f"{mode.name:28} {mode.ms_of('writers'):10.3f} {mode.ms_of('redis'):9.3f} "
               f"{mode.ms_of('worker'):9.3f} {mode.total_ms:18.3f} "
               f"{mode.total_ms / mode.baseline.total_ms:7.2f}x")
+    if "chat 1k" in side.modes and GUARDED in side.modes:
+        added = max(side.modes[GUARDED].ms - side.modes["chat 1k"].ms,
+                    side.modes[f"{GUARDED} stream"].ms - side.modes["chat 1k stream"].ms)
+        print(f"guard goal (a pre-call PII guardrail on 1 KB adds at most 0.3 ms of gateway "
+              f"CPU): {'met' if added <= 0.3 else 'not met'} ({added:+.3f} ms at most)")
     if BUDGETED in side.modes:
         budgeted = max(side.modes[BUDGETED].ratio(), side.modes[f"{BUDGETED} stream"].ratio())
         print(f"budget goal (a call with one budget within 5% of chat's gateway CPU): "
@@ -396,7 +390,7 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix="sluice-apis-"))
         stack.callback(shutil.rmtree, folder, ignore_errors=True)
         sides = [start_side("this checkout", bench.REPO, args.database_url, args.workers,
-                            folder, stack, budget=BUDGETED in only)]
+                            folder, stack, keyed=set(KEYED) & only)]
         if args.against:
             tree = folder / "rev"
             subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree),
@@ -404,7 +398,7 @@ def main() -> None:
             stack.callback(subprocess.run, ["git", "worktree", "remove", "--force",
                                             str(tree)], cwd=bench.REPO, check=False)
             sides.append(start_side(args.against, tree, args.against_database_url,
-                                    args.workers, folder, stack, budget=BUDGETED in only))
+                                    args.workers, folder, stack, keyed=set(KEYED) & only))
         if args.pin:
             pin(sides)
         for side in sides:

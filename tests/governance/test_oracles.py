@@ -21,6 +21,7 @@ from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
 
 from governance import audit
+from governance.guardrail_models import GuardrailPolicy
 from governance.models import (
     AuditEvent,
     AuditExport,
@@ -51,6 +52,7 @@ class Ids:
     limit: int
     quota: int
     budget: int
+    guardrail: int
     export: int
     pattern: int
     event: int
@@ -86,6 +88,9 @@ def bobs_objects(bob: Org) -> Ids:
         quota=Quota.objects.create(tenant=bob.tenant, max_requests=5).pk,
         budget=Budget.objects.create(tenant=bob.tenant, scope=BudgetScope.MEMBER,
                                      member=bob.members[Role.DEVELOPER], limit_usd=1).pk,
+        guardrail=GuardrailPolicy.objects.create(
+            tenant=bob.tenant, name="bob's", guard="pii", phase="pre", action="mask",
+            scope="tenant").pk,
         export=AuditExport.objects.create(tenant=bob.tenant, requested_by=admin.subject,
                                           format="csv").pk,
         pattern=RedactionPattern.objects.create(tenant=bob.tenant, label="X",
@@ -102,14 +107,15 @@ def missing_ids(theirs: Ids) -> Ids:
     """Ids of the same shape that nothing has."""
     big = 10**9
     return Ids(tenant=big + 1, member=big + 2, key=big + 3, limit=big + 4, quota=big + 5,
-               budget=big + 9, export=big + 6, pattern=big + 7, event=big + 8,
+               budget=big + 9, guardrail=big + 10, export=big + 6, pattern=big + 7, event=big + 8,
                conversation=f"conv_{'0' * 24}", file=f"file-{'0' * 24}",
                batch=f"batch_{'0' * 24}", response=f"resp_{'0' * 24}")
 
 
 SNAPSHOT: list[tuple[type[Model], list[str]]] = [
     (Tenant, []), (Member, []), (ApiKey, ["last_used_at"]), (Conversation, []),
-    (RateLimitPolicy, []), (Quota, []), (Budget, []), (AuditExport, []), (RedactionPattern, []),
+    (RateLimitPolicy, []), (Quota, []), (Budget, []), (GuardrailPolicy, []), (AuditExport, []),
+    (RedactionPattern, []),
     (StoredFile, []), (Batch, []), (StoredResponse, []),
 ]
 
@@ -215,6 +221,18 @@ CASES: dict[str, Case] = {
                           lambda i: {"limit_usd": 2}),
     "budget delete": Case("api", "DELETE", "api/v1/governance/budgets/<int:budget_id>",
                           lambda i: f"/api/v1/governance/budgets/{i.budget}"),
+    "guardrail get": Case("api", "GET", "api/v1/governance/guardrails/<int:policy_id>",
+                          lambda i: f"/api/v1/governance/guardrails/{i.guardrail}"),
+    "guardrail update": Case("api", "PATCH", "api/v1/governance/guardrails/<int:policy_id>",
+                             lambda i: f"/api/v1/governance/guardrails/{i.guardrail}",
+                             lambda i: {"shadow": True}),
+    "guardrail delete": Case("api", "DELETE", "api/v1/governance/guardrails/<int:policy_id>",
+                             lambda i: f"/api/v1/governance/guardrails/{i.guardrail}"),
+    "guardrail on their key": Case("api", "POST", "api/v1/governance/guardrails",
+                                   lambda i: "/api/v1/governance/guardrails",
+                                   lambda i: {"name": "k", "guard": "pii", "phase": "pre",
+                                              "action": "mask", "scope": "key",
+                                              "key_id": i.key}),
     "budget for a member": Case("api", "POST", "api/v1/governance/budgets",
                                 lambda i: "/api/v1/governance/budgets",
                                 lambda i: {"scope": "member", "member_id": i.member,
@@ -259,6 +277,15 @@ CASES: dict[str, Case] = {
     "response input items": Case("api", "GET", "v1/responses/<response_id>/input_items",
                                  lambda i: f"/v1/responses/{i.response}/input_items"),
     # -- the admin UI -------------------------------------------------------------------------
+    "ui guardrail edit page": Case("ui", "GET", "ui/guardrails/<int:policy_id>",
+                                   lambda i: f"/ui/guardrails/{i.guardrail}"),
+    "ui guardrail save": Case("ui", "POST", "ui/guardrails/<int:policy_id>",
+                              lambda i: f"/ui/guardrails/{i.guardrail}",
+                              lambda i: {"name": "x", "action": "flag", "timeout_ms": "5",
+                                         "on_error": "open"}),
+    "ui guardrail delete": Case("ui", "POST", "ui/guardrails/<int:policy_id>",
+                                lambda i: f"/ui/guardrails/{i.guardrail}",
+                                lambda i: {"delete": "1"}),
     "ui budget edit page": Case("ui", "GET", "ui/budgets/<int:budget_id>",
                                 lambda i: f"/ui/budgets/{i.budget}"),
     "ui budget save": Case("ui", "POST", "ui/budgets/<int:budget_id>",

@@ -15,6 +15,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.urls import get_resolver
 
+from governance.guardrail_models import GuardrailPolicy
 from governance.models import (
     AuditExport,
     Budget,
@@ -92,6 +93,10 @@ class Ctx:
     def fresh_price(self) -> int:
         return Price.objects.create(model=f"m-{token_hex(4)}", input_per_mtok_usd=1,
                                     output_per_mtok_usd=2).pk
+
+    def fresh_guard(self) -> int:
+        return GuardrailPolicy.objects.create(tenant=self.org.tenant, name="g", guard="pii",
+                                              phase="pre", action="mask", scope="tenant").pk
 
     def fresh_budget(self) -> int:
         return Budget.objects.create(tenant=self.org.tenant, scope="member",
@@ -283,6 +288,26 @@ MATRIX: dict[str, Row] = {
                           lambda c: {"time_zone": "UTC"},
                           {PA: 200, TA: 200, DEV: 403, AUD: 403},
                           "api/v1/tenants/<int:tenant_id>/billing"),
+    "guardrail list": Row("GET", lambda c: "/api/v1/governance/guardrails", None,
+                          {PA: 200, TA: 200, DEV: 403, AUD: 200},
+                          "api/v1/governance/guardrails"),
+    "guardrail create": Row("POST", lambda c: "/api/v1/governance/guardrails",
+                            lambda c: {"name": "m", "guard": "pii", "phase": "pre",
+                                       "action": "mask", "scope": "tenant",
+                                       "tenant_id": c.org.tenant.pk},
+                            {PA: 201, TA: 201, DEV: 403, AUD: 403},
+                            "api/v1/governance/guardrails"),
+    "guardrail get": Row("GET", lambda c: f"/api/v1/governance/guardrails/{c.fresh_guard()}",
+                         None, {PA: 200, TA: 200, DEV: 403, AUD: 200},
+                         "api/v1/governance/guardrails/<int:policy_id>"),
+    "guardrail update": Row("PATCH",
+                            lambda c: f"/api/v1/governance/guardrails/{c.fresh_guard()}",
+                            lambda c: {"shadow": True}, {PA: 200, TA: 200, DEV: 403, AUD: 403},
+                            "api/v1/governance/guardrails/<int:policy_id>"),
+    "guardrail delete": Row("DELETE",
+                            lambda c: f"/api/v1/governance/guardrails/{c.fresh_guard()}",
+                            None, {PA: 204, TA: 204, DEV: 403, AUD: 403},
+                            "api/v1/governance/guardrails/<int:policy_id>"),
     "budget list": Row("GET", lambda c: "/api/v1/governance/budgets", None,
                        {PA: 200, TA: 200, DEV: 403, AUD: 200}, "api/v1/governance/budgets"),
     "budget create": Row("POST", lambda c: "/api/v1/governance/budgets",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.core.exceptions import ImproperlyConfigured
 
-from sluice.settings.env import env_bool, env_int, env_list
+from sluice.settings.env import env_bool, env_int, env_list, env_str
 
 # A policy edit bumps an epoch that every gateway sees within a second; this TTL bounds
 # staleness when Redis cannot carry that signal.
@@ -41,3 +41,8 @@ SLUICE_RETENTION_SWEEP_S = env_int("SLUICE_RETENTION_SWEEP_S", 3600, minimum=60)
 # must see whole: a masked or blocked string never leaves in part). A match still
 # growing at the window's edge is held up to 8 windows, then masked as it stands.
 SLUICE_GUARD_HOLDBACK_CHARS = env_int("SLUICE_GUARD_HOLDBACK_CHARS", 128, minimum=16)
+# /v1/moderations: the classifier deployment a call that names none gets, and the
+# probability from which a category is flagged.
+SLUICE_MODERATION_MODEL = env_str("SLUICE_MODERATION_MODEL", "injection-guard")
+SLUICE_MODERATION_THRESHOLD = min(env_int("SLUICE_MODERATION_THRESHOLD_PCT", 50,
+                                          minimum=1), 100) / 100

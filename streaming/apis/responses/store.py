@@ -44,7 +44,7 @@ from streaming.apis.responses.copy import Kept
 from streaming.apis.responses.rows import keep_draft, kept_row, row
 from streaming.apis.responses.writer import insert
 from streaming.models import StoredResponse
-from streaming.pipeline.gateway import queue_unavailable
+from streaming.pipeline.failures import queue_unavailable
 from tenants.principal import Principal
 from tenants.privacy import policy_of, retention_groups
 from tenants.roles import Action
