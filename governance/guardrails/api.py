@@ -11,7 +11,7 @@ from pydantic import Field, StringConstraints
 
 from governance.guardrail_models import GuardAction, GuardKind, GuardPhase, GuardScope, OnError
 from governance.guardrails import services
-from sluice.schemas import Id, StrictSchema
+from sluice.schemas import Id, Line, StrictSchema
 from tenants.api import actor_of
 
 router = Router(tags=["governance"])
@@ -21,13 +21,14 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=64,
                                         pattern=r"^[A-Za-z0-9 ._:-]+$")]
 ModelName = Annotated[str, StringConstraints(max_length=100, pattern=r"^[A-Za-z0-9._:/-]*$")]
 TimeoutMs = Annotated[int, Field(ge=1, le=30_000)]
-Secret = Annotated[str, StringConstraints(min_length=16, max_length=200)]
+Secret = Annotated[Line, StringConstraints(min_length=16, max_length=200)]
+Category = Annotated[Line, StringConstraints(min_length=1, max_length=32)]
 
 
 class GuardrailFields(StrictSchema):
     name: Name | None = None
     action: GuardAction | None = None
-    categories: list[str] | None = None
+    categories: Annotated[list[Category], Field(max_length=32)] | None = None
     config: dict[str, Any] | None = None
     secret: Secret | None = None  # a webhook's; write-only
     mandatory: bool | None = None

@@ -34,7 +34,7 @@ from governance.guardrails.guards import Context
 from governance.guardrails.holdback import Held
 from governance.guardrails.policy import Applied
 from governance.guardrails.runner import Blocked, Verdicts, run
-from inference.jobs import Event, Message, ToolSpec
+from inference.jobs import Event, Message, ToolSpec, is_delta, is_done
 from sluice.errors import BadRequest, ContentBlocked
 from streaming.pipeline.callrequest import CallRequest
 from streaming.pipeline.fold import Fold
@@ -144,16 +144,16 @@ class Guarding:
         window = int(settings.SLUICE_GUARD_HOLDBACK_CHARS)
         held: dict[int, Held] = {}
         stopped: set[int] = set()
-        raw: Any
-        async for raw in events:  # typed dicts, read and rewritten by key
-            event: dict[str, Any] = raw
-            kind = event["t"]
-            if kind not in ("delta", "done"):
+        raw: Event
+        async for raw in events:
+            delta = is_delta(raw)
+            if not delta and not is_done(raw):
                 yield raw
                 continue
+            event: dict[str, Any] = cast(dict[str, Any], raw)  # rewritten by key
             i = event.get("i", 0)
             if i in stopped:
-                if kind == "done":
+                if not delta:
                     yield _filtered(event)
                 continue
             h = held.get(i)
@@ -161,7 +161,7 @@ class Guarding:
                 h = held[i] = Held(self.rules.post, ctx, self.verdicts, window=window,
                                    stream=self.stream)
             try:
-                if kind == "delta":
+                if delta:
                     out = await h.feed(event["text"])
                     if self.rewrites and "tools" in event:
                         event = {k: v for k, v in event.items() if k != "tools"}
@@ -172,7 +172,7 @@ class Guarding:
             except Blocked:
                 stopped.add(i)
                 sub.admission.notes.update(self.audit())
-                if kind == "done":
+                if not delta:
                     yield _filtered(event)
                 else:
                     await sub.handles[i].cancel()

@@ -82,7 +82,9 @@ def test_bad_policy_input_is_a_clear_4xx_and_saves_nothing(alice: Org, bob: Org)
             "scope": "tenant", "config": {"deny": ["x"]}}
     cases: list[tuple[dict[str, Any], int, str | None]] = [
         ({"guard": "astrology"}, 422, None),
-        ({"guard": "classifier"}, 422, "guard"),
+        ({"guard": "judge"}, 422, "guard"),
+        ({"guard": "classifier", "config": {"deployment": "nope"}}, 422, "config"),
+        ({"guard": "classifier", "action": "mask", "config": {}}, 422, "action"),
         ({"config": {"deny_regex": ["(a+)+$"]}}, 422, "config"),
         ({"config": {"deny": []}}, 422, "config"),
         ({"config": {"deny": ["x"], "surprise": 1}}, 422, "config"),
