@@ -2,11 +2,11 @@
 it (governance/guardrails/ runs them). Imported by governance/models.py, so Django
 knows them.
 
-A policy names a guard (`pii`, `words`, `webhook`, `classifier`; `judge` is a
-reserved name, refused until it is built), a phase (`pre`: the request, before
-admission; `during`: the request, beside the queued call; `post`: the reply, held back
-in streams), an action (`block`, `mask`, `flag`) and a scope: the platform (tenant
-None), a tenant, one API key, or one deployment or alias by name. For each guard and
+A policy names a guard (`pii`, `words`, `webhook`, `classifier`, `judge`), a phase
+(`pre`: the request, before admission; `during`: the request, beside the queued call;
+`post`: the reply, held back in streams), an action (`block`, `mask`, `flag`) and a
+scope: the platform (tenant None), a tenant, one API key, or one deployment or alias by
+name. For each guard and
 phase the most specific scope's enabled policy is the one that applies (key, then
 deployment, then tenant, then platform; a tenant's own before the platform's at the
 same scope); a platform policy marked `mandatory` applies besides, whatever a tenant
@@ -29,7 +29,7 @@ class GuardKind(models.TextChoices):
     WORDS = "words", "Deny and allow lists"
     WEBHOOK = "webhook", "A guardrail service (LiteLLM's generic guardrail API)"
     CLASSIFIER = "classifier", "A classification model served as a deployment"
-    JUDGE = "judge", "An LLM judge (not built yet)"
+    JUDGE = "judge", "An LLM judge served as a chat deployment"
 
 
 class GuardPhase(models.TextChoices):

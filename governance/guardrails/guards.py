@@ -63,11 +63,14 @@ CLEAN = Verdict(False)
 # A classifier deployment's probabilities for texts, and its labels (the pipeline's,
 # made for each call: streaming/pipeline/guarding.py).
 Classify = Callable[[str, list[str]], Awaitable[tuple[list[list[float]], list[str]]]]
+# A judge model's answer for a text under instructions: (allowed, category); its
+# arguments: model, instructions, text, max tokens.
+Judge = Callable[[str, str, str, int], Awaitable[tuple[bool, str]]]
 
 
 class Context(NamedTuple):
     """Who the texts are from, for guards that pass it on (the webhook), and how a
-    classifier guard reaches its model (`classify`)."""
+    classifier or judge guard reaches its model (`classify`, `judge`)."""
 
     tenant: str
     key_prefix: str
@@ -75,6 +78,7 @@ class Context(NamedTuple):
     phase: str
     request_id: str = ""
     classify: Classify | None = None
+    judge: Judge | None = None
 
 
 class Guard:
@@ -208,4 +212,7 @@ def guard_of(policy: Policy, patterns: Patterns) -> Guard:
     if policy.guard == "classifier":
         from governance.guardrails.classifier import ClassifierGuard
         return ClassifierGuard(policy)
+    if policy.guard == "judge":
+        from governance.guardrails.judge import JudgeGuard
+        return JudgeGuard(policy)
     raise ValueError(f"guard {policy.guard!r} is not built")

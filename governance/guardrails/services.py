@@ -7,13 +7,14 @@ Every write is validated before anything is saved (a 4xx saves nothing), audited
 (`guardrail.create` / `.update` / `.delete`, never a secret) and reaches the gateways
 within a second (governance/cache.py).
 
-What: `guard` pii, words, webhook or classifier (judge is refused until built);
+What: `guard` pii, words, webhook, classifier or judge;
 `action` mask is refused in phase `during` (the request is already queued: only block
-or flag) and for a classifier (it finds, it does not rewrite); scope `key` names a key
+or flag) and for a classifier or judge (they find, they do not rewrite); scope `key` names a key
 of the policy's tenant (another tenant's is the same 404 as a missing one); scope
 `deployment` names a deployment or alias that exists; `config` is checked per guard
 (guards.py `check_words_config`; a webhook's `url` passes the upstream SSRF guard, its
-`params` are a small object; a classifier's `deployment` is a classifier deployment);
+`params` are a small object; a classifier's `deployment` is a classifier deployment; a
+judge's `model` a chat deployment or alias);
 a webhook's secret is sealed at rest and write-only: Sluice makes one when none is
 given and returns it once, in the reply that created the policy.
 """
@@ -32,6 +33,7 @@ from governance.audit import record_action
 from governance.guardrail_models import GuardrailPolicy, GuardScope
 from governance.guardrails.classifier import check_config as check_classifier_config
 from governance.guardrails.guards import check_words_config
+from governance.guardrails.judge import check_config as check_judge_config
 from governance.models import RedactionPattern
 from governance.selectors import governed_key, governed_tenant
 from inference.models import Deployment, ModelAlias
@@ -44,7 +46,6 @@ from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require
 
-BUILT = ("pii", "words", "webhook", "classifier")
 PARAMS_MAX_BYTES = 4096
 SECRET_MIN, SECRET_MAX = 16, 200
 _FIELDS = ("name", "action", "categories", "config", "mandatory", "shadow", "enabled",
@@ -142,14 +143,11 @@ def _write(actor: Principal, row: GuardrailPolicy, fields: dict[str, Any],
     for key in _FIELDS:
         if key in fields and fields[key] is not None:
             setattr(row, key, fields[key])
-    if row.guard not in BUILT:
-        raise Unprocessable(f"guard: '{row.guard}' is not available yet; use one of "
-                            f"{', '.join(BUILT)}.", param="guard", code="guard_not_built")
     if row.phase == "during" and row.action == "mask":
         raise Unprocessable("action: a during policy blocks or flags (the request is "
                             "already queued: it cannot be masked).", param="action")
-    if row.guard == "classifier" and row.action == "mask":
-        raise Unprocessable("action: a classifier finds what it reads, it does not "
+    if row.guard in ("classifier", "judge") and row.action == "mask":
+        raise Unprocessable(f"action: a {row.guard} finds what it reads, it does not "
                             "rewrite it: block or flag.", param="action")
     if row.mandatory and (row.tenant_id is not None or not actor.can(
             Action.GOVERNANCE_MANAGE_ANY)):
@@ -208,6 +206,14 @@ def _config(row: GuardrailPolicy) -> dict[str, Any]:
             if not Deployment.objects.filter(name=checked["deployment"],
                                              runtime=RuntimeName.CLASSIFIER).exists():
                 raise ValueError("deployment: name a classifier deployment that exists")
+            return checked
+        if row.guard == "judge":
+            checked = check_judge_config(config)
+            name = checked["model"]
+            if not (Deployment.objects.filter(name=name).exclude(
+                    runtime__in=(RuntimeName.ENCODER, RuntimeName.CLASSIFIER)).exists()
+                    or ModelAlias.objects.filter(name=name).exists()):
+                raise ValueError("model: name a chat deployment or alias that exists")
             return checked
     except ValueError as exc:
         raise Unprocessable(f"config.{exc}", param="config") from None

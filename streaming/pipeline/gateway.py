@@ -399,16 +399,28 @@ class Gateway:
         with their labels). `chosen`: a policy chose the model (a classifier guard), not
         the caller, so neither the caller's role nor its key's model allow-list is asked
         (the call is still admitted: limits, quotas, breaker, shedding)."""
-        if not chosen:
-            target = await self._model(principal, model, Kind.CLASSIFY)
-        else:
-            spec = await enabled_spec(model)
-            if spec is None or spec.kind != Kind.CLASSIFY:
-                raise NotFound(f"The classifier '{model}' is not an enabled deployment.",
-                               code="model_not_found", param="model")
-            target = spec
+        target = await (self._chosen(model, Kind.CLASSIFY) if chosen
+                        else self._model(principal, model, Kind.CLASSIFY))
         return await self._vectors(principal, target, Kind.CLASSIFY, inputs, action=action,
                                    protocol=protocol, timeout_s=timeout_s)
+
+    async def judge(self, principal: Principal, req: CallRequest) -> Submitted:
+        """A chat call a policy makes (an LLM judge guard), as the caller's: the policy
+        chose the model, so neither the caller's role nor its key's allow-list is asked,
+        and no guardrail runs on it (a judge is not judged)."""
+        check(req)
+        return await self._chat_on(principal, req, await self._chosen(req.model, Kind.CHAT),
+                                   protocol="guard", action="guardrails.judge",
+                                   resumable=False)
+
+    async def _chosen(self, name: str, kind: Kind) -> DeploymentSpec | Route:
+        """The enabled deployment (or alias) of `kind` a policy names."""
+        spec = await enabled_spec(name)
+        target = spec if spec is not None else await alias_route(name)
+        if target is None or (spec is not None and spec.kind != kind):
+            raise NotFound(f"The {kind.value} model '{name}' a policy names is not enabled.",
+                           code="model_not_found", param="model")
+        return target
 
     async def _vectors(self, principal: Principal, target: DeploymentSpec | Route,
                        kind: Kind, inputs: list[str], *, action: str, protocol: str,

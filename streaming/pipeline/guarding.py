@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,9 +33,10 @@ from django.conf import settings
 from governance.cache import tenant_policies
 from governance.guardrails.guards import Context
 from governance.guardrails.holdback import Held
+from governance.guardrails.judge import VERDICT_SCHEMA
 from governance.guardrails.policy import Applied
 from governance.guardrails.runner import Blocked, Verdicts, run
-from inference.jobs import Event, Message, ToolSpec, is_delta, is_done
+from inference.jobs import Event, Message, ResponseFormat, ToolSpec, is_delta, is_done
 from sluice.errors import BadRequest, ContentBlocked
 from streaming.pipeline.callrequest import CallRequest
 from streaming.pipeline.fold import Fold
@@ -71,9 +73,22 @@ class Guarding:
             whole = await Fold(sub.events()).whole()
             return whole.vectors, whole.labels
 
+        async def judge(deployment: str, instructions: str, text: str, max_tokens: int
+                        ) -> tuple[bool, str]:
+            """A judge guard's call: the caller's, on the policy's model, answered under
+            the verdict's JSON schema."""
+            req = CallRequest(
+                model=deployment, max_output_tokens=max_tokens, temperature=0.0,
+                messages=[{"role": "system", "content": instructions},
+                          {"role": "user", "content": text}],
+                response_format=ResponseFormat(schema=VERDICT_SCHEMA, strict=True))
+            whole = await Fold((await gateway.judge(principal, req)).events()).whole()
+            answer = json.loads(whole.text)  # a cut reply does not parse: an error
+            return bool(answer["allowed"]), str(answer["category"])[:32]
+
         return cls(rules, Context(tenant=principal.tenant_slug,
                                   key_prefix=principal.key_prefix or "", model=model,
-                                  phase="pre", classify=classify))
+                                  phase="pre", classify=classify, judge=judge))
 
     def audit(self) -> dict[str, Any]:
         return {"guardrails": self.verdicts.summary()} if self.verdicts else {}

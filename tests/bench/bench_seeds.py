@@ -45,9 +45,21 @@ GUARD_SEED = (
     "GuardrailPolicy.objects.create(tenant=t, name='pii', guard='pii', phase='pre', "
     "action='mask', scope='key', api_key=ApiKey.objects.order_by('-id').first()); "
     "print(guarded)")
+# bench_guard_ttft.py's: echo writes a token every 2 ms, and another key's replies go
+# through a post-call PII policy that masks (held back a window).
+POST_SEED = (
+    "; from tenants.models import ApiKey; from inference.models import Deployment; "
+    "Deployment.objects.filter(name='echo').update(echo_token_delay_ms=2); "
+    "post = demo_seed().api_key; "
+    "from governance.guardrail_models import GuardrailPolicy; "
+    "GuardrailPolicy.objects.create(tenant=t, name='pii-out', guard='pii', phase='post', "
+    "action='mask', scope='key', api_key=ApiKey.objects.order_by('-id').first()); "
+    "print(post)")
+POSTED = "ttft post pii"
 # Modes whose calls use a key of their own: the seed that prints it, and the file a
 # revision must have for it (else the mode uses the side's plain key).
 KEYED = {"chat budget": (BUDGET_SEED, "governance/pricing.py"),
-         GUARDED: (GUARD_SEED, "governance/guardrail_models.py")}
+         GUARDED: (GUARD_SEED, "governance/guardrail_models.py"),
+         POSTED: (POST_SEED, "governance/guardrail_models.py")}
 
 

@@ -16,7 +16,7 @@ from governance.models import Price
 from sluice.redis import sync_client
 from tenants.roles import Role
 from tests.conftest import Org, make_org
-from tests.streaming.conftest import Live, grpc_target, live, tiny  # noqa: F401 - live server fixtures
+from tests.streaming.conftest import Live, grpc_target, live, roomy, tiny  # noqa: F401 - live server fixtures
 
 
 @pytest.fixture

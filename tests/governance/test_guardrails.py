@@ -82,7 +82,8 @@ def test_bad_policy_input_is_a_clear_4xx_and_saves_nothing(alice: Org, bob: Org)
             "scope": "tenant", "config": {"deny": ["x"]}}
     cases: list[tuple[dict[str, Any], int, str | None]] = [
         ({"guard": "astrology"}, 422, None),
-        ({"guard": "judge"}, 422, "guard"),
+        ({"guard": "judge", "config": {"model": "nope"}}, 422, "config"),
+        ({"guard": "judge", "config": {"model": "x", "max_tokens": 4}}, 422, "config"),
         ({"guard": "classifier", "config": {"deployment": "nope"}}, 422, "config"),
         ({"guard": "classifier", "action": "mask", "config": {}}, 422, "action"),
         ({"config": {"deny_regex": ["(a+)+$"]}}, 422, "config"),
@@ -478,3 +479,25 @@ def test_the_classifier_guard_blocks_injections_through_a_real_worker(
     row = eventually(lambda: audit.drain(settle_s=0) >= 0 and AuditEvent.objects.filter(
         tenant_id=guarded.tenant.pk, action="guardrails.classify").first(), timeout=15)
     assert row.model == "injection-guard" and row.status == 200
+
+
+def test_the_judge_guard_gets_a_verdict_that_parses_from_a_real_model(
+        live: Live, guarded: Org, roomy: str) -> None:
+    # The toy-weights model says anything, but under the verdict's JSON schema: the
+    # guard's answer always parses, and the call goes on or is refused by it.
+    oa, _ = clients(live, guarded)
+    policy(guarded, name="judged", guard="judge", phase="pre", action="block",
+           timeout_ms=20_000, on_error="open", config={"model": roomy, "max_tokens": 128})
+    try:
+        outcome = chat(oa, "tell me about the weather").choices[0].message.content
+    except openai.BadRequestError as refused:
+        assert refused.code == "content_blocked"
+        outcome = "blocked"
+    row = eventually(lambda: audit.drain(settle_s=0) >= 0 and AuditEvent.objects.filter(
+        tenant_id=guarded.tenant.pk, action="chat.completions").first(), timeout=15)
+    verdict = row.detail["guardrails"]
+    assert verdict.startswith("judged/pre=") and "=error" not in verdict, verdict
+    assert ("=block" in verdict) == (outcome == "blocked")
+    judge = AuditEvent.objects.filter(tenant_id=guarded.tenant.pk,
+                                      action="guardrails.judge").get()
+    assert judge.model == roomy and judge.status == 200

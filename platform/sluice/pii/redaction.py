@@ -115,7 +115,8 @@ def _touches_placeholder(text: str, span: Span) -> bool:
 
 
 def _scan(pattern: re.Pattern[str], text: str, free: Free,
-          check: Callable[[re.Match[str]], Span | None]) -> Iterable[Span]:
+          check: Callable[[re.Match[str]], Span | None], pos: int = 0,
+          end: int | None = None) -> Iterable[Span]:
     """Candidates of `pattern`, validated by `check`. A rejected candidate does not hide
     what starts inside it ("1234 4111 1111 1111 1111" holds a card after a number):
     the search resumes one character on, where the lookbehinds let only the starts of
@@ -123,9 +124,9 @@ def _scan(pattern: re.Pattern[str], text: str, free: Free,
     recognizer claimed counts as rejected, and so does one that touches a placeholder
     ("[EMAIL]-536-42-7151"): where a placeholder stands, a token stood that the first
     pass saw glued to this one, so redacting again must not find what it did not."""
-    pos, end = 0, len(text)
+    end = len(text) if end is None else end
     while pos < end:
-        m = pattern.search(text, pos)
+        m = pattern.search(text, pos, end)
         if m is None:
             return
         span = check(m)
@@ -136,6 +137,27 @@ def _scan(pattern: re.Pattern[str], text: str, free: Free,
             pos = m.start() + 1
 
 
+# Where a number can be: a whole run of digits and the characters numbers are written
+# with (spaces, dots, dashes, parentheses, "+"), holding a digit. Every SSN, card, IPv4
+# and phone candidate is made of these characters only (one without a digit is never
+# valid), so it lies inside one run: their patterns search only there (their
+# lookbehinds still see the text before, and the character after a run is none of its
+# own). Linear: a run is tried from its start only, and nothing in it backtracks.
+_NUMBER_RUN = re.compile(r"(?<![\d .()+\-])[ .()+\-]*+\d[\d .()+\-]*+")
+
+
+@lru_cache(maxsize=8)
+def _number_runs(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((m.start(), min(m.end() + 1, len(text))) for m in _NUMBER_RUN.finditer(text))
+
+
+def _scan_numbers(pattern: re.Pattern[str], text: str, free: Free,
+                  check: Callable[[re.Match[str]], Span | None]) -> Iterable[Span]:
+    """`_scan` of a number pattern, in the text's number runs only."""
+    for start, end in _number_runs(text):
+        yield from _scan(pattern, text, free, check, start, end)
+
+
 def _ssn(text: str, free: Free) -> Iterable[Span]:
     def check(m: re.Match[str]) -> Span | None:
         area, sep, group, serial = m.groups()
@@ -144,7 +166,7 @@ def _ssn(text: str, free: Free) -> Iterable[Span]:
         if shaped or ssn_context(text, m.start(), m.end()):
             return Span(m.start(), m.end(), "SSN")
         return None
-    return _scan(_SSN, text, free, check)
+    return _scan_numbers(_SSN, text, free, check)
 
 
 def _cards(text: str, free: Free) -> Iterable[Span]:
@@ -168,7 +190,7 @@ def _cards(text: str, free: Free) -> Iterable[Span]:
                     and not in_hex_identifier(text, span.start, span.end)):
                 return span
         return None
-    return _scan(_CARD, text, free, check)
+    return _scan_numbers(_CARD, text, free, check)
 
 
 def _ibans(text: str, free: Free) -> Iterable[Span]:
@@ -213,7 +235,8 @@ def _emails(text: str, free: Free) -> Iterable[Span]:
         if domain is None or local[0] == "." or local[-1] == "." or (plain and not named):
             return None
         return Span(m.start(), domain.end(), "EMAIL")
-    yield from _scan(_EMAIL, text, free, check)
+    if "@" in text:
+        yield from _scan(_EMAIL, text, free, check)
     yield from _scan(_EMAIL_AT, text, free, spelled)
 
 
@@ -236,8 +259,9 @@ def _ipv6(m: re.Match[str]) -> Span | None:
 
 
 def _ips(text: str, free: Free) -> Iterable[Span]:
-    yield from _scan(_IPV6, text, free, _ipv6)  # first: "::ffff:192.0.2.1" is one address
-    yield from _scan(_IPV4, text, free, _ipv4)
+    if text.count(":") >= 2:  # an IPv6 address has two at least
+        yield from _scan(_IPV6, text, free, _ipv6)  # first: "::ffff:192.0.2.1" is one
+    yield from _scan_numbers(_IPV4, text, free, _ipv4)
 
 
 @lru_cache(maxsize=1)
@@ -301,7 +325,7 @@ def _phones(text: str, free: Free) -> Iterable[Span]:
                 if valid and free(span):
                     return span
         return None
-    return _scan(_PHONE, text, free, check)
+    return _scan_numbers(_PHONE, text, free, check)
 
 
 _DIGIT_GROUPS = re.compile(r"\d+")
@@ -340,6 +364,16 @@ RECOGNIZERS: list[tuple[str, Recognizer]] = [
 ]
 
 
+# What a recognizer's match cannot do without, checked at C speed before its scan.
+_KEY_PREFIXES = ("sk-", "pk-", "rk-", "AKIA", "ghp_", "gho_", "ghu_", "ghs_", "ghr_",
+                 "xoxa-", "xoxb-", "xoxp-", "xoxr-", "xoxs-")
+_NEEDS: dict[str, Callable[[str], bool]] = {
+    "JWT": lambda text: "eyJ" in text,
+    "API_KEY": lambda text: any(prefix in text for prefix in _KEY_PREFIXES),
+    "TOKEN": lambda text: "bearer" in text.lower(),
+}
+
+
 # Every built-in recognizer needs one of these to match at all: digits (SSN, cards,
 # phones, IBANs, IPv4), "@" or a spelled-out one before a domain (emails), ":" (IPv6), or
 # a secret's fixed prefix. Text with none of them (most prose) skips the recognizers in
@@ -367,8 +401,10 @@ def find(text: str, extra: Iterable[tuple[str, re.Pattern[str]]] = ()) -> list[S
             chosen[span.start] = span
 
     if _TRIGGER.search(text):
-        for _, recognizer in RECOGNIZERS:
-            claim(recognizer(text, free))
+        for label, recognizer in RECOGNIZERS:
+            needs = _NEEDS.get(label)
+            if needs is None or needs(text):
+                claim(recognizer(text, free))
     for label, pattern in extra:
         claim(_simple(pattern, label)(text, free))
     return [chosen[s] for s in starts]
