@@ -320,7 +320,8 @@ def print_side(side: Side, other: Side | None) -> None:
         budgeted = max(side.modes[BUDGETED].ratio(), side.modes[f"{BUDGETED} stream"].ratio())
         print(f"budget goal (a call with one budget within 5% of chat's gateway CPU): "
               f"{'met' if budgeted <= 1.05 else 'not met'} ({budgeted:.2f}x at most)")
-    worst = max(side.modes.values(), key=Mode.ratio)
+    # Issue #30's goal is about the APIs: the 1 KB modes send another prompt.
+    worst = max((m for m in side.modes.values() if "1k" not in m.name), key=Mode.ratio)
     print(f"goal (every API within 10% of chat's gateway CPU per call): "
           f"{'met' if worst.ratio() <= 1.10 else 'not met'}; the highest is "
           f"{worst.name}, {worst.ratio():.2f}x")
