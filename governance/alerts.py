@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import json
 import re
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ from django.utils import timezone
 
 from governance import pricing
 from governance.models import AlertWebhook, AuditEvent, Budget
-from inference.upstream.secrets import unseal
+from inference.upstream.secrets import hint, seal, unseal
 from inference.upstream.urls import UpstreamURLError, validate_url
+from sluice.errors import Unprocessable
 
 ACTION = "budget.alert"
 SIGNATURE_HEADER = "X-Sluice-Signature"
@@ -94,6 +96,25 @@ def payload(event_id: int, tenant_slug: str, at: datetime, detail: dict[str, Any
     return json.dumps({"type": ACTION, "id": f"evt_{event_id}", "tenant": tenant_slug,
                        "created_at": at.isoformat(), "data": detail},
                       separators=(",", ":"), sort_keys=True).encode()
+
+
+SECRET_MIN, SECRET_MAX = 16, 200
+
+
+def signing_secret(given: str | None, *, has_one: bool, param: str
+                   ) -> tuple[str, str, str | None] | None:
+    """A webhook's signing secret to store: (sealed, hint, made), where `made` is the
+    secret Sluice made because none was `given` and there is none yet (shown once);
+    None when nothing changes. Unprocessable naming `param` for a `given` outside
+    SECRET_MIN..SECRET_MAX characters."""
+    made = None
+    if given is None and not has_one:
+        given = made = "whsec_" + secrets.token_urlsafe(32)
+    if given is None:
+        return None
+    if not SECRET_MIN <= len(given) <= SECRET_MAX:
+        raise Unprocessable(f"{param}: {SECRET_MIN} to {SECRET_MAX} characters.", param=param)
+    return seal(given), hint(given), made
 
 
 def sign(secret: str, body: bytes, at: int | None = None) -> str:

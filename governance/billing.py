@@ -11,7 +11,6 @@ Audited as `tenant.billing`; gateways see a new time zone within a second.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
@@ -20,17 +19,15 @@ from django.db import transaction
 from django.utils import timezone
 
 from governance import cache
+from governance.alerts import signing_secret
 from governance.audit import record_action
 from governance.models import AlertWebhook
-from inference.upstream.secrets import hint, seal
 from inference.upstream.urls import UpstreamURLError, validate_url
 from sluice.errors import PermissionDenied, Unprocessable
 from tenants.models import Tenant
 from tenants.principal import Principal
 from tenants.roles import Action
 from tenants.selectors import require, tenant_get
-
-SECRET_MIN, SECRET_MAX = 16, 200
 
 
 @dataclass(frozen=True)
@@ -80,14 +77,10 @@ def billing_update(*, actor: Principal, tenant_id: int, **given: Any) -> Billing
             except UpstreamURLError as exc:
                 raise Unprocessable(f"webhook_url: {exc}", param="webhook_url") from None
             detail["webhook_url"] = hook.url
-        secret = given.get("webhook_secret")
-        if secret is None and not hook.secret_sealed:
-            secret = made = "whsec_" + secrets.token_urlsafe(32)
-        if secret is not None:
-            if not SECRET_MIN <= len(secret) <= SECRET_MAX:
-                raise Unprocessable(f"webhook_secret: {SECRET_MIN} to {SECRET_MAX} characters.",
-                                    param="webhook_secret")
-            hook.secret_sealed, hook.secret_hint = seal(secret), hint(secret)
+        sealed = signing_secret(given.get("webhook_secret"), has_one=bool(hook.secret_sealed),
+                                param="webhook_secret")
+        if sealed is not None:
+            hook.secret_sealed, hook.secret_hint, made = sealed
             detail["webhook_secret_changed"] = True
         hook.updated_at = timezone.now()
         hook.save()

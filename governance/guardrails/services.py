@@ -21,7 +21,6 @@ given and returns it once, in the reply that created the policy.
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 import orjson
@@ -29,6 +28,7 @@ from django.db import transaction
 from django.db.models import Q, QuerySet
 
 from governance import cache
+from governance.alerts import signing_secret
 from governance.audit import record_action
 from governance.guardrail_models import GuardrailPolicy, GuardScope
 from governance.guardrails.classifier import check_config as check_classifier_config
@@ -38,7 +38,6 @@ from governance.models import RedactionPattern
 from governance.selectors import governed_key, governed_tenant
 from inference.models import Deployment, ModelAlias
 from inference.spec import RuntimeName
-from inference.upstream.secrets import hint, seal
 from inference.upstream.urls import UpstreamURLError, validate_url
 from sluice.errors import NotFound, PermissionDenied, Unprocessable
 from sluice.pii.redaction import RECOGNIZERS
@@ -47,7 +46,6 @@ from tenants.roles import Action
 from tenants.selectors import require
 
 PARAMS_MAX_BYTES = 4096
-SECRET_MIN, SECRET_MAX = 16, 200
 _FIELDS = ("name", "action", "categories", "config", "mandatory", "shadow", "enabled",
            "timeout_ms", "on_error")
 
@@ -157,13 +155,9 @@ def _write(actor: Principal, row: GuardrailPolicy, fields: dict[str, Any],
     row.config = _config(row)
     made = None
     if row.guard == "webhook":
-        if secret is None and not row.secret_sealed:
-            secret = made = "whsec_" + secrets.token_urlsafe(32)
-        if secret is not None:
-            if not SECRET_MIN <= len(secret) <= SECRET_MAX:
-                raise Unprocessable(f"secret: {SECRET_MIN} to {SECRET_MAX} characters.",
-                                    param="secret")
-            row.secret_sealed, row.secret_hint = seal(secret), hint(secret)
+        sealed = signing_secret(secret, has_one=bool(row.secret_sealed), param="secret")
+        if sealed is not None:
+            row.secret_sealed, row.secret_hint, made = sealed
     elif secret is not None:
         raise Unprocessable("secret: only a webhook guard has one.", param="secret")
     row.full_clean(exclude=["tenant", "api_key"])
