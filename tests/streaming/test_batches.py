@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from governance import cache as policy_cache
+from governance.guardrail_models import GuardrailPolicy
 from governance.models import Quota, RateLimitPolicy
 from sluice.errors import (
     ApiError,
@@ -119,6 +120,29 @@ def test_a_batch_runs_every_line_through_the_pipeline(client: openai.OpenAI,
     assert err["bad-body"]["response"]["status_code"] == 400
     listed = client.batches.list(limit=5)
     assert [b.id for b in listed.data] == [batch.id]
+
+
+def test_guardrails_apply_to_batch_lines(client: openai.OpenAI, celery_worker: None) -> None:
+    tenant = make_org_tenant()
+    GuardrailPolicy.objects.create(tenant_id=tenant, name="no-birds", guard="words",
+                                   phase="pre", action="block", scope="tenant",
+                                   config={"deny": ["bluebird"]})
+    GuardrailPolicy.objects.create(tenant_id=tenant, name="mask-out", guard="pii",
+                                   phase="post", action="mask", scope="tenant")
+    policy_cache.clear()
+    uploaded = client.files.create(file=jsonl([
+        chat_line("fine", "write to jane.doe@example.com"),
+        chat_line("blocked", "a bluebird sings")]), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = wait(client, batch.id, ("completed", "failed"))
+    out, err = results(client, done.output_file_id), results(client, done.error_file_id)
+    assert out["fine"]["response"]["body"]["choices"][0]["message"]["content"] == \
+        "write to [EMAIL]"
+    refused = err["blocked"]["response"]
+    assert refused["status_code"] == 400
+    assert refused["body"]["error"]["code"] == "content_blocked"
+    assert "bluebird" not in json.dumps(refused)
 
 
 def test_quotas_apply_to_batch_lines(client: openai.OpenAI, celery_worker: None) -> None:

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from governance import audit, breaker
 from governance import cache as policy_cache
+from governance.guardrail_models import GuardrailPolicy
 from governance.models import AuditEvent, BreakerPolicy, Quota
 from inference.models import Deployment
 from sluice.localinfra import free_port, start_redis
@@ -60,6 +61,26 @@ def status_of(target: str, method: str, request: Any, **kw: Any) -> grpc.aio.Aio
 def chat(text: str, model: str = "echo", **kw: Any) -> pb.ChatRequest:
     return pb.ChatRequest(model=model, messages=[pb.ChatMessage(role="user", content=text)],
                           **kw)
+
+
+def test_a_post_call_guardrail_masks_and_stops_grpc_streams(grpc_target: str,
+                                                           org: Org) -> None:
+    GuardrailPolicy.objects.create(tenant=org.tenant, name="mask-out", guard="pii",
+                                   phase="post", action="mask", scope="tenant")
+    GuardrailPolicy.objects.create(tenant=org.tenant, name="stop-birds", guard="words",
+                                   phase="post", action="block", scope="tenant",
+                                   config={"deny": ["bluebird"]})
+    policy_cache.clear()
+    key = org.keys[Role.DEVELOPER]
+    chunks = call(grpc_target, "ChatStream", chat("write to jane.doe@example.com now"),
+                  key=key)
+    assert "".join(c.delta for c in chunks) == "write to [EMAIL] now"
+    assert not any("jane" in c.delta or "@" in c.delta for c in chunks)
+    stopped = call(grpc_target, "ChatStream", chat("x" * 200 + " a bluebird"), key=key)
+    assert stopped[-1].finish_reason == "content_filter"
+    assert "blue" not in "".join(c.delta for c in stopped)
+    whole = call(grpc_target, "Chat", chat("mail jane.doe@example.com"), key=key)
+    assert whole.message.content == "mail [EMAIL]"
 
 
 def test_every_rpc(grpc_target: str, org: Org) -> None:
