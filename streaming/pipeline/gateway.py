@@ -54,7 +54,7 @@ from sluice.observability import telemetry
 from streaming.pipeline import choices, max_tokens_policy, replay
 from streaming.pipeline.callrequest import CallRequest, check
 from streaming.pipeline.failures import queue_unavailable
-from streaming.pipeline.guarding import Guarding
+from streaming.pipeline.guarding import Guarding, guarded
 from streaming.pipeline.prompting import (
     chat_job,
     prompt_bound,
@@ -235,23 +235,9 @@ class Gateway:
                     action: str) -> Submitted:
         check(req)
         target = await self._model(principal, req.model, Kind.CHAT)
-        guarding = await Guarding.of(self, principal, req.model)
-        if guarding is None:
-            return await self._chat_on(principal, req, target, protocol=protocol,
-                                       action=action)
-        req = await guarding.pre(req)
-        if guarding.rewrites:  # the reply is stored as sent (the worker keeps it raw)
-            req = msgspec.structs.replace(req, keep=None)
-        guarding.start_during(req)
-        try:
-            sub = await self._chat_on(principal, req, target, protocol=protocol,
-                                      action=action, resumable=not guarding.rewrites)
-        except BaseException:
-            guarding.cancel()
-            raise
-        sub.guarding = guarding
-        sub.admission.notes.update(guarding.audit())
-        return sub
+        return await guarded(self, principal, req, lambda checked, resumable: self._chat_on(
+            principal, checked, target, protocol=protocol, action=action,
+            resumable=resumable))
 
     async def _chat_on(self, principal: Principal, req: CallRequest,
                        target: DeploymentSpec | Route, *, protocol: str, action: str,

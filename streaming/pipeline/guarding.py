@@ -1,7 +1,8 @@
 """Guardrails as a stage of the call: one implementation for every API and transport.
 
-`Guarding.of(principal, model)` is None for a call no policy covers (one cached
-lookup: the call costs nothing more). Otherwise, in the gateway (gateway.py):
+The gateway's chat call runs its admission through `guarded` (gateway.py `_chat`).
+`Guarding.of(gateway, principal, model)` is None for a call no policy covers (one
+cached lookup: the call costs nothing more). Otherwise:
 - `pre(req)`: before admission. The request's texts (each message's text, the tool-
   call arguments of earlier turns, each tool's name and description) go through the
   `pre` rules; a block is ContentBlocked (400 `content_blocked`, before any quota,
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -209,6 +210,29 @@ class Guarding:
             return cast(Event, done)
         return cast(Event, {**done, "tool_calls": [
             {**c, "arguments": a} for c, a in zip(calls, checked, strict=True)]})
+
+
+async def guarded(gateway: Gateway, principal: Principal, req: CallRequest,
+                  admit: Callable[[CallRequest, bool], Awaitable[Submitted]]) -> Submitted:
+    """`admit(req, resumable)` (the gateway's admission and submission) under the
+    call's guardrails: `req` after its pre rules, its during rules started beside it,
+    its events through its post rules; as it is when no policy covers the call. A reply
+    the post rules rewrite is neither kept raw by the worker nor resumable."""
+    guarding = await Guarding.of(gateway, principal, req.model)
+    if guarding is None:
+        return await admit(req, True)
+    req = await guarding.pre(req)
+    if guarding.rewrites:  # stored as sent (the gateway stores it; the worker would not)
+        req = msgspec.structs.replace(req, keep=None)
+    guarding.start_during(req)
+    try:
+        sub = await admit(req, not guarding.rewrites)
+    except BaseException:
+        guarding.cancel()
+        raise
+    sub.guarding = guarding
+    sub.admission.notes.update(guarding.audit())
+    return sub
 
 
 def _filtered(done: dict[str, Any]) -> Event:
