@@ -57,7 +57,7 @@ def test_model_list_shows_enabled_models_within_the_key_allow_list(alice: Org) -
     listed = dev.get("/v1/models").body
     assert listed["object"] == "list"
     names = {m["id"] for m in listed["data"]}
-    assert names == {"smollm2-135m-instruct", "all-minilm-l6-v2", "echo"}
+    assert names == {"smollm2-135m-instruct", "all-minilm-l6-v2", "injection-guard", "echo"}
     assert all(m["object"] == "model" and m["owned_by"] == "sluice" for m in listed["data"])
     narrow = dev.post("/api/v1/keys", {"name": "n", "allowed_models": ["echo"]}).body["key"]
     assert [m["id"] for m in ApiClient(narrow).get("/v1/models").body["data"]] == ["echo"]
@@ -88,7 +88,8 @@ def test_model_list_shows_the_aliases_a_key_may_use(alice: Org) -> None:
     # OpenAI's model shape with the limits of their deployments, sorted by id with the
     # deployments.
     listed = dev.get("/v1/models").body["data"]
-    assert [m["id"] for m in listed] == ["all-minilm-l6-v2", "backup", "echo", "org/chat",
+    assert [m["id"] for m in listed] == ["all-minilm-l6-v2", "backup", "echo",
+                                         "injection-guard", "org/chat",
                                          "smollm2-135m-instruct"]
     chat = dev.get("/v1/models/org/chat").body
     assert chat == {"id": "org/chat", "object": "model", "owned_by": "sluice",
@@ -111,5 +112,5 @@ def test_seeding_is_idempotent_and_keeps_edits(db: None) -> None:
     deployment_seed_defaults()
     Deployment.objects.filter(name="echo").update(max_batch_size=3)
     deployment_seed_defaults()
-    assert Deployment.objects.count() == 3
+    assert Deployment.objects.count() == 4
     assert Deployment.objects.get(name="echo").max_batch_size == 3
