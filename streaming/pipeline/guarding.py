@@ -131,21 +131,24 @@ class Guarding:
                 run(self.rules.during, _texts(req), ctx, self.verdicts))
 
     def cancel(self) -> None:
-        """The call was not admitted: its during checks are not needed."""
-        if self._during is not None:
+        """The call's during checks are not needed (it was not admitted, or its reader
+        left before their verdict); a no-op once they ended."""
+        if self._during is not None and not self._during.done():
             self._during.cancel()
 
     async def events(self, sub: Submitted, events: AsyncGenerator[Event]
                      ) -> AsyncGenerator[Event]:
         """`events` under the during and post rules (see the module's docstring)."""
         async with contextlib.aclosing(events):
-            if self._during is not None:
-                try:
+            try:
+                if self._during is not None:
                     await self._during
-                except Blocked as blocked:
-                    sub.admission.notes.update(self.audit())
-                    await sub.cancel()
-                    raise self._blocked(blocked) from None
+            except Blocked as blocked:
+                sub.admission.notes.update(self.audit())
+                await sub.cancel()
+                raise self._blocked(blocked) from None
+            finally:  # the reader left first: its checks are not needed
+                self.cancel()
             sub.admission.notes.update(self.audit())
             if not self.rules.post:
                 async for passed in events:
