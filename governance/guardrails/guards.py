@@ -152,11 +152,34 @@ def _terms(words: Any, regexes: Any, flags: int) -> list[re.Pattern[str]]:
     """One pattern for the literal terms (whole words), one per regex."""
     out: list[re.Pattern[str]] = []
     if words:
-        alternation = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
-        out.append(re.compile(rf"(?<!\w)(?:{alternation})(?!\w)", flags))
+        out.append(re.compile(rf"(?<!\w){_trie(words, fold=bool(flags))}(?!\w)", flags))
     for source in regexes or ():
         out.append(re.compile(compile_tenant_pattern(source).pattern, flags))
     return out
+
+
+def _trie(words: Any, *, fold: bool) -> str:
+    """The terms as one regex shaped like their prefix tree: at a word's start the
+    search follows the tree (work bounded by the longest term), where an alternation of
+    every term would try each in turn; a longer term is tried before a shorter one
+    that it continues, as longest-first alternation does. `fold`: the pattern ignores
+    case, so terms that differ only in case share their branches."""
+    tree: dict[str, Any] = {}
+    for word in words:
+        node = tree
+        for ch in word:
+            key = ch.lower() if fold and len(ch.lower()) == 1 else ch
+            node = node.setdefault(key, {})
+        node[""] = {}  # a term ends here
+
+    def pattern(node: dict[str, Any]) -> str:
+        branches = [re.escape(ch) + pattern(child) for ch, child in node.items() if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return f"(?:{body})?" if "" in node else body
+
+    return f"(?:{pattern(tree)})"
 
 
 def _disjoint(found: list[Finding]) -> list[Finding]:
