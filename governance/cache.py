@@ -36,7 +36,7 @@ from governance.ranges import sane
 from inference.models import Deployment
 from sluice.db import async_db
 from sluice.epoch import Epoch
-from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
+from sluice.pii.safe_patterns import UnsafePattern, compile_tenant_pattern
 from sluice.ttlcache import AsyncTTLCache
 
 EPOCH_KEY = "sluice:gov:epoch"

@@ -37,7 +37,7 @@ from governance.ranges import check as check_ranges
 from inference.models import Deployment, ModelAlias
 from inference.queue import guard_key
 from sluice.errors import Conflict, PermissionDenied, Unprocessable
-from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern
+from sluice.pii.safe_patterns import UnsafePattern, compile_tenant_pattern
 from sluice.redis import sync_redis
 from sluice.validation import validate
 from tenants.models import Tenant

@@ -16,7 +16,7 @@ timeout.
   narrows them (none: all).
 - `words`: config `deny` (words or phrases, matched whole-word, case-insensitive unless
   `case_sensitive`), `deny_regex` (regexes, refused on save unless they run in linear
-  time: sluice.pii.redaction.compile_tenant_pattern), `allow` and `allow_regex`
+  time: sluice.pii.safe_patterns.compile_tenant_pattern), `allow` and `allow_regex`
   (exceptions: a denied match inside an allowed one is not a finding). Category
   `DENIED`, or the policy's first category.
 """
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from governance.guardrails.policy import Policy
-from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern, find
+from sluice.pii.redaction import find
+from sluice.pii.safe_patterns import UnsafePattern, compile_tenant_pattern
 
 Patterns = tuple[tuple[str, re.Pattern[str]], ...]
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.errors import BadRequest, NotFound
-from sluice.pii.redaction import UnsafePattern, compile_tenant_pattern, find, redact
+from sluice.pii.redaction import find, redact
+from sluice.pii.safe_patterns import UnsafePattern, compile_tenant_pattern
 from tests.sluice.redaction_corpus import NEGATIVES, Sample, positives, score
 
 POSITIVES = positives()
