@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from inference.runtimes.base import EmbeddingRuntime, TorchModel
-from inference.runtimes.encoder import EncoderRuntime
+from inference.runtimes.base import EmbeddingRuntime
+from inference.runtimes.encoder import EncoderRuntime, TextBatchModel
 from inference.weights import HEAD_FILE
 
 
@@ -75,8 +75,10 @@ class HeadClassifier(ClassifierRuntime):
         return torch.softmax(logits, dim=-1).tolist(), counts
 
 
-class SequenceClassifier(TorchModel, ClassifierRuntime):
+class SequenceClassifier(TextBatchModel, ClassifierRuntime):
     """A transformers sequence-classification model."""
+
+    AUTO = "AutoModelForSequenceClassification"
 
     def __init__(self, model: Any, tokenizer: Any, *, device: str, max_context: int) -> None:
         self._bind(model, tokenizer, device=device, max_context=max_context)
@@ -88,23 +90,14 @@ class SequenceClassifier(TorchModel, ClassifierRuntime):
     @classmethod
     def from_folder(cls, folder: Path, *, device: str, max_context: int
                     ) -> SequenceClassifier:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        model = AutoModelForSequenceClassification.from_pretrained(str(folder),
-                                                                   use_kernels=False)
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        model, tokenizer = cls._load(folder)
         return cls(model, tokenizer, device=device, max_context=max_context)
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=True))
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], list[int]]:
         if not texts:
             return [], []
-        batch = self.tokenizer(list(texts), padding=True, truncation=True,
-                               max_length=self.max_context, return_tensors="pt").to(self.device)
+        batch, counts = self._batch(texts)
         logits = self.model(**batch).logits.float()
         probs = torch.sigmoid(logits) if self._multi else torch.softmax(logits, dim=-1)
-        counts = batch["attention_mask"].sum(1).tolist()
-        return probs.cpu().tolist(), [int(c) for c in counts]
+        return probs.cpu().tolist(), counts
