@@ -139,6 +139,7 @@ class Admission:
         if self.terms is None:
             return None
         return self.terms.cost(usage["prompt_tokens"], usage["completion_tokens"],
+                               min(usage.get("cached_tokens", 0), usage["prompt_tokens"]),
                                device_us=usage.get("device_us", 0))
 
     def audit_detail(self) -> dict[str, Any]:
@@ -162,6 +163,8 @@ class Admission:
                     "degraded": self.max_tokens_cap is not None, **self.audit_detail(),
                     **({} if cost is None else {"cost_usd": pricing.usd(cost)}),
                     **({"device_us": usage["device_us"]} if "device_us" in usage else {}),
+                    **({"cached_tokens": usage["cached_tokens"]}
+                       if "cached_tokens" in usage else {}),
                     **self.notes}))
 
 

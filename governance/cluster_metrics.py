@@ -6,6 +6,8 @@ collector to /metrics (platform/sluice/observability/metrics.py add_collector).
     sluice_workers{deployment}, sluice_workers_in_rotation{deployment}
     sluice_worker_device_memory_bytes{deployment,worker,kind}   kind: used | total
     sluice_batch_size{deployment}                     histogram of admitted batch sizes
+    sluice_prefix_cache_blocks{deployment,worker,kind}   kind: used | capacity
+    sluice_prefix_cache_{lookups,hits,hit_tokens,evictions}_total{deployment,worker}
     sluice_breaker_state{deployment}                  0 closed, 1 half-open, 2 open
     sluice_breaker_opens_total{deployment}
     sluice_quota_used{tenant,model,period,metric} and sluice_quota_limit{...}
@@ -101,6 +103,7 @@ class ClusterCollector(Collector):
             state.add_metric([name], float(_BREAKER_VALUE.get(dep.breaker.state, 0)))
             opens.add_metric([name], float(dep.breaker.times_opened))
         yield from (depth, age, workers, rotation, memory, batches, state, opens)
+        yield from _prefix_families(states)
         yield from _autoscaler_families(redis, [d.name for d in states])
         yield from _writer_families(redis)
 
@@ -125,6 +128,35 @@ class ClusterCollector(Collector):
                     used.add_metric([*labels, metric], float(value))
                     limit.add_metric([*labels, metric], float(cap))
         yield from (used, limit)
+
+
+_PREFIX_COUNTERS = {
+    "lookups": "Prompts looked up in the prefix cache.",
+    "hits": "Prompts that found at least one cached block.",
+    "hit_tokens": "Prompt tokens not prefilled thanks to the prefix cache.",
+    "evictions": "Blocks evicted from the prefix cache.",
+}
+
+
+def _prefix_families(states: Iterable[Any]) -> Iterator[Any]:
+    """Each worker's prefix cache (inference/runtimes/prefix_cache.py), as it last beat."""
+    blocks = GaugeMetricFamily("sluice_prefix_cache_blocks", "Blocks in each worker's "
+                               "prefix cache, and its capacity.",
+                               labels=["deployment", "worker", "kind"])
+    counters = {name: CounterMetricFamily(f"sluice_prefix_cache_{name}", text,
+                                          labels=["deployment", "worker"])
+                for name, text in _PREFIX_COUNTERS.items()}
+    for dep in states:
+        for wid, beat in sorted(dep.live.items()):
+            if "prefix_cache_blocks" not in beat:
+                continue
+            blocks.add_metric([dep.name, wid, "used"], float(beat["prefix_cache_blocks"]))
+            blocks.add_metric([dep.name, wid, "capacity"],
+                              float(beat.get("prefix_cache_capacity_blocks", 0)))
+            for name, family in counters.items():
+                family.add_metric([dep.name, wid], float(beat.get(f"prefix_cache_{name}", 0)))
+    yield blocks
+    yield from counters.values()
 
 
 _BACKLOG_HELP = {

@@ -47,14 +47,16 @@ class _Sums:
     errors: int = 0
     prompt: int = 0
     completion: int = 0
+    cached: int = 0
     cost: int = 0
     hist: dict[str, int] = field(default_factory=dict)
 
     def add_call(self, status: int, latency_ms: float, prompt: int, completion: int,
-                 cost: int) -> None:
+                 cost: int, cached: int = 0) -> None:
         self.calls += 1
         self.errors += status >= 400
         self.prompt, self.completion = self.prompt + prompt, self.completion + completion
+        self.cached += cached
         self.cost += cost
         bucket = str(signals.bucket_of(latency_ms))
         self.hist[bucket] = self.hist.get(bucket, 0) + 1
@@ -63,6 +65,7 @@ class _Sums:
         self.calls, self.errors = self.calls + row.calls, self.errors + row.errors
         self.prompt += row.prompt_tokens
         self.completion += row.completion_tokens
+        self.cached += row.cached_tokens
         self.cost += row.cost_nanousd
         merge(self.hist, row.latency_hist)
 
@@ -71,7 +74,8 @@ class _Sums:
         return model(start=start, tenant_id=tenant_id, member_id=member_id, key_prefix=prefix,
                      model=name, calls=self.calls, errors=self.errors,
                      prompt_tokens=self.prompt, completion_tokens=self.completion,
-                     cost_nanousd=self.cost, latency_hist=self.hist)
+                     cached_tokens=self.cached, cost_nanousd=self.cost,
+                     latency_hist=self.hist)
 
 
 def merge(into: dict[str, int], hist: dict[str, int]) -> dict[str, int]:
@@ -93,6 +97,14 @@ def percentile(hist: dict[str, int], q: float) -> float | None:
     return None
 
 
+def _count(value: str | None) -> int:
+    """A count the audit's detail holds as text (0 when absent or not a count)."""
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
+
+
 def _nanos(cost: str | None) -> int:
     try:
         return int(Decimal(cost or 0) * pricing.NANO_PER_USD)
@@ -104,15 +116,18 @@ def _hour_rows(start: datetime) -> list[UsageHour]:
     events = (AuditEvent.objects.filter(at__gte=start, at__lt=start + timedelta(hours=1),
                                         tenant__isnull=False)
               .exclude(model="").exclude(protocol__in=_NOT_CALLS)
-              .annotate(cost=KeyTextTransform("cost_usd", "detail"))
+              .annotate(cost=KeyTextTransform("cost_usd", "detail"),
+                        cached=KeyTextTransform("cached_tokens", "detail"))
               .values_list("tenant_id", "actor", "key_prefix", "model", "status",
-                           "latency_ms", "prompt_tokens", "completion_tokens", "cost"))
+                           "latency_ms", "prompt_tokens", "completion_tokens", "cost",
+                           "cached"))
     groups: dict[tuple[Any, ...], _Sums] = {}
-    for tenant_id, actor, prefix, model, status, ms, prompt, completion, cost in \
+    for tenant_id, actor, prefix, model, status, ms, prompt, completion, cost, cached in \
             events.iterator(chunk_size=5000):
         member = _MEMBER.fullmatch(actor or "")
         key = (tenant_id, int(member.group(1)) if member else None, prefix, model)
-        groups.setdefault(key, _Sums()).add_call(status, ms, prompt, completion, _nanos(cost))
+        groups.setdefault(key, _Sums()).add_call(status, ms, prompt, completion, _nanos(cost),
+                                                 _count(cached))
     return [sums.row(UsageHour, start, key) for key, sums in groups.items()]
 
 

@@ -161,6 +161,9 @@ class ChatJob(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind"
     # deployments only; the events' sequence numbers go on from its `seq`).
     resume: Continuation | None = None
     keep: Keep | None = None  # the reply kept with its final event (never with `resume`)
+    # Narrows the prefix cache's sharing below the tenant (the queue entry's tenant
+    # always salts it): the API key's id when the tenant shares per key, else "".
+    cache_scope: str = ""
 
     @property
     def constrained(self) -> bool:
@@ -229,6 +232,10 @@ class Usage(TypedDict):
     # evenly among its sequences, a prefill's by prompt length): device time on a GPU,
     # wall time on a CPU. A self-hosted chat model's only; priced by `gpu_second_usd`.
     device_us: NotRequired[int]
+    # How many of the prompt tokens the model did not compute for this request: a hit
+    # in the model's prefix cache, or a prompt shared with another choice of its call
+    # (priced as cached input; the APIs' cached_tokens / cache_read_input_tokens).
+    cached_tokens: NotRequired[int]
 
 
 class ToolCall(TypedDict):
@@ -255,9 +262,9 @@ class DeltaEvent(TypedDict):
     start, a character split across tokens) for the token ids `ids`; `lp` their
     log-probability entries when the job asked for them. The first delta of a request
     (seq 0) carries `prompt_tokens`, the prompt's count, when the worker knows it then
-    (Anthropic's `message_start` reports it before any text). A reply that calls tools
-    streams the calls as `tools` pieces (its `text` stays empty); the final event still
-    has every call whole."""
+    (Anthropic's `message_start` reports it before any text), and `cached_tokens`. A
+    reply that calls tools streams the calls as `tools` pieces (its `text` stays empty);
+    the final event still has every call whole."""
 
     t: Literal["delta"]
     seq: int
@@ -265,6 +272,7 @@ class DeltaEvent(TypedDict):
     ids: list[int]
     lp: NotRequired[list[dict[str, Any]]]
     prompt_tokens: NotRequired[int]
+    cached_tokens: NotRequired[int]  # with prompt_tokens: Usage's, when not 0
     tools: NotRequired[list[ToolDelta]]
     i: NotRequired[int]  # the choice's index, set by the gateway's fan-out (n > 1)
 
@@ -332,21 +340,25 @@ def is_final(event: Event) -> TypeIs[FinalEvent]:
     return event["t"] == "done" or event["t"] == "error"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, device_us: int = 0) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, device_us: int = 0,
+          cached_tokens: int = 0) -> Usage:
     counted: Usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
     if device_us:
         counted["device_us"] = device_us
+    if cached_tokens:
+        counted["cached_tokens"] = cached_tokens
     return counted
 
 
 def summed(finals: Sequence[FinalEvent] | Sequence[DoneEvent]) -> Usage:
     """The usage of final events (one call's, or its choices') summed."""
-    prompt = completion = device = 0
+    prompt = completion = device = cached = 0
     for final in finals:
         prompt += final["usage"]["prompt_tokens"]
         completion += final["usage"]["completion_tokens"]
         device += final["usage"].get("device_us", 0)
-    return usage(prompt, completion, device)
+        cached += final["usage"].get("cached_tokens", 0)
+    return usage(prompt, completion, device, cached)
 
 
 def encode_event(event: Event) -> str:

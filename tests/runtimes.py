@@ -47,4 +47,7 @@ def give_back(spec: DeploymentSpec, runtime: Runtime) -> None:
     """`runtime`, whose worker has stopped (its thread ended), for the next `take`, if
     it is idle."""
     if idle(runtime):
+        prefix = getattr(runtime, "prefix", None)
+        if prefix is not None:  # the next test starts with an empty prefix cache
+            prefix.clear()
         _idle[_key(spec)].append(runtime)

@@ -11,6 +11,9 @@ it), with these fields:
   in_rotation            the memory guard's verdict (inference/engine/memory.py)
   kv_capacity_tokens     the runtime's KV cache capacity in tokens, when it sets one,
   kv_used_tokens         and the tokens it holds now
+  prefix_cache_*         the prefix cache's pool and counters, when the runtime has one
+                         (blocks, capacity_blocks, block_tokens, lookups, hits,
+                         hit_tokens, evictions: inference/runtimes/prefix_cache.py)
 The same round trip adds the batch sizes admitted since the last beat to the
 deployment's histogram, reads the guard's thresholds for the next beat, and learns
 whether any other live worker is in rotation (a worker out of rotation keeps serving a
@@ -101,6 +104,9 @@ class Health:
             kv_used = getattr(self.runtime, "kv_used_tokens", None)
             if callable(kv_used):
                 beat["kv_used_tokens"] = int(kv_used())
+        prefix_stats = getattr(self.runtime, "prefix_stats", None)
+        if callable(prefix_stats):
+            beat.update(prefix_stats())
         pipe = self.redis.pipeline(transaction=False)
         sizes, self.batch_sizes = self.batch_sizes, {}
         for size, count in sizes.items():  # the /metrics batch-size histogram

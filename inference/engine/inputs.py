@@ -92,7 +92,8 @@ class InputProcessor:
         budget = min(params.max_tokens, room)
         row = Row(pending, prompt_tokens=len(prompt), max_new=budget, stop=params.stop,
                   ignore_eos=params.ignore_eos, constraint=self.constraint(job, budget),
-                  logprobs=params.logprobs is not None, streamed=job.stream)
+                  logprobs=params.logprobs is not None, streamed=job.stream,
+                  cache_salt=f"{pending.req.tenant}\x1f{job.cache_scope}")
         return Prepared(row, prompt, params)
 
     def _prompt(self, job: ChatJob, max_tokens: int) -> tuple[list[int], bool]:

@@ -78,6 +78,10 @@ class NewSequence:
     generated: int = 0
     # Restricts what may be generated (inference.structured.constraint.Constraint), if set.
     constraint: Any = None
+    # Roots the prefix cache's block keys (inference.runtimes.prefix_cache): sequences
+    # share cached blocks only under the same salt (the worker makes it from the
+    # request's tenant, and key when the tenant narrows it).
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,16 @@ class ChatRuntime(ABC):
     def kv_used_tokens(self) -> int:
         """Tokens the KV cache takes now (padding included where the layout pads)."""
         return 0
+
+    def cached_tokens(self, rid: str) -> int:
+        """How many of running sequence `rid`'s prompt tokens its prefill did not
+        compute (a prefix cache hit, a prompt shared with another sequence); 0 once it
+        has been dropped."""
+        return 0
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's heartbeat fields ({}: the runtime has none)."""
+        return {}
 
     def warm_up(self) -> None:
         """Prepare to serve (a static decode path captures its CUDA graphs here); call

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from transformers import DynamicCache
 
 from inference.runtimes.base import (
     FAILED,
@@ -37,7 +36,9 @@ from inference.runtimes.base import (
     TokenLogprob,
     TorchModel,
 )
-from inference.runtimes.kv import DecodeOptions, kv_bytes_per_token, kv_capacity
+from inference.runtimes.kv import DecodeOptions, kv_budget, kv_bytes_per_token
+from inference.runtimes.prefill import Prefilled, prefill
+from inference.runtimes.prefix_cache import PrefixCache
 from inference.runtimes.sampling import generator_for, sample
 from inference.structured import masks as grammar_masks
 
@@ -68,7 +69,12 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         # Per row, the most tokens it may take in the cache (kv_admission's unit).
         self._reserved: list[int] = []
         self.kv_bytes_per_token = kv_bytes_per_token(self.model.config, self.model.dtype)
-        self.kv_capacity_tokens = self._size_cache()
+        self.kv_capacity_tokens, pool = self._size_cache()
+        block = self.options.prefix_block_tokens
+        # Prompts' blocks kept for later prompts (None: turned off, prefix_cache_tokens 0).
+        self.prefix = (PrefixCache(capacity_blocks=pool // block, block_tokens=block)
+                       if pool >= block else None)
+        self._cached: dict[str, int] = {}  # per running sequence, cached_tokens()
         self._cache: Any = None
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=device)
         self._pos = torch.zeros((0,), dtype=torch.long, device=device)
@@ -90,10 +96,17 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         return cls(model, tokenizer, device=device, max_context=max_context, options=options)
 
-    def _size_cache(self) -> int | None:
-        """The cache's capacity in tokens, once the weights are on the device."""
-        return kv_capacity(self.options, bytes_per_token=self.kv_bytes_per_token,
-                           device=self.device, max_context=self.max_context)
+    def _size_cache(self) -> tuple[int | None, int]:
+        """The cache's capacity and the prefix cache's pool in tokens, once the weights
+        are on the device."""
+        return kv_budget(self.options, bytes_per_token=self.kv_bytes_per_token,
+                         device=self.device, max_context=self.max_context)
+
+    def cached_tokens(self, rid: str) -> int:
+        return self._cached.get(rid, 0)
+
+    def prefix_stats(self) -> dict[str, int]:
+        return self.prefix.stats.beat() if self.prefix is not None else {}
 
     # -- KV cache capacity -----------------------------------------------------------
     def reserved_tokens(self, seq: NewSequence) -> int:
@@ -158,29 +171,20 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         if not seqs:
             return {}
         self._check_fits(seqs)
-        cache, mask, logits = self._prefill(seqs)
-        first = self._first_tokens(seqs, logits)
+        done = self._prefill(seqs)
+        first = self._first_tokens(seqs, done.logits)
         lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=self.device)
-        self._splice(cache, mask, lengths, self._next_input(first))
+        self._splice(done.cache, done.mask, lengths, self._next_input(first))
         return {s.rid: tok for s, tok in zip(seqs, first, strict=True)}
 
-    def _prefill(self, seqs: Sequence[NewSequence]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """One forward pass over the prompts, left-padded to the longest: its cache
-        (a DynamicCache), the padding mask and each row's last logits [B, V]."""
-        width = max(len(s.prompt_ids) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            ids[row, width - len(seq.prompt_ids):] = torch.tensor(seq.prompt_ids)
-            mask[row, width - len(seq.prompt_ids):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        # logits_to_keep=1: the last position's logits only (all of them were a
-        # [B, width, vocabulary] tensor that nothing read).
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         cache=cache, use_cache=True, logits_to_keep=1)
-        return cache, mask, out.logits[:, -1, :]
+    def _prefill(self, seqs: Sequence[NewSequence]) -> Prefilled:
+        """One forward pass over the prompts (inference.runtimes.prefill: each distinct
+        prompt once, cached blocks skipped); records each sequence's cached tokens."""
+        done = prefill(self.model, seqs, pad_id=self.pad_id, device=self.device,
+                       prefix=self.prefix)
+        for seq, cached in zip(seqs, done.cached, strict=True):
+            self._cached[seq.rid] = cached
+        return done
 
     def _first_tokens(self, seqs: Sequence[NewSequence], logits: torch.Tensor) -> list[int]:
         """Sample the new sequences' first tokens from their prefill `logits` and append
@@ -293,6 +297,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._take_rows(keep)
         for rid in gone:
             self._logprobs.pop(rid, None)
+            self._cached.pop(rid, None)
         if not keep:
             self._cache = None
             return

@@ -13,6 +13,9 @@ are read), and the cache's capacity in tokens worked out from them.
                             captured graphs; false runs it eagerly.
   graph_batch_sizes         list of ints, 1 to 4096: the batch sizes a static step is
                             padded up to (default: graph_batch_sizes(max_batch_size)).
+  prefix_cache_tokens       int, 0 to 2**31: the prefix cache's pool (prefix_cache.py),
+                            in tokens; 0 turns the cache off. Default: see prefix_budget.
+  prefix_block_tokens       int, 1 to 1024 (default 16): tokens per cached block.
 At most one of kv_cache_tokens and kv_cache_memory_fraction. Without either, a dynamic
 cache on the CPU is unbounded (as the process's memory is), on CUDA it gets
 DEFAULT_MEMORY_FRACTION of the free memory; a static cache gets max_batch_size slots of
@@ -27,12 +30,19 @@ from typing import Any
 
 import torch
 
+from inference.runtimes.prefix_cache import DEFAULT_BLOCK_TOKENS
+
 DECODE_MODES = ("dynamic", "static")
 # What a cache sized from free memory leaves to activations, the prefill's temporary
 # cache, the sampler and (static decode) the graphs' memory pool.
 DEFAULT_MEMORY_FRACTION = 0.85
 MAX_MEMORY_FRACTION = 0.95
 MAX_TOKENS = 2**31
+# The prefix cache's default pool: this share of a cache sized from free memory (taken
+# from it), a quarter of one sized otherwise (beside it), PREFIX_CONTEXTS contexts
+# beside an unbounded one.
+PREFIX_MEMORY_SHARE = 0.2
+PREFIX_CONTEXTS = 4
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,8 @@ class DecodeOptions:
     kv_cache_memory_fraction: float | None = None
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = ()
+    prefix_cache_tokens: int | None = None
+    prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     @property
     def static(self) -> bool:
@@ -76,9 +88,18 @@ class DecodeOptions:
         if not isinstance(sizes, list | tuple) or not all(_int_in(s, 1, 4096) for s in sizes):
             raise ValueError(f"graph_batch_sizes must be a list of integers from 1 to 4096, "
                              f"not {sizes!r}")
+        prefix = extra.get("prefix_cache_tokens")
+        if prefix is not None and not _int_in(prefix, 0, MAX_TOKENS):
+            raise ValueError(f"prefix_cache_tokens must be an integer from 0 to {MAX_TOKENS}, "
+                             f"not {prefix!r}")
+        block = extra.get("prefix_block_tokens", DEFAULT_BLOCK_TOKENS)
+        if not _int_in(block, 1, 1024):
+            raise ValueError(f"prefix_block_tokens must be an integer from 1 to 1024, "
+                             f"not {block!r}")
         return cls(decode=decode, max_batch_size=max_batch_size, kv_cache_tokens=tokens,
                    kv_cache_memory_fraction=float(fraction) if fraction is not None else None,
-                   cuda_graphs=graphs, graph_batch_sizes=tuple(sorted(set(sizes))))
+                   cuda_graphs=graphs, graph_batch_sizes=tuple(sorted(set(sizes))),
+                   prefix_cache_tokens=prefix, prefix_block_tokens=block)
 
 
 def _int_in(value: object, low: int, high: int) -> bool:
@@ -126,3 +147,32 @@ def kv_capacity(options: DecodeOptions, *, bytes_per_token: int, device: str,
     else:
         return ceiling
     return min(tokens, ceiling) if ceiling is not None else tokens
+
+
+def kv_budget(options: DecodeOptions, *, bytes_per_token: int, device: str,
+              max_context: int, free_bytes: int | None = None) -> tuple[int | None, int]:
+    """The running cache's capacity in tokens (as `kv_capacity`) and the prefix cache's
+    pool in tokens (0: none). An explicit `prefix_cache_tokens` is the pool (beside the
+    cache; on CUDA both must fit the free memory). By default: a cache sized from the
+    device's free memory gives PREFIX_MEMORY_SHARE of its tokens to the pool (so the
+    two together take the fraction asked for); a cache of a given size gets a pool of
+    a quarter of it beside it; an unbounded one (the CPU) PREFIX_CONTEXTS contexts."""
+    if free_bytes is None:
+        free_bytes = free_device_memory(device)
+    capacity = kv_capacity(options, bytes_per_token=bytes_per_token, device=device,
+                           max_context=max_context, free_bytes=free_bytes)
+    explicit = options.prefix_cache_tokens
+    if explicit is not None:
+        used = (capacity or 0) + explicit
+        if free_bytes is not None and used * bytes_per_token > free_bytes:
+            raise ValueError(
+                f"the KV cache and prefix_cache_tokens {explicit} need "
+                f"{used * bytes_per_token / 2**30:.2f} GiB; the device has "
+                f"{free_bytes / 2**30:.2f} GiB free")
+        return capacity, explicit
+    if capacity is None:
+        return None, PREFIX_CONTEXTS * max_context
+    if free_bytes is not None and options.kv_cache_tokens is None:
+        pool = int(capacity * PREFIX_MEMORY_SHARE)
+        return capacity - pool, pool
+    return capacity, capacity // 4

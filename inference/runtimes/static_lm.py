@@ -126,12 +126,12 @@ class StaticCausalLMRuntime(CausalLMRuntime):
         if not seqs:
             return {}
         self._check_fits(seqs)
-        cache, mask, logits = self._prefill(seqs)
+        done = self._prefill(seqs)
         start = len(self._rids)
-        first = self._first_tokens(seqs, logits)
+        first = self._first_tokens(seqs, done.logits)
         lengths = [len(s.prompt_ids) for s in seqs]
-        self._slots.store(list(range(start, start + len(seqs))), cache, lengths,
-                          int(mask.shape[1]))
+        self._slots.store(list(range(start, start + len(seqs))), done.cache, lengths,
+                          int(done.mask.shape[1]))
         self._lengths += lengths
         self._next += [self.pad_id if t == FAILED else t for t in first]
         self._faulted += [t == FAILED for t in first]
@@ -193,6 +193,7 @@ class StaticCausalLMRuntime(CausalLMRuntime):
             return
         for rid in gone:
             self._logprobs.pop(rid, None)
+            self._cached.pop(rid, None)
         # The last running rows fill the holes the leaving ones make below them. A slot
         # that becomes free and held NaN values is zeroed (the leaving row's, or a moved
         # row's old one).

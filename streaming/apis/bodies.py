@@ -78,11 +78,13 @@ def choice_logprobs(req: ChatCompletionRequest | CallRequest,
     return {"content": content, "refusal": None} if req.logprobs else None
 
 
-def usage(counted: Usage) -> dict[str, int]:
-    """OpenAI's `usage` of a call's (its choices' summed: `Fold.usage`)."""
+def usage(counted: Usage) -> dict[str, Any]:
+    """OpenAI's `usage` of a call's (its choices' summed: `Fold.usage`); its
+    `prompt_tokens_details.cached_tokens`: the prompt tokens the model reused."""
     prompt, completion = counted["prompt_tokens"], counted["completion_tokens"]
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": counted.get("cached_tokens", 0)}}
 
 
 def cost(sub: Submitted | None, counted: Usage) -> dict[str, str]:

@@ -118,6 +118,7 @@ class Fold:
         self.finals: list[FinalEvent] = []
         self.done = 0  # how many choices ended `done`
         self.prompt_tokens = 0  # as far as the first event tells it
+        self.cached_tokens = 0  # of those, not computed (jobs.Usage)
 
     async def __aenter__(self) -> Fold:
         return self
@@ -133,7 +134,8 @@ class Fold:
 
     async def start(self) -> None:
         """Wait for the first event; raise its ApiError when it is an error (nothing of
-        the call was output: it fails as a whole). `prompt_tokens` is set from it."""
+        the call was output: it fails as a whole). `prompt_tokens` and `cached_tokens`
+        are set from it."""
         first: Event = await anext(self._events)
         if first["t"] == "error":
             self._final(first)
@@ -141,8 +143,10 @@ class Fold:
         self._first = first
         if first["t"] == "delta":
             self.prompt_tokens = first.get("prompt_tokens", 0)
+            self.cached_tokens = first.get("cached_tokens", 0)
         elif first["t"] == "done":
             self.prompt_tokens = first["usage"]["prompt_tokens"]
+            self.cached_tokens = first["usage"].get("cached_tokens", 0)
 
     def __aiter__(self) -> Fold:
         return self

@@ -153,10 +153,11 @@ def _logprobs(content: list[dict[str, Any]]) -> list[pb.TokenLogprob]:
                                           for t in e["top_logprobs"]]) for e in content]
 
 
-def _usage(usage: dict[str, int]) -> pb.Usage:
+def _usage(usage: dict[str, Any]) -> pb.Usage:
     return pb.Usage(prompt_tokens=usage["prompt_tokens"],
                     completion_tokens=usage["completion_tokens"],
-                    total_tokens=usage["total_tokens"])
+                    total_tokens=usage["total_tokens"],
+                    cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
 
 
 def _choice(choice: dict[str, Any]) -> pb.ChatChoice:

@@ -75,8 +75,22 @@ def stop_reason(final: DoneEvent) -> str:
 def tool_uses(final: DoneEvent) -> list[dict[str, Any]]:
     """The final event's tool calls as tool_use blocks (input an object)."""
     return [{"type": "tool_use", "id": _tool_id(call["id"]), "name": call["name"],
-             "input": orjson.loads(call["arguments"] or "{}")}
+             "input": tool_input(call["arguments"])}
             for call in final.get("tool_calls") or ()]
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as a tool_use block's `input`. Arguments that are not a JSON
+    object (a call cut by max_tokens: stop_reason "max_tokens") are wrapped as
+    Anthropic's fine-grained tool streaming guide wraps invalid tool input,
+    `{"INVALID_JSON": "<the text as written>"}`: the block stays an object and keeps
+    every character the model wrote. A stream sends a streamed call's text as written,
+    in its `input_json_delta`s, as Anthropic does."""
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        value = None
+    return value if isinstance(value, dict) else {"INVALID_JSON": arguments}
 
 
 def _tool_id(call_id: str) -> str:
@@ -84,8 +98,18 @@ def _tool_id(call_id: str) -> str:
 
 
 def usage(final: DoneEvent) -> dict[str, int]:
-    return {"input_tokens": final["usage"]["prompt_tokens"],
-            "output_tokens": final["usage"]["completion_tokens"]}
+    counted = final["usage"]
+    return {**input_usage(counted["prompt_tokens"], counted.get("cached_tokens", 0)),
+            "output_tokens": counted["completion_tokens"]}
+
+
+def input_usage(prompt: int, cached: int) -> dict[str, int]:
+    """Anthropic's input counts: `input_tokens` are those after the last cache read
+    (the prompt less what the model reused), `cache_read_input_tokens` the reused ones;
+    Sluice writes no cache on request (cache_control is accepted, caching is automatic),
+    so `cache_creation_input_tokens` is 0."""
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached}
 
 
 async def message_body(sub: Submitted, model: str) -> dict[str, Any]:
@@ -112,7 +136,8 @@ async def stream(sub: Submitted, model: str, send: Send,
         out.add(_sse("message_start", {"type": "message_start", "message": {
             "id": f"msg_{sub.handle.rid}", "type": "message", "role": "assistant",
             "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": fold.prompt_tokens, "output_tokens": 0}}}))
+            "usage": {**input_usage(fold.prompt_tokens, fold.cached_tokens),
+                      "output_tokens": 0}}}))
         async for piece in fold:
             if isinstance(piece, Delta):
                 if piece.text:

@@ -59,7 +59,7 @@ class Frames(Protocol):
 def usage(final: DoneEvent) -> dict[str, Any]:
     counted = bodies.usage(final["usage"])
     return {"input_tokens": counted["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": counted["prompt_tokens_details"],
             "output_tokens": counted["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": counted["total_tokens"]}
@@ -101,8 +101,15 @@ def output(rid: str, text: str, final: DoneEvent,
     nothing and called nothing), then one item per function call."""
     calls = final.get("tool_calls") or []
     items = [message_item(f"msg_{rid}", text, _status(final))] if text or not calls else []
-    return items + [call_item(f"fc_{rid}_{k}", call, names=names)
+    return items + [call_item(f"fc_{rid}_{k}", call, _call_status(final, k), names=names)
                     for k, call in enumerate(calls)]
+
+
+def _call_status(final: DoneEvent, k: int) -> str:
+    """A finished call's item status: "incomplete" for the last call of a reply cut by
+    max_output_tokens (its arguments as far as they were written, not valid JSON)."""
+    cut = final.get("finish") == "length" and k == len(final.get("tool_calls") or []) - 1
+    return "incomplete" if cut else "completed"
 
 
 def finished(head: dict[str, Any], items: list[dict[str, Any]],
@@ -239,14 +246,13 @@ class EventStream:
             if len(call["arguments"]) > len(sent) and call["arguments"].startswith(sent):
                 self.emit(self._event(call["name"], "delta"),
                           {**where, "delta": call["arguments"][len(sent):]})
-            if self.names(call["name"]).kind == "custom":
-                self.emit(self._event(call["name"], "done"),
-                          {**where, "input": call["arguments"]})
-            else:
-                self.emit(self._event(call["name"], "done"),
-                          {**where, "name": self.names(call["name"]).name,
-                           "arguments": call["arguments"]})
-            item = call_item(item_id, call, names=self.names)
+            status = _call_status(final, k)
+            if status == "completed":  # a cut call's arguments are not done: only its item
+                origin = self.names(call["name"])
+                self.emit(self._event(call["name"], "done"), {
+                    **where, "input": call["arguments"]} if origin.kind == "custom" else {
+                    **where, "name": origin.name, "arguments": call["arguments"]})
+            item = call_item(item_id, call, status, names=self.names)
             self.emit("response.output_item.done", {"output_index": index, "item": item})
             self.items.append(item)
         for first, sent in streamed[len(calls):]:  # cut short (the reply's length)
