@@ -87,6 +87,9 @@ class Deployment(models.Model):
     upstream_read_timeout_s = models.FloatField(
         default=60.0, validators=[MinValueValidator(1.0), MaxValueValidator(3600.0)],
         help_text="The longest silence between two chunks of a reply.")
+    # A causal LM's engine options (inference/runtimes/kv.py DecodeOptions: decode
+    # path, KV cache and prefix cache sizes), checked at the edge; {}: the defaults.
+    engine = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -113,7 +116,7 @@ class Deployment(models.Model):
             max_output_tokens=self.max_output_tokens,
             max_tokens_policy=MaxTokensPolicy(self.max_tokens_policy),
             tenant_running_share=self.tenant_running_share,
-            echo_token_delay_ms=self.echo_token_delay_ms,
+            echo_token_delay_ms=self.echo_token_delay_ms, extra=dict(self.engine or {}),
             upstream=UpstreamSpec(
                 base_url=self.upstream_url, model=self.upstream_model,
                 secret_sealed=self.upstream_secret, dialect=Dialect(self.upstream_dialect),

@@ -8,6 +8,12 @@ An alias (inference/models.py ModelAlias) has weighted targets and ordered fallb
    tried is target i with probability weight_i / sum(weights), and when it fails the
    call moves to another target before any fallback;
 2. then the available fallbacks, in their configured order.
+With an `affinity` (a hash of the call's leading messages and tools: its prefix), step 1
+is deterministic instead: the targets in the order of their weighted rendezvous scores
+for that key (highest random weight: -weight / ln(u), u a uniform draw seeded by the key
+and the deployment's name), so calls that share a prefix go to the same target, whose
+own prefix cache then holds it (vLLM's, SGLang's), the targets still share distinct
+prefixes by weight, and a target leaving moves only the prefixes it had.
 A deployment is unavailable, and skipped with its reason, when it is disabled, when the
 caller says so (its breaker open: `unavailable`) or when its context cannot hold the call
 (`prompt_bound`: the prompt's tokens plus the reply's maximum, a bound the caller
@@ -22,6 +28,8 @@ failed together do not retry together.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -73,11 +81,11 @@ class Plan:
 
 def plan(route: Route, *, rng: random.Random,
          unavailable: Mapping[str, Skip] | None = None, prompt_bound: int = 0,
-         reply: int = 0) -> Plan:
+         reply: int = 0, affinity: bytes | None = None) -> Plan:
     """The order in which one call tries `route`'s deployments (see the module's
-    docstring). `rng` draws the weighted order; `unavailable` names deployments that
-    must not be tried now and why; `prompt_bound` is the call's tokens at most, `reply`
-    the part of it a clamping deployment lowers."""
+    docstring). `rng` draws the weighted order (unless `affinity` keys it);
+    `unavailable` names deployments that must not be tried now and why; `prompt_bound`
+    is the call's tokens at most, `reply` the part of it a clamping deployment lowers."""
     down = unavailable or {}
     skipped: dict[str, Skip] = {}
     seen: set[str] = set()
@@ -102,11 +110,21 @@ def plan(route: Route, *, rng: random.Random,
 
     pool = [t for t in route.targets if usable(t)]
     order: list[str] = []
+    if affinity is not None:
+        pool.sort(key=lambda t: _score(affinity, t), reverse=True)
+        order, pool = [t.deployment for t in pool], []
     while pool:
         pick = _weighted_index([t.weight for t in pool], rng)
         order.append(pool.pop(pick).deployment)
     order += [t.deployment for t in route.fallbacks if usable(t)]
     return Plan(order=tuple(order), skipped=skipped)
+
+
+def _score(affinity: bytes, target: Target) -> float:
+    """`target`'s weighted rendezvous score for `affinity` (see the module)."""
+    digest = hashlib.blake2b(affinity + target.deployment.encode(), digest_size=8).digest()
+    uniform = (int.from_bytes(digest, "big") + 1) / (2**64 + 1)  # in (0, 1)
+    return -target.weight / math.log(uniform)
 
 
 def _weighted_index(weights: list[int], rng: random.Random) -> int:

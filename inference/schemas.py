@@ -40,6 +40,7 @@ class DeploymentOut(Schema):
     scale_down_delay_s: float
     scale_to_zero_delay_s: float
     max_queue_age_s: float
+    engine: dict[str, object]  # EngineIn's fields that are set
     # openai_upstream: where calls go. The API key is write-only: only whether one is
     # set and, for a long one, its last four characters.
     upstream_url: str
@@ -99,6 +100,20 @@ class DeploymentView(RootModel[Annotated[Annotated[DeploymentOut, Tag("operator"
     `DeploymentSummaryOut.of` (a dict) as its summary; each is serialized as read."""
 
 
+class EngineIn(StrictSchema):
+    """A causal LM's engine options (inference/runtimes/kv.py); absent: the default."""
+
+    decode: Literal["dynamic", "static"] | None = None
+    kv_cache_tokens: Annotated[int, Field(ge=1, le=2**31)] | None = None
+    kv_cache_memory_fraction: Annotated[float, Field(gt=0.0, le=0.95)] | None = None
+    cuda_graphs: bool | None = None
+    graph_batch_sizes: Annotated[list[Annotated[int, Field(ge=1, le=4096)]],
+                                 Field(max_length=64)] | None = None
+    # The prefix cache's pool in tokens (0: off) and its block size.
+    prefix_cache_tokens: Annotated[int, Field(ge=0, le=2**31)] | None = None
+    prefix_block_tokens: Annotated[int, Field(ge=1, le=1024)] | None = None
+
+
 class DeploymentUpdateIn(StrictSchema):
     runtime: RuntimeName | None = None
     weights: Annotated[Line, StringConstraints(max_length=500)] | None = None
@@ -130,6 +145,7 @@ class DeploymentUpdateIn(StrictSchema):
     upstream_read_timeout_s: Annotated[float, Field(ge=1.0, le=3600.0)] | None = None
     # Write-only: a new key ("" removes it). Never echoed, in replies or in errors.
     upstream_api_key: Annotated[SecretStr, Field(max_length=4096)] | None = None
+    engine: EngineIn | None = None  # replaces the options as a whole
 
 
 class DeploymentCreateIn(DeploymentUpdateIn):

@@ -9,6 +9,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from inference.models import AliasFallback, AliasTarget, Deployment, ModelAlias
+from inference.runtimes.kv import DecodeOptions
 from inference.selectors import alias_get, deployment_get
 from inference.spec import MaxTokensPolicy, RuntimeName
 from inference.upstream import secrets
@@ -28,7 +29,7 @@ EDITABLE = ("runtime", "weights", "device", "description", "max_batch_size", "ma
             "target_inflight", "scale_up_delay_s", "scale_down_delay_s",
             "scale_to_zero_delay_s", "max_queue_age_s", "upstream_url", "upstream_model",
             "upstream_dialect", "upstream_concurrency", "upstream_connect_timeout_s",
-            "upstream_read_timeout_s")
+            "upstream_read_timeout_s", "engine")
 _UPSTREAM_TEXT = ("upstream_url", "upstream_model")
 # What an API key may hold: printable ASCII without spaces (it goes into a header, so a
 # line break would be a header injection).
@@ -37,6 +38,10 @@ _SECRET_PATTERN = re.compile(rf"^[\x21-\x7e]{{1,{secrets.MAX_SECRET_LENGTH}}}$")
 
 def _validate(deployment: Deployment, *, url_changed: bool) -> None:
     validate(deployment)  # a duplicate is a 409, below
+    try:  # the engine's own check: what the schema cannot see (both KV settings)
+        DecodeOptions.parse(deployment.engine or {}, max_batch_size=deployment.max_batch_size)
+    except ValueError as exc:
+        raise Unprocessable(f"engine: {exc}", param="engine") from None
     needs_weights = deployment.runtime in (RuntimeName.CAUSAL_LM, RuntimeName.ENCODER)
     if needs_weights and not deployment.weights:
         raise Unprocessable("weights: required for this runtime.", param="weights")

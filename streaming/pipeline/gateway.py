@@ -56,6 +56,7 @@ from streaming.pipeline.callrequest import CallRequest, check
 from streaming.pipeline.failures import queue_unavailable
 from streaming.pipeline.guarding import Guarding, guarded
 from streaming.pipeline.prompting import (
+    affinity_key,
     chat_job,
     prompt_bound,
     prompt_of,
@@ -195,10 +196,11 @@ class Gateway:
 
     def _routed(self, route: Route, kind: Kind, attempt: Attempt, *, texts: list[str],
                 max_tokens: int | None, timeout_s: float | None,
-                prompt_only: bool = False,
-                droppable: list[str] | None = None) -> Awaitable[Submitted]:
+                prompt_only: bool = False, droppable: list[str] | None = None,
+                affinity: bytes | None = None) -> Awaitable[Submitted]:
         """An alias call: planned, then its first admitted attempt (streaming/pipeline/routed.py).
-        `droppable`: the texts of history the worker may drop to fit (not in `texts`)."""
+        `droppable`: the texts of history the worker may drop to fit (not in `texts`);
+        `affinity`: the call's prefix key (prompting.affinity_key)."""
         limit = float(settings.SLUICE_REQUEST_TIMEOUT_S)
         if timeout_s is not None:
             limit = min(limit, timeout_s)
@@ -206,7 +208,7 @@ class Gateway:
                             bound=call_bound([*texts, *(droppable or ())], max_tokens),
                             reply=max_tokens or 0,
                             trimmed=call_bound(texts, max_tokens) if droppable else None,
-                            timeout_s=limit, prompt_only=prompt_only)
+                            timeout_s=limit, prompt_only=prompt_only, affinity=affinity)
 
     async def chat(self, principal: Principal, req: CallRequest, *, protocol: str = "rest",
                    action: str = "chat.completions") -> Submitted:
@@ -301,7 +303,8 @@ class Gateway:
         return await self._routed(
             target, Kind.CHAT, on, texts=[m["content"] for m in prompt.messages],
             droppable=droppable, max_tokens=req.max_output_tokens, timeout_s=req.timeout_s,
-            prompt_only=req.raw_prompt)
+            prompt_only=req.raw_prompt,
+            affinity=affinity_key(principal.tenant_slug, prompt.messages, history))
 
     async def count(self, principal: Principal, req: CallRequest, *,
                     action: str, protocol: str = "rest") -> Submitted:

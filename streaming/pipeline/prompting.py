@@ -7,9 +7,10 @@ untokenized)."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
-from inference.jobs import ChatJob, Continuation, Message
+from inference.jobs import ChatJob, Continuation, Message, conversation
 from inference.spec import DeploymentSpec
 from inference.structured.grammar import TOOL_MARKER, call_text
 from sluice.errors import BadRequest
@@ -17,6 +18,7 @@ from streaming.pipeline.callrequest import CallRequest
 from streaming.pipeline.structured import structured_body, tool_prompt
 
 _MESSAGE_OVERHEAD = 8  # chat-template tokens around one message, generously
+AFFINITY_CHARS = 4096  # the most text of a call's opening its prefix key reads
 LONGEST_TOKEN_BYTES = 256  # prompt_floor's bound, with room for vocabularies we lack
 
 
@@ -108,3 +110,23 @@ def chat_job(req: CallRequest, prompt: Prompt, messages: list[Message], *,
         parallel_tool_calls=structure.parallel_tool_calls,
         response_format=structure.response_format, resume=resume,
         keep=req.keep if resume is None and not count_only else None)
+
+
+def affinity_key(tenant: str, messages: list[Message], history: list[Message]) -> bytes:
+    """A call's prefix key for placement (inference/routing.py): a hash of its tenant
+    and its opening as the prompt has it (the tool prompt and instructions, then the
+    first message after them: what every later turn of the conversation resends), at
+    most AFFINITY_CHARS of their text."""
+    ordered = conversation(messages, history)
+    lead = 0
+    while lead < len(ordered) and ordered[lead]["role"] in ("system", "developer"):
+        lead += 1
+    digest = hashlib.blake2b(tenant.encode() + b"\x1f", digest_size=16)
+    left = AFFINITY_CHARS
+    for message in ordered[:lead + 1]:
+        text = message["content"][:left]
+        digest.update(f"{message['role']}\x1e{text}\x1f".encode())
+        left -= len(text)
+        if left <= 0:
+            break
+    return digest.digest()

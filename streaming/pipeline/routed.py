@@ -149,20 +149,22 @@ class Routed:
     @classmethod
     async def start(cls, route: Route, kind: Kind, attempt: Attempt, *, redis: Any,
                     bound: int, timeout_s: float, prompt_only: bool = False,
-                    trimmed: int | None = None, reply: int = 0) -> Submitted:
+                    trimmed: int | None = None, reply: int = 0,
+                    affinity: bytes | None = None) -> Submitted:
         """Plan the call and make its first attempt that is admitted; the last refusal
         when none is (BadRequest when the call is too long for every deployment).
         `trimmed`: the call's bound once the worker dropped all the history it may drop
         (a conversation's, truncation "auto"): the deployments that hold only that are
         planned when none holds the whole call. `reply`: the max_tokens part of both,
-        which a clamping deployment lowers (inference/routing.py)."""
+        which a clamping deployment lowers (inference/routing.py). `affinity`: the
+        call's prefix key (its targets then in that key's order)."""
         names = [t.deployment for t in (*route.targets, *route.fallbacks)]
         down = await breakers.unavailable(redis, names)
         planned: Plan = plan(route, rng=_rng, unavailable=down, prompt_bound=bound,
-                             reply=reply)
+                             reply=reply, affinity=affinity)
         if planned.only_context and trimmed is not None and trimmed < bound:
             planned = plan(route, rng=_rng, unavailable=down, prompt_bound=trimmed,
-                           reply=reply)
+                           reply=reply, affinity=affinity)
         if planned.only_context:
             raise BadRequest(f"The request is too long for every deployment of model "
                              f"'{route.alias}'.", code="context_length_exceeded",

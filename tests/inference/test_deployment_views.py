@@ -68,3 +68,26 @@ def test_the_api_documents_both_views() -> None:
     # a full view is never also a summary: exactly one of oneOf matches either
     summary = schemas["DeploymentSummaryOut"]
     assert set(summary["properties"]) == SUMMARY and summary["additionalProperties"] is False
+
+
+def test_engine_options_are_checked_and_reach_the_spec(ops: Org) -> None:
+    from inference.models import Deployment
+
+    admin = ops.client(Role.PLATFORM_ADMIN)
+    created = admin.post("/api/v1/deployments", {
+        "name": "lm", "runtime": "tiny_causal_lm",
+        "engine": {"decode": "static", "prefix_cache_tokens": 4096, "prefix_block_tokens": 32}})
+    assert created.status == 201, created.body
+    assert created.body["engine"] == {"decode": "static", "prefix_cache_tokens": 4096,
+                                      "prefix_block_tokens": 32}
+    extra = Deployment.objects.get(name="lm").to_spec().extra
+    assert extra == {"decode": "static", "prefix_cache_tokens": 4096, "prefix_block_tokens": 32}
+    # Out of range, unknown, or both KV sizes: a 422 naming the field; nothing changes.
+    for engine in ({"prefix_cache_tokens": -1}, {"prefix_block_tokens": 0},
+                   {"decode": "paged"}, {"kv_cache_memory_fraction": 0.99}, {"speed": 2},
+                   {"kv_cache_tokens": 100, "kv_cache_memory_fraction": 0.5}):
+        refused = admin.patch("/api/v1/deployments/lm", {"engine": engine})
+        assert refused.status == 422 and "engine" in json.dumps(refused.body), refused.body
+    assert Deployment.objects.get(name="lm").engine["prefix_block_tokens"] == 32
+    # Replaced as a whole; {} is the defaults.
+    assert admin.patch("/api/v1/deployments/lm", {"engine": {}}).body["engine"] == {}

@@ -105,3 +105,21 @@ def test_backoff_grows_with_full_jitter_up_to_its_cap() -> None:
         pauses = [backoff_s(attempt, rng=rng) for _ in range(500)]
         assert all(0.0 <= p <= ceiling for p in pauses)
         assert max(pauses) > 0.8 * ceiling  # jitter spans the range, not a constant
+
+
+def test_a_prefix_key_picks_a_consistent_target_shared_by_weight() -> None:
+    """Weighted rendezvous hashing: the same key, the same order; keys shared by weight;
+    a target that leaves moves only its own keys."""
+    route = Route("a", (Target("x", weight=3), Target("y", weight=1), Target("z", weight=1)))
+    keys = [f"prefix-{i}".encode() for i in range(3000)]
+    first = {k: plan(route, rng=random.Random(), affinity=k).order for k in keys}
+    assert all(plan(route, rng=random.Random(), affinity=k).order == first[k] for k in keys[:50])
+    share = sum(order[0] == "x" for order in first.values()) / len(keys)
+    assert 0.55 < share < 0.65  # 3 / 5
+    assert all(sorted(order) == ["x", "y", "z"] for order in first.values())
+    down = {k: plan(route, rng=random.Random(), affinity=k, unavailable={"y": Skip.BREAKER_OPEN})
+            for k in keys}
+    for key, planned in down.items():
+        if first[key][0] != "y":
+            assert planned.order[0] == first[key][0]  # nobody else's key moved
+        assert planned.skipped == {"y": Skip.BREAKER_OPEN}

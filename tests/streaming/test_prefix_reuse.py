@@ -1,0 +1,103 @@
+"""Prefix reuse as the APIs report it, through the official clients against a live
+Sluice (the toy model, blocks of 16 tokens): a call that resends a prompt's opening
+reports the reused tokens (Chat and Completions `prompt_tokens_details.cached_tokens`,
+Responses `input_tokens_details.cached_tokens`, Messages `cache_read_input_tokens`
+with `input_tokens` the rest, gRPC `Usage.cached_tokens`); another tenant sending the
+same opening reuses nothing; `n` choices share their prompt; the audit event counts
+the reused tokens."""
+
+from __future__ import annotations
+
+import uuid
+
+import anthropic
+import openai
+import pytest
+
+from streaming.protos import inference_pb2 as pb
+from tenants.roles import Role
+from tests.conftest import Org, make_org
+from tests.streaming.conftest import Live
+from tests.streaming.test_aliases import audited
+from tests.streaming.test_grpc import call
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+BLOCK = 16
+
+
+@pytest.fixture
+def orgs(live: Live) -> tuple[Org, Org]:
+    return make_org("alice", [Role.DEVELOPER]), make_org("bob", [Role.DEVELOPER])
+
+
+def opening() -> str:
+    """A system prompt nobody sent before (the runtimes outlive a test)."""
+    return f"You are assistant {uuid.uuid4()}. " + "Answer in one short line. " * 12
+
+
+def oai(live: Live, org: Org) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.base_url, api_key=org.keys[Role.DEVELOPER],
+                         max_retries=0, timeout=60)
+
+
+def messages(system: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def test_every_api_reports_the_reused_prompt(live: Live, orgs: tuple[Org, Org], roomy: str,
+                                            grpc_target: str) -> None:
+    alice, bob = orgs
+    client, system = oai(live, alice), opening()
+    first = client.chat.completions.create(model=roomy, max_tokens=2,
+                                           messages=messages(system, "first?"))
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model=roomy, max_tokens=2,
+                                           messages=messages(system, "second?"))
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached and cached % BLOCK == 0 and cached >= again.usage.prompt_tokens - 3 * BLOCK
+    # Streamed, its usage chunk says the same.
+    chunks = list(client.chat.completions.create(
+        model=roomy, max_tokens=2, stream=True, stream_options={"include_usage": True},
+        messages=messages(system, "third?")))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == cached
+    reply = client.responses.create(model=roomy, max_output_tokens=2, instructions=system,
+                                    input="fourth?")
+    assert reply.usage is not None
+    assert reply.usage.input_tokens_details.cached_tokens == cached
+    claude = anthropic.Anthropic(base_url=live.base_url.removesuffix("/v1"),
+                                 api_key=alice.keys[Role.DEVELOPER], max_retries=0, timeout=60)
+    fifth: list[anthropic.types.MessageParam] = [{"role": "user", "content": "fifth?"}]
+    message = claude.messages.create(model=roomy, max_tokens=2, system=system, messages=fifth)
+    assert message.usage.cache_read_input_tokens == cached
+    counted = claude.messages.count_tokens(model=roomy, system=system, messages=fifth)
+    assert message.usage.input_tokens + cached == counted.input_tokens
+    rpc = call(grpc_target, "Chat", pb.ChatRequest(model=roomy, max_tokens=2, messages=[
+        pb.ChatMessage(role="system", content=system),
+        pb.ChatMessage(role="user", content="sixth?")]), key=alice.keys[Role.DEVELOPER])
+    assert rpc.usage.cached_tokens == cached
+    # Another tenant's identical opening reuses nothing.
+    other = oai(live, bob).chat.completions.create(model=roomy, max_tokens=2,
+                                                   messages=messages(system, "second?"))
+    assert other.usage is not None and other.usage.prompt_tokens_details is not None
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.usage.prompt_tokens == again.usage.prompt_tokens
+
+
+def test_n_choices_share_their_prompt_and_the_audit_counts_it(live: Live,
+                                                              orgs: tuple[Org, Org],
+                                                              roomy: str) -> None:
+    alice, _ = orgs
+    reply = oai(live, alice).chat.completions.create(
+        model=roomy, max_tokens=3, n=3, temperature=1.0, seed=7,
+        messages=messages(opening(), "three ways?"))
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    prompt = reply.usage.prompt_tokens // 3
+    # The first choice computes the prompt; each other one reuses at least its full
+    # blocks (all of it, when prefilled in the same batch).
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 2 * BLOCK * ((prompt - 1) // BLOCK)
+    [event] = audited(alice, 1)
+    assert int(event.detail["cached_tokens"]) == reply.usage.prompt_tokens_details.cached_tokens
