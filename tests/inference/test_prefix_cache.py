@@ -238,7 +238,7 @@ def test_another_tenants_prefix_costs_a_miss_in_time(tiny: tuple[object, object]
                          options=DecodeOptions(prefix_cache_tokens=8192))
     rng = random.Random(1)
     prefix = [rng.randrange(4096) for _ in range(600)]
-    rt.add([seq("warm", prefix + [1], salt="a")])
+    rt.add([seq("warm", [*prefix, 1], salt="a")])
     rt.drop(["warm"])
 
     def prefill_s(rid: str, ids: list[int], salt: str) -> float:
