@@ -44,3 +44,18 @@ def test_manage_py_check_passes() -> None:
     out = subprocess.run([sys.executable, "manage.py", "check", "--fail-level", "WARNING"],
                          cwd=REPO, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_gateway_imports_no_model_code() -> None:
+    """The gateway (its ASGI app, every API and the deployments API) runs no model:
+    importing torch there would cost each gateway process seconds and hundreds of MB."""
+    code = ("import os, sys; os.environ.setdefault('DJANGO_SETTINGS_MODULE', "
+            "'sluice.settings.base'); import django; django.setup(); "
+            "import sluice.root.asgi, inference.services, inference.api; "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = f"{REPO}:{REPO / 'platform'}"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=False, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False False"

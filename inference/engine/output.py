@@ -77,6 +77,7 @@ class Row:
     # Tool calls and structured outputs: the reply is generated under its grammar and
     # ends with the value (or the calls).
     constraint: Constraint | None = None
+    cache_salt: str = ""  # the sequence's NewSequence.cache_salt
     logprobs: bool = False  # each token's entry goes out with it (`lp` of its delta)
     # False: nobody reads the reply token by token, so it goes out in one piece at the
     # end (per-token events would cost Redis writes and gateway work for nothing). A
@@ -112,12 +113,14 @@ class Row:
 
 def done_event(seq: int, reason: str, *, prompt_tokens: int, completion_tokens: int,
                tool_calls: list[ToolCall] | None = None, stop_sequence: str = "",
-               device_us: int = 0) -> DoneEvent:
+               device_us: int = 0, cached_tokens: int = 0) -> DoneEvent:
     """A request's end. `stop_sequence`: the stop string that ended the reply
     (Anthropic's Messages API names it; finish stays "stop"); `device_us`: its share of
-    the model's step time (inference/engine/engine.py)."""
+    the model's step time (inference/engine/engine.py); `cached_tokens`: its prompt
+    tokens the model did not compute (Usage)."""
     event: DoneEvent = {"t": "done", "seq": seq, "finish": reason,
-                        "usage": usage(prompt_tokens, completion_tokens, device_us)}
+                        "usage": usage(prompt_tokens, completion_tokens, device_us,
+                                       cached_tokens)}
     if tool_calls:
         event["tool_calls"] = tool_calls
     if stop_sequence:
@@ -173,7 +176,8 @@ class OutputProcessor:
         self.rows[row.req.rid] = row
         self._inputs[row.req.rid] = (prompt, params)
         return NewSequence(row.req.rid, prompt + row.ids, replace(params, max_tokens=left),
-                           generated=len(row.ids), constraint=constraint)
+                           generated=len(row.ids), constraint=constraint,
+                           cache_salt=row.cache_salt)
 
     def park(self, rid: str) -> Pending:
         """Set running row `rid` aside (preempted); returns its entry. Precondition:
@@ -189,7 +193,8 @@ class OutputProcessor:
         prompt, params = self._inputs[rid]
         return NewSequence(rid, prompt + row.ids,
                            replace(params, max_tokens=row.max_new - len(row.ids)),
-                           generated=len(row.ids), constraint=row.constraint)
+                           generated=len(row.ids), constraint=row.constraint,
+                           cache_salt=row.cache_salt)
 
     def finish_parked(self, rid: str, reason: str) -> Pending:
         """End parked row `rid` (`reason` as for `finish`, or "deadline"); returns its
@@ -329,9 +334,18 @@ class OutputProcessor:
             self._send(row, {"t": "delta", "seq": row.seq, "text": "", "ids": row.unsent_ids,
                              "tools": pieces})
 
+    def _cached(self, row: Row) -> int:
+        """How many of `row`'s prompt tokens the runtime did not compute (Usage)."""
+        runtime = self._runtime
+        return (min(runtime.cached_tokens(row.req.rid), row.prompt_tokens)
+                if isinstance(runtime, ChatRuntime) else 0)
+
     def _send(self, row: Row, event: DeltaEvent) -> None:
         if row.seq == 0:
             event["prompt_tokens"] = row.prompt_tokens
+            cached = self._cached(row)
+            if cached:
+                event["cached_tokens"] = cached
         self.outbox.add(row.req, event)
         row.seq += 1
         row.unsent_ids = []
@@ -349,15 +363,22 @@ class OutputProcessor:
         self._inputs.pop(row.req.rid, None)
         device_us = (round(self._device_s(row.req.rid) * 1e6)
                      if self._device_s is not None else 0)
+        cached = self._cached(row)
         pending, cost = row.pending, (row.prompt_tokens, len(row.ids))
-        if reason == "tool_calls" and row.constraint is not None:
-            calls = self._calls(row)
+        constraint = row.constraint
+        if reason == "length" and constraint is not None and constraint.kind() == "calls" \
+                and constraint.accepting():
+            reason = "tool_calls"  # the budget ended with the last call: every call is whole
+        if reason in ("tool_calls", "length") and constraint is not None \
+                and constraint.kind() == "calls":
+            calls = self._calls(row, cut=reason == "length")
             # Seen one token ahead (an overlapped step), the call's last token is in
             # the constraint but not yet in ids.
             self.outbox.final(pending, done_event(
                 row.seq, reason, prompt_tokens=row.prompt_tokens,
-                completion_tokens=max(len(row.ids), len(row.constraint.emitted)),
-                tool_calls=calls, device_us=device_us))
+                completion_tokens=max(len(row.ids), len(constraint.emitted)),
+                tool_calls=calls, device_us=device_us,
+                cached_tokens=cached))
         elif reason == "deadline":
             self.outbox.final(pending, error_event(expired_in_generation(), seq=row.seq,
                                                    cost=cost))
@@ -368,21 +389,26 @@ class OutputProcessor:
             self.outbox.final(pending, done_event(
                 row.seq, reason, prompt_tokens=row.prompt_tokens,
                 completion_tokens=len(row.ids), stop_sequence=row.stopped_by,
-                device_us=device_us))
+                device_us=device_us, cached_tokens=cached))
         return True
 
 
-    def _calls(self, row: Row) -> list[ToolCall]:
+    def _calls(self, row: Row, *, cut: bool = False) -> list[ToolCall]:
         """The calls of a reply that ended writing them, their arguments as the model
-        wrote them (what was streamed, the rest streamed now)."""
+        wrote them (what was streamed, the rest streamed now). `cut`: the reply ran out
+        of tokens: the last call is listed with its arguments so far (not valid JSON),
+        as OpenAI lists a call cut by max_tokens; none when its name was not complete."""
         constraint = row.constraint
         assert constraint is not None  # noqa: S101
         # The constraint holds every token of the calls (the row may be one behind).
         vocab = constraint.vocab
         text = vocab.decode([t for t in constraint.emitted if t not in vocab.eos])
         written = read_calls(text)
-        found = [(c.name, c.arguments) for c in written if c.complete]
-        if len(found) != len(written) or not found or (CUSTOM_END in text and any(
+        found = [(c.name, c.arguments) for c in written if c.complete or cut]
+        if cut:
+            if row.streamed:
+                self._emit_calls(row, written)
+        elif len(found) != len(written) or not found or (CUSTOM_END in text and any(
                 CUSTOM_END in arguments for _name, arguments in constraint.calls())):
             # Not of the grammar's usual shape, or a custom input that holds
             # CUSTOM_END (which the reader took for its end): whole.

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from inference.runtimes.prefix_cache import DEFAULT_BLOCK_TOKENS
-
+# The options are read where no model runs (the deployments API checks them): torch is
+# imported by the functions that need it, not by this module.
+DEFAULT_BLOCK_TOKENS = 16  # tokens per prefix cache block (prefix_cache.py)
 DECODE_MODES = ("dynamic", "static")
 # What a cache sized from free memory leaves to activations, the prefill's temporary
 # cache, the sampler and (static decode) the graphs' memory pool.
@@ -108,6 +110,8 @@ def _int_in(value: object, low: int, high: int) -> bool:
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Bytes one token takes in the KV cache: keys and values of every layer."""
+    import torch
+
     heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None)
                    or config.hidden_size // config.num_attention_heads)
@@ -119,6 +123,8 @@ def free_device_memory(device: str) -> int | None:
     """Free bytes on a CUDA device (None on the CPU: there the process's memory is)."""
     if not device.startswith("cuda"):
         return None
+    import torch
+
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     return int(free)
 

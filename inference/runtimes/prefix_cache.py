@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BLOCK_TOKENS = 16
+from inference.runtimes.kv import DEFAULT_BLOCK_TOKENS
 
 
 @dataclass

@@ -13,7 +13,8 @@ runs its forward pass (inference/structured/masks.py). Contract:
   sees was allowed by its own mask; a failure ends the constraint, not the worker);
 - `closing`: the sequence's token budget is nearly spent: the sampler then prefers
   tokens that close the value (quotes, brackets), so a started value ends valid
-  within max_tokens instead of being cut off;
+  within max_tokens instead of being cut off: an array ends as soon as its minItems
+  allow, an object as soon as its required properties are in (`closing_choice`);
 - `replay(ids)`: a resumed delivery's already streamed tokens, fed through.
 """
 
@@ -27,6 +28,7 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from inference.jobs import ChatJob, decode_job, encode_job
 from inference.structured.grammar import TOOL_MARKER, Plan, job_plan, split_calls
+from inference.structured.toolstream import read_calls
 
 _CLOSERS = frozenset('"}],')
 
@@ -138,43 +140,70 @@ class Constraint:
         brackets, commas), the one that finishes the grammar soonest: an end-of-sequence
         token when it may end now; else the token after which it may end soonest
         (through the forced tokens that follow it and one more closer); else the one
-        whose forced continuation is longest (a comma that ends a number and brings the
-        next key). [] when none makes progress: the row then samples as usual. Leaves
-        the matcher as it was (every trial is rolled back)."""
+        that leaves the fewest strings, arrays and objects open (with what it forces:
+        `]` over a `,` that would open another item, a `}` over one that would begin
+        another key); else the one whose forced continuation is longest (a comma that
+        ends a number and brings the next required key). [] when none makes progress
+        (closes nothing, forces nothing): the row then samples as usual. Leaves the
+        matcher as it was (every trial is rolled back)."""
         ends = [t for t in allowed if t in self.vocab.eos]
         if ends:
             return ends
-        m, best, best_score = self.matcher, [], (3, 0)
+        value = self._value()
+        start = None if value is None else _scan(value, (0, False, False))
+        m, best, best_score = self.matcher, [], (4, 0, 0)
         for token in allowed:
             if m.try_consume_tokens([token]) != 1:
                 continue
-            score = self._progress(allowed)
+            score = self._progress(allowed, token, start)
             m.rollback(1)
             if score < best_score:
                 best, best_score = [token], score
         return best
 
-    def _progress(self, closers: list[int]) -> tuple[int, int]:
-        """(tokens until the grammar may end, 3 when not within two; minus the length of
-        the forced continuation) from the matcher's state."""
+    def _progress(self, closers: list[int], token: int, start: _Scan | None
+                  ) -> tuple[int, int, int]:
+        """From the matcher's state after `token`: (tokens until the grammar may end, 3
+        when not within two; how many values stay open once the forced continuation is
+        written, 0 when `start`, the state before `token`, is unknown; minus the length
+        of that continuation); (4, 0, 0) when `token` makes no progress."""
         m = self.matcher
         if m.is_stopped() or m.is_accepting():
-            return (0, 0)
+            return (0, 0, 0)
         forced = m.compute_ff_tokens()
         taken = m.try_consume_tokens(forced) if forced else 0
         try:
+            open_after = 0 if start is None else _open(
+                _scan(self.vocab.decode([token, *forced[:taken]]), start))
             if m.is_stopped() or m.is_accepting():
-                return (1, -taken)
-            for token in closers:
-                if m.try_consume_tokens([token]) == 1:
+                return (1, open_after, -taken)
+            for closer in closers:
+                if m.try_consume_tokens([closer]) == 1:
                     done = m.is_stopped() or m.is_accepting()
                     m.rollback(1)
                     if done:
-                        return (2, -taken)
-            return (3, -taken)
+                        return (2, open_after, -taken)
+            if taken or (start is not None and open_after < _open(start)):
+                return (3, open_after, -taken)
+            return (4, 0, 0)
         finally:
             if taken:
                 m.rollback(taken)
+
+    def _value(self) -> str | None:
+        """The text of the JSON value being written, from its start: the answer, or the
+        open function call's arguments; None when what is being written is not a JSON
+        value read from its start (a call's name or envelope, a custom tool's input)."""
+        eos = self.vocab.eos
+        text = self.vocab.decode([t for t in self.emitted if t not in eos])
+        if self.kind() == "text":
+            return text
+        if self.kind() != "calls":
+            return None
+        calls = read_calls(text)
+        if not calls or calls[-1].complete or calls[-1].custom:
+            return None
+        return calls[-1].arguments
 
     def calls(self) -> list[tuple[str, str]]:
         """(name, arguments JSON) of each call of a finished reply."""
@@ -207,3 +236,33 @@ class Constraint:
     def _fail(self) -> None:
         self.failed = self.matcher.get_error() or "the grammar failed"
         self.done = True
+
+
+# A JSON text's state: (arrays and objects open, inside a string, after a backslash).
+_Scan = tuple[int, bool, bool]
+
+
+def _scan(text: str, state: _Scan) -> _Scan:
+    """The state after reading `text` in `state` (compact JSON, as the grammar writes it:
+    only its strings hold brackets that do not count)."""
+    depth, in_string, escaped = state
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+    return depth, in_string, escaped
+
+
+def _open(state: _Scan) -> int:
+    """How many values are open: the arrays and objects, and a string."""
+    return state[0] + state[1]

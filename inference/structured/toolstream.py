@@ -35,6 +35,7 @@ class CallText:
     name: str
     arguments: str  # the arguments' JSON text (a custom input) so far; all once complete
     complete: bool
+    custom: bool = False  # a custom tool's call: `arguments` is its raw input
 
 
 def read_calls(text: str) -> list[CallText]:
@@ -63,9 +64,10 @@ def read_calls(text: str) -> list[CallText]:
             start = end + len(_INPUT)
             stop = text.find(CUSTOM_END, start)
             if stop < 0:
-                out.append(CallText(name, _held_back(text[start:]), complete=False))
+                out.append(CallText(name, _held_back(text[start:]), complete=False,
+                                    custom=True))
                 break
-            out.append(CallText(name, text[start:stop], complete=True))
+            out.append(CallText(name, text[start:stop], complete=True, custom=True))
             pos = stop + len(CUSTOM_END)
         else:
             break

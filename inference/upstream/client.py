@@ -300,7 +300,9 @@ class UpstreamClient:
             if got is not None else usage(0, prior + deltas)
         calls = reader.tool_calls()
         done: DoneEvent = {"t": "done", "seq": seq,
-                           "finish": "tool_calls" if calls else (reader.finish or "stop"),
+                           # A call cut by max_tokens stays "length", as the upstream said.
+                           "finish": "tool_calls" if calls and reader.finish != "length"
+                           else (reader.finish or "stop"),
                            "usage": billed}
         if calls:
             done["tool_calls"] = calls

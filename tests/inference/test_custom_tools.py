@@ -150,8 +150,10 @@ def test_a_custom_input_streams_in_pieces_that_only_grow() -> None:
         for before, now in zip(seen, calls, strict=False):
             assert now.name == before.name and now.arguments.startswith(before.arguments)
         seen = calls
-    assert seen == [CallText("note", "hello </tool world", True), CallText("f", "{}", True)]
-    assert read_calls('{"name": "note"}\nab</tool_in') == [CallText("note", "ab", False)]
+    assert seen == [CallText("note", "hello </tool world", True, custom=True),
+                    CallText("f", "{}", True)]
+    assert read_calls('{"name": "note"}\nab</tool_in') == [
+        CallText("note", "ab", False, custom=True)]
     assert split_calls(text) == [("note", "hello </tool world"), ("f", "{}")]
 
 

@@ -274,3 +274,51 @@ def test_properties_are_written_in_the_schemas_own_order(vocab: Vocabulary) -> N
     constraint = Constraint(vocab, found, budget=BUDGET)
     forced = constraint.matcher.compute_ff_bytes().decode()
     assert forced.startswith('{"name": "w", "arguments": {"zeta": 1, "alpha": 2}'), forced
+
+
+EDIT_FILE = Tool("edit_file", {"type": "object", "properties": {
+    "path": {"type": "string"},
+    "edits": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "properties": {"old": {"type": "string"}, "new": {"type": "string"}},
+        "required": ["old", "new"]}}}, "required": ["path", "edits"]})
+
+
+def _closing_choice(vocab: Vocabulary, head: str) -> str:
+    """The text of the token the closing rule picks after `head` (a forced edit_file
+    call's text so far), its budget spent."""
+    import torch
+
+    constraint = Constraint(vocab, plan(tools=[EDIT_FILE], choice="edit_file"), budget=1)
+    _feed(constraint, vocab, head)
+    assert constraint.closing and constraint.masking and not constraint.failed
+    computed = masks.now([constraint])
+    assert computed is not None
+    logits = torch.zeros(1, vocab.size)
+    computed.apply(logits)
+    [chosen] = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    return vocab.decode([chosen])
+
+
+def test_closing_ends_arrays_and_objects_as_soon_as_their_schema_allows(
+        vocab: Vocabulary) -> None:
+    """Given an array of objects whose minItems is met, the closing rule ends the array
+    (not a comma that opens another item), and in an item's last required string it
+    ends the string and the item (not the string alone, or a new item)."""
+    head = '{"name": "edit_file", "arguments": {"path": "a.py", "edits": [{"old": "x"'
+    assert _closing_choice(vocab, head + ', "new": "y"}').startswith("]")
+    inside = _closing_choice(vocab, head + ', "new": "y')
+    assert inside.startswith('"}') and "," not in inside
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, 0), (1.0, 7)])
+def test_a_forced_call_with_an_array_of_objects_completes_within_its_budget(
+        tiny: CausalLMRuntime, vocab: Vocabulary, temperature: float, seed: int) -> None:
+    """Given a forced edit_file call (edits: an array of {old, new}, minItems 1) and 400
+    tokens, the random-weights model's call is complete and valid before the budget
+    ends: the closing rule does not keep adding items until it runs out."""
+    constraint = Constraint(vocab, plan(tools=[EDIT_FILE], choice="edit_file"), budget=400)
+    generate(tiny, [constraint], temperature=temperature, seed=seed, budget=400)
+    assert constraint.complete, constraint.failed or "cut at the budget"
+    [(name, arguments)] = constraint.calls()
+    assert name == "edit_file" and len(constraint.emitted) <= 400
+    jsonschema.validate(json.loads(arguments), EDIT_FILE.parameters)

@@ -15,6 +15,7 @@ from inference.jobs import DeltaEvent, Event
 from inference.runtimes import load_runtime
 from inference.runtimes.causal_lm import CausalLMRuntime
 from inference.spec import DeploymentSpec, RuntimeName
+from inference.structured.grammar import TOOL_MARKER
 from tests.inference.conftest import chat
 from tests.inference.test_engine_parts import Harness, request
 
@@ -103,3 +104,43 @@ def test_a_takeover_continues_the_pieces_already_streamed(tiny: CausalLMRuntime)
     assert all("name" not in p for d in later if d["t"] == "delta" for p in d["tools"])
     joined = _pieces(earlier)[0] + _pieces(later)[0]
     assert final["t"] == "done" and joined == final["tool_calls"][0]["arguments"] == ARGUMENTS
+
+
+@pytest.mark.parametrize(("choice", "stream"), [("get_weather", False), ("get_weather", True),
+                                               ("auto", False)])
+def test_a_call_cut_by_max_tokens_ends_with_its_arguments_so_far(
+        tiny: CausalLMRuntime, choice: str, stream: bool) -> None:
+    # given a forced call (or an "auto" reply that began one) whose budget ends inside
+    # its arguments
+    head = TOOL_MARKER if choice == "auto" else ""
+    tokens = tiny.tokenizer.encode(head + CALL, add_special_tokens=False)
+    budget = len(tokens) - 4
+    h = Harness(tiny)
+    seq = h.start(chat("Weather in Zürich?", tools=[WEATHER], tool_choice=choice,
+                       max_tokens=budget, stream=stream))
+    # when the model has written that many tokens of it
+    *deltas, final = _run(h, seq, tokens[:budget])
+    # then the final event has the call with what was written of its arguments, the
+    # finish "length" (not a reply with nothing in it)
+    written = tiny.decode(tokens[:budget]).removeprefix(head).removeprefix(
+        '{"name": "get_weather", "arguments": ')
+    assert final["t"] == "done" and final["finish"] == "length"
+    [call] = final["tool_calls"]
+    assert call["name"] == "get_weather" and call["arguments"] == written
+    assert ARGUMENTS.startswith(written) and 0 < len(written) < len(ARGUMENTS)
+    assert final["usage"]["completion_tokens"] == budget
+    # and a streamed reply's pieces join into exactly those arguments (none otherwise)
+    assert _pieces(deltas) == ({0: written} if stream else {})
+
+
+def test_a_budget_that_ends_with_the_last_call_is_a_whole_call(tiny: CausalLMRuntime) -> None:
+    # given "required" calls (several may follow) whose budget ends right after the first
+    tokens = tiny.tokenizer.encode(CALL, add_special_tokens=False)
+    h = Harness(tiny)
+    seq = h.start(chat("Weather in Zürich?", tools=[WEATHER], tool_choice="required",
+                       max_tokens=len(tokens)))
+    # when the call is written to its end
+    final = _run(h, seq, tokens)[-1]
+    # then the reply is that call, whole
+    assert final["t"] == "done" and final["finish"] == "tool_calls"
+    assert [c["arguments"] for c in final["tool_calls"]] == [ARGUMENTS]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from inference.jobs import ChatJob
 from inference.spec import Dialect, UpstreamSpec
 from inference.upstream.body import ChunkReader, request_body
+from inference.upstream.client import UpstreamClient
 
 UP = UpstreamSpec(base_url="http://10.0.0.5:8000/v1", model="served", dialect=Dialect.VLLM)
 
@@ -56,3 +57,18 @@ def test_a_whole_completion_reply_and_an_error_reply() -> None:
     failed = ChunkReader()
     assert failed.read({"error": {"message": "overloaded", "code": 503}}) == ("", [])
     assert failed.error == {"message": "overloaded", "code": 503}
+
+
+def test_a_call_the_upstream_cut_at_max_tokens_ends_length_with_its_arguments_so_far() -> None:
+    # given an upstream's reply whose call max_tokens cut (OpenAI's shape)
+    reader = ChunkReader()
+    reader.read({"choices": [{"index": 0, "finish_reason": "length", "message": {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "edit_file", "arguments": '{"path": "ma'}}]}}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 20}})
+    # then the worker's final event keeps the finish and the call as it was cut
+    done = UpstreamClient._done(reader, 0, 0, 0)
+    assert done["finish"] == "length"
+    assert done.get("tool_calls") == [
+        {"id": "call_a", "name": "edit_file", "arguments": '{"path": "ma'}]

@@ -115,7 +115,8 @@ def test_stream_sends_anthropics_events_in_order(live: Live, keys: dict[Role, st
     assert "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta") == text
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
-    assert delta["usage"] == {"input_tokens": len(text), "output_tokens": len(text)}
+    assert delta["usage"] == {"input_tokens": len(text), "output_tokens": len(text),
+                              "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
 def test_sdk_stream_reassembles_text_and_final_message(live: Live,

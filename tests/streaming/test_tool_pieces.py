@@ -16,8 +16,8 @@ import httpx2
 
 from inference.jobs import DoneEvent, ToolDelta
 from streaming.apis.httpio import KeepAlive
-from streaming.apis.messages.stream import _Blocks
-from streaming.apis.responses.wire import EventStream
+from streaming.apis.messages.stream import _Blocks, tool_uses
+from streaming.apis.responses.wire import EventStream, output
 
 CALLS = [("call_r1", "get_weather", '{"city": "Oslo", "unit": "celsius"}'),
          ("call_r1_1", "get_time", '{"zone": "CET"}')]
@@ -110,6 +110,28 @@ def test_a_call_cut_short_by_the_length_ends_its_block() -> None:
     assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
 
 
+# The first call cut by max_tokens: its arguments as far as the model wrote them.
+CUT = [(CALLS[0][0], CALLS[0][1], CALLS[0][2][:7])]
+
+
+def test_a_cut_call_in_the_final_event_is_a_tool_use_block_of_what_was_written() -> None:
+    # given a call streamed in part, then the final event with the cut call
+    streamed = pieces()[:2]  # its name and first piece
+    events = anthropic_stream(streamed, final(CUT, finish="length"))
+    # then its block gets the rest of what was written, as written, and the stop is
+    # max_tokens
+    deltas = [d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"]
+    assert "".join(deltas) == CUT[0][2]
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    [block] = accumulated(events).content  # the SDK reads it (its partial JSON parser)
+    assert block.type == "tool_use" and block.name == "get_weather"
+    # and a reply answered whole wraps the text that is not JSON, as Anthropic's docs
+    # wrap invalid tool input
+    assert [u["input"] for u in tool_uses(final(CUT, finish="length"))] == [
+        {"INVALID_JSON": CUT[0][2]}]
+    assert [u["input"] for u in tool_uses(final())] == [json.loads(a) for *_, a in CALLS]
+
+
 def responses_stream(streamed: list[list[ToolDelta]], end: DoneEvent
                      ) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
     sent: list[bytes] = []
@@ -151,3 +173,22 @@ def test_responses_sends_each_streamed_calls_arguments_in_pieces() -> None:
     assert [(o["call_id"], o["arguments"]) for o in body["output"]] == [
         (i, a) for i, _n, a in CALLS]
     assert body["status"] == "completed"
+
+
+def test_responses_ends_a_cut_call_as_an_incomplete_item_of_what_was_written() -> None:
+    # given a call streamed in part, then the final event with the cut call
+    events, body = responses_stream(pieces()[:2], final(CUT, finish="length"))
+    # then its argument deltas join into what was written, no `.done` claims them whole,
+    # and its item is incomplete, as is the response (max_output_tokens)
+    joined = "".join(d["delta"] for n, d in events
+                     if n == "response.function_call_arguments.delta")
+    assert joined == CUT[0][2]
+    assert not [n for n, _ in events if n == "response.function_call_arguments.done"]
+    [item] = body["output"]
+    assert (item["status"], item["arguments"]) == ("incomplete", CUT[0][2])
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1][0] == "response.incomplete"
+    # and a reply answered whole has the same item
+    assert [(o["status"], o["arguments"]) for o in output(
+        "r1", "", final(CUT, finish="length"))] == [("incomplete", CUT[0][2])]
