@@ -90,6 +90,11 @@ def prefill(model: Any, seqs: Sequence[NewSequence], *, pad_id: int, device: str
 def _load_past(cache: Any, prefix: PrefixCache, rows: Sequence[NewSequence],
                keys: list[list[bytes]], found: list[int], past: int, device: str) -> None:
     """Fill `cache` with each row's cached blocks, right-aligned in `past` columns."""
+    if len(rows) == 1:  # the blocks as gathered, without a second copy
+        single = prefix.gather(keys[0][:found[0]])
+        for layer in range(single.shape[0]):
+            cache.update(single[layer, 0][None], single[layer, 1][None], layer)
+        return
     first = next(i for i, n in enumerate(found) if n)
     sample = prefix.gather(keys[first][:1])
     layers, two, heads, _, dim = sample.shape

@@ -9,11 +9,17 @@ the reused tokens."""
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
+from decimal import Decimal
 
 import anthropic
 import openai
 import pytest
+from django.utils import timezone
 
+from governance import cache as policy_cache
+from governance import pricing
+from governance.models import Price
 from streaming.protos import inference_pb2 as pb
 from tenants.roles import Role
 from tests.conftest import Org, make_org
@@ -85,6 +91,26 @@ def test_every_api_reports_the_reused_prompt(live: Live, orgs: tuple[Org, Org], 
     assert other.usage is not None and other.usage.prompt_tokens_details is not None
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert other.usage.prompt_tokens == again.usage.prompt_tokens
+
+
+def test_reused_tokens_are_priced_as_cached_input(live: Live, orgs: tuple[Org, Org],
+                                                 roomy: str) -> None:
+    Price.objects.create(model=roomy, input_per_mtok_usd=Decimal("10"),
+                         output_per_mtok_usd=Decimal("20"),
+                         cached_input_per_mtok_usd=Decimal("1"),
+                         valid_from=timezone.now() - timedelta(minutes=1))
+    policy_cache.clear()
+    client, system = oai(live, orgs[0]), opening()
+    client.chat.completions.create(model=roomy, max_tokens=2, messages=messages(system, "a"))
+    raw = client.chat.completions.with_raw_response.create(
+        model=roomy, max_tokens=2, messages=messages(system, "b"))
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert cached > 0
+    nanos = ((usage.prompt_tokens - cached) * 10_000 + cached * 1_000
+             + usage.completion_tokens * 20_000)
+    assert Decimal(raw.headers[pricing.COST_HEADER]) == Decimal(nanos) / 10**9
 
 
 def test_n_choices_share_their_prompt_and_the_audit_counts_it(live: Live,
