@@ -25,12 +25,12 @@ from sluice.epoch import Epoch
 from sluice.pii.redaction import redact
 from sluice.ttlcache import AsyncTTLCache
 from tenants.principal import Principal
-from tenants.privacy import EPOCH_KEY, policy_of
+from tenants.privacy import EPOCH_KEY, PrivacyPolicy, policy_of
 
 Redactor = Callable[[str], str]
 Patterns = Iterable[tuple[str, re.Pattern[str]]]
 
-_flags: AsyncTTLCache[int, bool] = AsyncTTLCache(max_entries=100_000)
+_policies: AsyncTTLCache[int, PrivacyPolicy] = AsyncTTLCache(max_entries=100_000)
 _epoch = Epoch(EPOCH_KEY)
 
 
@@ -38,13 +38,26 @@ def _keep(text: str) -> str:
     return text
 
 
+async def _policy(tenant_id: int) -> PrivacyPolicy:
+    """The tenant's policy (cached; see the module's doc)."""
+    if await _epoch.moved():
+        _policies.clear()
+    return await _policies.get(tenant_id, lambda: async_db(policy_of)(tenant_id),
+                               float(settings.SLUICE_POLICY_CACHE_TTL_S))
+
+
 async def redacts(tenant_id: int) -> bool:
     """Whether the tenant's stored data is redacted (cached; see the module's doc)."""
-    if await _epoch.moved():
-        _flags.clear()
-    return await _flags.get(
-        tenant_id, lambda: async_db(lambda: policy_of(tenant_id).redact_stored)(),
-        float(settings.SLUICE_POLICY_CACHE_TTL_S))
+    return (await _policy(tenant_id)).redact_stored
+
+
+async def cache_scope(principal: Principal) -> str:
+    """A chat job's `cache_scope` (inference/jobs.py): the caller's API key (or token
+    subject) when its tenant shares the prefix cache per key, else "" (the tenant's
+    calls share it; the queue entry's tenant always salts it)."""
+    if not (await _policy(principal.tenant_id)).prefix_cache_per_key:
+        return ""
+    return principal.key_prefix or principal.subject
 
 
 async def redactor(tenant_id: int) -> Redactor:
@@ -92,6 +105,6 @@ def redact_json(value: Any, clean: Redactor, *, keys: bool = False) -> Any:
 
 
 def clear() -> None:
-    """Forget the cached flags (tests; a process that changed a policy itself)."""
-    _flags.clear()
+    """Forget the cached policies (tests; a process that changed a policy itself)."""
+    _policies.clear()
     _epoch.reset()

@@ -92,7 +92,8 @@ def _privacy(tenant: Tenant) -> dict[str, object]:
     return {"tenant_id": tenant.pk, "redact_stored": tenant.redact_stored,
             "retention_days": tenant.retention_days,
             "effective_redact_stored": now.redact_stored,
-            "effective_retention_days": now.retention_days}
+            "effective_retention_days": now.retention_days,
+            "prefix_cache": privacy.prefix_cache_scope(tenant.prefix_cache_per_key)}
 
 
 @router.get("/tenants/{int:tenant_id}/privacy", response=PrivacyOut)
@@ -103,6 +104,8 @@ def tenant_privacy_get(request: HttpRequest, tenant_id: int):
 @router.patch("/tenants/{int:tenant_id}/privacy", response=PrivacyOut)
 def tenant_privacy_update(request: HttpRequest, tenant_id: int, data: PrivacyIn):
     given = {name: getattr(data, name) for name in data.model_fields_set}
+    if "prefix_cache" in given:
+        given["prefix_cache"] = given["prefix_cache"] or "tenant"
     return _privacy(privacy.tenant_privacy_update(actor=actor_of(request),
                                                   tenant_id=tenant_id, **given))
 

@@ -45,6 +45,9 @@ class Tenant(models.Model):
                                     default=HostedTools.DROP)
     # An IANA zone name: where the tenant's budgets' calendar days, weeks and months
     # begin (governance/quota.py). Only platform admins write it, audited.
+    # The model prefix cache's sharing: False, among the tenant's calls (never across
+    # tenants); True, only among one API key's calls (tenants/privacy.py).
+    prefix_cache_per_key = models.BooleanField(default=False)
     time_zone = models.CharField(max_length=64, default="UTC")
 
     class Meta:

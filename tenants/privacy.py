@@ -1,5 +1,8 @@
 """A tenant's data-protection policy: whether what Sluice stores beyond a call is
-redacted, and how many days it is kept (docs/AUDIT.md, "Data protection").
+redacted, how many days it is kept (docs/AUDIT.md, "Data protection"), and whether the
+models' prefix cache shares a prompt's blocks among all the tenant's calls or only
+among one API key's (`prefix_cache`: "tenant", the default, or "key"; never across
+tenants: docs/INFERENCE.md, "The prefix cache").
 
 Each tenant either follows the platform defaults (`SLUICE_REDACT_STORED`, on;
 `SLUICE_RETENTION_DAYS`, 30) or has its own value (`Tenant.redact_stored`,
@@ -32,6 +35,7 @@ from tenants.roles import Action
 from tenants.selectors import require, tenant_get
 
 EPOCH_KEY = "sluice:privacy:epoch"
+PREFIX_CACHE_SCOPES = ("tenant", "key")
 _epoch = Epoch(EPOCH_KEY)
 
 
@@ -48,6 +52,7 @@ class PrivacyPolicy:
 
     redact_stored: bool
     retention_days: int
+    prefix_cache_per_key: bool = False
 
     def cutoff(self, now: datetime | None = None) -> datetime:
         """What was stored (or last touched) before this is past retention."""
@@ -58,12 +63,14 @@ def effective(tenant: Tenant) -> PrivacyPolicy:
     return PrivacyPolicy(
         redact_stored=(settings.SLUICE_REDACT_STORED if tenant.redact_stored is None
                        else tenant.redact_stored),
-        retention_days=tenant.retention_days or settings.SLUICE_RETENTION_DAYS)
+        retention_days=tenant.retention_days or settings.SLUICE_RETENTION_DAYS,
+        prefix_cache_per_key=tenant.prefix_cache_per_key)
 
 
 def policy_of(tenant_id: int) -> PrivacyPolicy:
     """The policy of a tenant by id (a missing tenant gets the platform defaults)."""
-    tenant = Tenant.objects.filter(pk=tenant_id).only("redact_stored", "retention_days").first()
+    tenant = Tenant.objects.filter(pk=tenant_id).only(
+        "redact_stored", "retention_days", "prefix_cache_per_key").first()
     return effective(tenant) if tenant is not None else effective(Tenant())
 
 
@@ -76,11 +83,13 @@ def privacy_get(*, actor: Principal, tenant_id: int) -> Tenant:
 @transaction.atomic
 def tenant_privacy_update(*, actor: Principal, tenant_id: int,
                           redact_stored: bool | _Keep | None = KEEP,
-                          retention_days: int | _Keep | None = KEEP) -> Tenant:
+                          retention_days: int | _Keep | None = KEEP,
+                          prefix_cache: str | _Keep = KEEP) -> Tenant:
     """Set a tenant's policy; None returns a setting to the platform default. A tenant
     admin may change their own tenant's, a platform admin any tenant's; another
     tenant is NotFound, a role without governance rights PermissionDenied. Audited as
-    `tenant.privacy` with the old and new values; gateways see it within a second."""
+    `tenant.privacy` with the old and new values; gateways see it within a second.
+    `prefix_cache`: "tenant" or "key" (see the module)."""
     require(actor, Action.GOVERNANCE_MANAGE)
     tenant = tenant_get(actor=actor, tenant_id=tenant_id)
     tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
@@ -88,13 +97,17 @@ def tenant_privacy_update(*, actor: Principal, tenant_id: int,
             and not 1 <= retention_days <= MAX_RETENTION_DAYS:
         raise Unprocessable(f"retention_days must be 1 to {MAX_RETENTION_DAYS}.",
                             param="retention_days")
-    before = {"redact_stored": tenant.redact_stored, "retention_days": tenant.retention_days}
+    if not isinstance(prefix_cache, _Keep) and prefix_cache not in PREFIX_CACHE_SCOPES:
+        raise Unprocessable("prefix_cache must be 'tenant' or 'key'.", param="prefix_cache")
+    before = _settings(tenant)
     if not isinstance(redact_stored, _Keep):
         tenant.redact_stored = redact_stored
     if not isinstance(retention_days, _Keep):
         tenant.retention_days = retention_days
-    tenant.save(update_fields=["redact_stored", "retention_days"])
-    after = {"redact_stored": tenant.redact_stored, "retention_days": tenant.retention_days}
+    if not isinstance(prefix_cache, _Keep):
+        tenant.prefix_cache_per_key = prefix_cache == "key"
+    tenant.save(update_fields=["redact_stored", "retention_days", "prefix_cache_per_key"])
+    after = _settings(tenant)
     if after != before:
         _epoch.bump_on_commit()
     now = effective(tenant)
@@ -104,6 +117,16 @@ def tenant_privacy_update(*, actor: Principal, tenant_id: int,
                          "effective_redact_stored": now.redact_stored,
                          "effective_retention_days": now.retention_days})
     return tenant
+
+
+def _settings(tenant: Tenant) -> dict[str, object]:
+    """The tenant's own choices, as the audit event records them."""
+    return {"redact_stored": tenant.redact_stored, "retention_days": tenant.retention_days,
+            "prefix_cache": prefix_cache_scope(tenant.prefix_cache_per_key)}
+
+
+def prefix_cache_scope(per_key: bool) -> str:
+    return "key" if per_key else "tenant"
 
 
 # -- retention ------------------------------------------------------------------------

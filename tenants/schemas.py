@@ -168,6 +168,7 @@ class PrivacyOut(Schema):
     retention_days: int | None
     effective_redact_stored: bool
     effective_retention_days: int
+    prefix_cache: Literal["tenant", "key"]  # who shares cached prompt blocks
 
 
 class PrivacyIn(StrictSchema):
@@ -175,6 +176,7 @@ class PrivacyIn(StrictSchema):
 
     redact_stored: bool | None = None
     retention_days: Annotated[int, Field(ge=1, le=MAX_RETENTION_DAYS)] | None = None
+    prefix_cache: Literal["tenant", "key"] | None = None  # null: "tenant"
 
 
 class ToolPolicyOut(Schema):

@@ -26,7 +26,7 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from governance.admission import Admission, Governor
-from governance.privacy import stored_messages
+from governance.privacy import cache_scope, stored_messages
 from governance.refusals import FALLBACK_HEADER
 from inference.cache import enabled_spec
 from inference.client import InferenceClient, RequestHandle
@@ -253,7 +253,7 @@ class Gateway:
             actor=principal, public_id=conversation_id) if conversation_id else [])
         if req.earlier:
             history = [*history, *(cast(Message, rendered(m)) for m in req.earlier)]
-        droppable = [m["content"] for m in history]
+        droppable, scope = [m["content"] for m in history], await cache_scope(principal)
         prompt = prompt_of(req)
         key, fingerprint = replay.idempotency(principal, req)
 
@@ -284,7 +284,7 @@ class Gateway:
             # After another deployment's reply was cut: its continuation (routed.py).
             resume = routed.resume if routed else None
             job = chat_job(req, prompt, messages, history=history, max_tokens=max_tokens,
-                           resume=resume)
+                           resume=resume, cache_scope=scope)
             if routed is not None:
                 await routed.supersede(key)
             handle, *more = await self._submit(

@@ -89,13 +89,14 @@ def prompt_of(req: CallRequest) -> Prompt:
 
 def chat_job(req: CallRequest, prompt: Prompt, messages: list[Message], *,
              history: list[Message], max_tokens: int,
-             resume: Continuation | None = None, count_only: bool = False) -> ChatJob:
+             resume: Continuation | None = None, count_only: bool = False,
+             cache_scope: str = "") -> ChatJob:
     """One attempt's job, built once: `messages` the prompt's (or, for an upstream
     deployment, the request's native ones), after `history` (the conversation's older
     turns, which the worker drops oldest first to fit; none for a raw prompt, whose
     last message's text is the prompt as it is); `resume` the reply another deployment
     began (its job is never kept); `count_only` counts the prompt, generating
-    nothing."""
+    nothing; `cache_scope` narrows the prefix cache (governance/privacy.py)."""
     raw = req.raw_prompt
     structure = prompt.structure
     return ChatJob(
@@ -109,7 +110,8 @@ def chat_job(req: CallRequest, prompt: Prompt, messages: list[Message], *,
         tools=structure.tools, tool_choice=structure.tool_choice,
         parallel_tool_calls=structure.parallel_tool_calls,
         response_format=structure.response_format, resume=resume,
-        keep=req.keep if resume is None and not count_only else None)
+        keep=req.keep if resume is None and not count_only else None,
+        cache_scope=cache_scope)
 
 
 def affinity_key(tenant: str, messages: list[Message], history: list[Message]) -> bytes:

@@ -127,3 +127,28 @@ def test_n_choices_share_their_prompt_and_the_audit_counts_it(live: Live,
     assert reply.usage.prompt_tokens_details.cached_tokens >= 2 * BLOCK * ((prompt - 1) // BLOCK)
     [event] = audited(alice, 1)
     assert int(event.detail["cached_tokens"]) == reply.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_tenant_may_narrow_reuse_to_one_key(live: Live, roomy: str) -> None:
+    org = make_org("narrow", [Role.TENANT_ADMIN, Role.DEVELOPER])
+    admin = org.client(Role.TENANT_ADMIN)
+    url = f"/api/v1/tenants/{org.tenant.pk}/privacy"
+    assert admin.get(url).body["prefix_cache"] == "tenant"
+    changed = admin.patch(url, {"prefix_cache": "key"})
+    assert changed.status == 200 and changed.body["prefix_cache"] == "key", changed.body
+    assert admin.patch(url, {"prefix_cache": "team"}).status == 422
+    keys = {role: openai.OpenAI(base_url=live.base_url, api_key=org.keys[role],
+                                max_retries=0, timeout=60)
+            for role in (Role.DEVELOPER, Role.TENANT_ADMIN)}
+    system = opening()
+
+    def reused(role: Role, question: str) -> int:
+        reply = keys[role].chat.completions.create(model=roomy, max_tokens=2,
+                                                   messages=messages(system, question))
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert reused(Role.DEVELOPER, "one?") == 0
+    assert reused(Role.DEVELOPER, "two?") > 0  # the same key reuses
+    assert reused(Role.TENANT_ADMIN, "three?") == 0  # the tenant's other key does not
+    assert admin.patch(url, {"prefix_cache": None}).body["prefix_cache"] == "tenant"
