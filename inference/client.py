@@ -20,6 +20,7 @@ import orjson
 
 from inference import queue as q
 from inference.jobs import FINAL_EVENTS, Event, Job
+from inference.routing import lane
 from inference.spec import DeploymentSpec
 from sluice import gctuning
 from sluice.errors import DeadlineExceeded, RateLimited, Unavailable, Unprocessable
@@ -30,7 +31,7 @@ logger = logging.getLogger("sluice.inference")
 _GRACE_S = 2.0  # wait this long past the deadline for the worker's own 504
 _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latency)
 _TRIM_EVERY_S = 0.1  # how often the router trims the events it has read
-
+LANES_TTL_S = 1.0  # how stale the heartbeats placement reads may be
 
 class RequestHandle:
     def __init__(self, client: InferenceClient, spec: DeploymentSpec, rid: str, tenant: str,
@@ -101,6 +102,9 @@ class InferenceClient:
         self._last_id = self._trimmed = "0-0"
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
+        # Each deployment's live workers (heartbeats) for placement, read at most every
+        # LANES_TTL_S: deployment -> (read at, heartbeats by worker id).
+        self._beats: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}
 
     async def start(self) -> None:
         if self._router is None:
@@ -186,6 +190,7 @@ class InferenceClient:
         idempotency_key: str | None = None,
         fingerprint: str = "",
         owner: str | None = None,
+        affinity: bytes | None = None,
     ) -> RequestHandle:
         """Enqueue, or raise Unavailable (queue full) / RateLimited (tenant's share full).
 
@@ -194,7 +199,9 @@ class InferenceClient:
         fingerprint is fed the first one's events; with another fingerprint it is
         Unprocessable. `owner` (opaque to the queue): stored beside the request for as
         long as its events can be read again (`owner_of`); a request without one cannot
-        be resumed."""
+        be resumed. `affinity`: the call's prefix key; the request goes to the lane of
+        the worker it picks (inference/routing.py `lane`), where its prefix is likely
+        cached."""
         if self._router is None:
             await self.start()
         rid = token_hex(12)
@@ -234,7 +241,8 @@ class InferenceClient:
                                      traceparent=traceparent)
         flat = [x for kv in request.fields().items() for x in kv]
         cap = q.tenant_cap(spec.max_queue_depth, spec.tenant_queue_share)
-        suffix = q.stream_suffix(tenant, request.priority)
+        suffix = q.stream_suffix(tenant, request.priority,
+                                 await self._lane(spec.name, affinity) if affinity else "")
         try:
             status, _detail = await self.scripts.script(
                 q.ENQUEUE_LUA, q.queue_keys(spec.name, suffix),
@@ -357,6 +365,16 @@ class InferenceClient:
             if first <= event["seq"] < end and event["t"] not in FINAL_EVENTS:
                 out.append(event)
         return out
+
+    async def _lane(self, deployment: str, affinity: bytes) -> str:
+        """The lane for a call with prefix key `affinity` ("" for the shared stream),
+        from heartbeats at most LANES_TTL_S old."""
+        now = time.monotonic()
+        read_at, beats = self._beats.get(deployment, (0.0, {}))
+        if now - read_at > LANES_TTL_S:
+            beats = await self.workers(deployment)
+            self._beats[deployment] = (now, beats)
+        return lane(affinity, beats)
 
     async def workers(self, deployment: str, *, max_age_s: float = q.HEARTBEAT_MAX_AGE_S
                       ) -> dict[str, dict[str, Any]]:

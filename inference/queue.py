@@ -8,7 +8,11 @@ deployment's queue keys, and a tenant's request keys, each in one Redis Cluster 
 
     sluice:q:{<deployment>}:s:<tenant>:<priority>
                                        a tenant's requests of one priority; group "workers"
-    sluice:q:{<deployment>}:streams    hash "<tenant>:<priority>" -> requests in that stream
+    sluice:q:{<deployment>}:s:<tenant>:<priority>:<worker>
+                                       the same, placed in a worker's lane: requests whose
+                                       prefix that worker likely holds (its prefix cache);
+                                       other workers take them after LANE_STEAL_S
+    sluice:q:{<deployment>}:streams    hash stream suffix -> requests in that stream
     sluice:q:{<deployment>}:tenants    hash tenant -> requests queued or in flight
     sluice:q:{<deployment>}:depth      requests queued or in flight, all tenants
     sluice:q:{<deployment>}:cancel     set of cancelled request ids
@@ -53,8 +57,20 @@ def _base(deployment: str) -> str:
 MAX_PRIORITY = 9  # priorities are 0..9: each is its own stream per tenant
 
 
-def stream_suffix(tenant: str, priority: int) -> str:
-    return f"{tenant}:{priority}"
+def stream_suffix(tenant: str, priority: int, lane: str = "") -> str:
+    """A stream's suffix: "<tenant>:<priority>", or in worker `lane`'s lane
+    "<tenant>:<priority>:<lane>" (tenant slugs and worker ids hold no colon)."""
+    return f"{tenant}:{priority}:{lane}" if lane else f"{tenant}:{priority}"
+
+
+def suffix_tenant(suffix: str) -> str:
+    return suffix.split(":", 1)[0]
+
+
+def suffix_lane(suffix: str) -> str:
+    """The worker whose lane the stream is ("" for a tenant's shared stream)."""
+    parts = suffix.split(":", 2)
+    return parts[2] if len(parts) == 3 else ""
 
 
 def stream_key(deployment: str, suffix: str) -> str:

@@ -21,6 +21,11 @@ computes; for a deployment that clamps the reply's maximum, `clamps`, the prompt
 alone, which must leave it room for one token: `reply` is the part of `prompt_bound`
 that is the reply's). A deployment listed both as a target and as a fallback is tried once.
 
+`lane` places a call among one deployment's workers the same way: the live worker in
+rotation with the highest rendezvous score for the call's prefix key gets it in its lane
+(inference/queue.py), unless its last heartbeat says its batch is full; with fewer than
+two such workers, or a full one, the call goes to the shared stream (any worker).
+
 `backoff_s` is the pause before the next attempt after a retriable failure: capped
 exponential with full jitter (AWS's "exponential backoff and jitter"), so callers that
 failed together do not retry together.
@@ -118,6 +123,20 @@ def plan(route: Route, *, rng: random.Random,
         order.append(pool.pop(pick).deployment)
     order += [t.deployment for t in route.fallbacks if usable(t)]
     return Plan(order=tuple(order), skipped=skipped)
+
+
+def lane(affinity: bytes, beats: Mapping[str, Mapping[str, object]]) -> str:
+    """The worker whose lane a call with prefix key `affinity` goes to, "" for the
+    shared stream (see the module); `beats`: the live workers' heartbeats by id."""
+    ready = [w for w, beat in beats.items() if beat.get("in_rotation", True)]
+    if len(ready) < 2:
+        return ""
+    chosen = max(ready, key=lambda w: _score(affinity, Target(w)))
+    beat = beats[chosen]
+    load, room = beat.get("load", 0), beat.get("max_batch", 0)
+    if isinstance(load, int) and isinstance(room, int) and room and load >= room:
+        return ""
+    return chosen
 
 
 def _score(affinity: bytes, target: Target) -> float:

@@ -162,6 +162,7 @@ class Worker:
         if now >= intake.next_maintenance:
             for pending in intake.maintain(now, self._running()):
                 self.outbox.final(pending, error_event(dead_lettered()))
+        intake.others = self.health.others_live  # their lanes are theirs (placement)
         intake.pull(running=len(rows), block_ms=self.block_ms,
                     in_rotation=self.health.guard.in_rotation,
                     others_in_rotation=self.health.others_in_rotation, gather=self._gather)

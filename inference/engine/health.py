@@ -69,6 +69,7 @@ class Health:
         self.heartbeat_s = heartbeat_s
         self.guard = MemoryGuard()
         self.others_in_rotation = False
+        self.others_live: frozenset[str] = frozenset()  # the other live workers' ids
         self.batches = 0
         self.batch_sizes: dict[int, int] = {}  # not yet reported (the next beat sends them)
         self.next_beat = 0.0  # monotonic: when the loop beats next
@@ -115,9 +116,9 @@ class Health:
         pipe.expire(key, 60)
         pipe.hgetall(key)
         *_, beats = pipe.execute()
-        self.others_in_rotation = any(b.get("in_rotation", True) for k, b in
-                                      q.live_heartbeats(beats).items()
-                                      if k != self.worker_id)
+        others = {k: b for k, b in q.live_heartbeats(beats).items() if k != self.worker_id}
+        self.others_in_rotation = any(b.get("in_rotation", True) for b in others.values())
+        self.others_live = frozenset(others)
 
     def leave(self) -> None:
         """Remove this worker's heartbeat (it stops serving)."""

@@ -8,6 +8,11 @@ cannot hide another tenant's request. Idle, the worker blocks for the first requ
 only when its backlog cannot fill the free slots, at most every max_wait_ms, so that
 what arrives meanwhile joins the running batch together.
 
+Lanes (placement by prefix, inference/routing.py `lane`): a stream in another live
+worker's lane is not read as it comes; its entries are taken (`_steal`) once the oldest
+new one has waited LANE_STEAL_MS (that worker is busy). The lanes of a worker that is
+not live (no fresh heartbeat) are read like the shared streams.
+
 When that rule reads nothing (a full batch, or a backlog that fills it), every
 _IDLE_POLL_S it reads one entry from each stream of a tenant absent from the backlog,
 past the window if need be, so the scheduler sees every waiting tenant and can share
@@ -46,6 +51,8 @@ _RELEASE_IDLE_MS = 10**9  # "idle forever": the next reaper takes it at once
 _IDLE_POLL_S = 0.05  # how often the list of streams is read (a new one shows within 2x)
 _CANCEL_CHECK_S = 0.05  # how often cancellations are looked up (bounds their latency)
 _CLEANUP_S = 60.0  # an empty stream is forgotten after one to two of these
+# How long an entry waits in a live worker's lane before another worker takes it.
+LANE_STEAL_MS = 250
 
 
 @dataclass
@@ -90,6 +97,10 @@ class Intake:
         self._streams_fresh_until = 0.0
         self._next_join_read = 0.0  # a running batch's next read for newcomers
         self._next_absent_read = 0.0  # the next read for tenants absent from the backlog
+        # The other live workers (the loop sets it from heartbeats): their lanes are read
+        # only for entries that waited LANE_STEAL_MS; a dead one's lane is anyone's.
+        self.others: frozenset[str] = frozenset()
+        self._next_steal = 0.0
 
     def key(self, suffix: str) -> str:
         return q.stream_key(self.spec.name, suffix)
@@ -109,19 +120,31 @@ class Intake:
             # decode step or per wave of requests would otherwise cost two round trips):
             # a new tenant's stream shows within 2 x _IDLE_POLL_S at worst.
             self._streams_fresh_until = now + _IDLE_POLL_S
-        suffixes = self._streams_seen
-        if not suffixes:
-            if block_ms:
-                time.sleep(_IDLE_POLL_S)
-            return []
-        per_stream = max(1, room // len(suffixes))
-        # A new tenant's stream is not among those we block on: bound the block so the
-        # list is read again soon.
-        block = min(block_ms, int(_IDLE_POLL_S * 1000)) if block_ms else None
+        suffixes = self._mine(self._streams_seen)
+        theirs = [s for s in self._streams_seen if q.suffix_lane(s) in self.others]
+        got: list[Pending] = []
+        if suffixes:
+            per_stream = max(1, room // len(suffixes))
+            # A new tenant's stream is not among those we block on: bound the block so
+            # the list is read again soon.
+            block = min(block_ms, int(_IDLE_POLL_S * 1000)) if block_ms else None
+            got = self._read_new(suffixes, per_stream, block)
+        elif block_ms:
+            time.sleep(_IDLE_POLL_S)
+        if theirs and len(got) < room:
+            got += self._steal(theirs, room - len(got))
+        return got
+
+    def _mine(self, suffixes: list[str]) -> list[str]:
+        """The streams this worker reads as they come: the tenants' shared streams, its
+        own lanes, and the lanes of workers that are not live."""
+        return [s for s in suffixes if q.suffix_lane(s) not in self.others]
+
+    def _read_new(self, suffixes: list[str], count: int, block: int | None) -> list[Pending]:
         try:
             reply = self.redis.xreadgroup(q.GROUP, self.worker_id,
                                           {self.key(s): ">" for s in suffixes},
-                                          count=per_stream, block=block)
+                                          count=count, block=block)
         except redis.ResponseError as exc:
             # A stream emptied and went away meanwhile (before or during our block).
             if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
@@ -129,6 +152,34 @@ class Intake:
                 return []
             raise
         return self._entries(reply)
+
+    def _steal(self, lanes: list[str], room: int) -> list[Pending]:
+        """New entries of other live workers' lanes whose oldest waited LANE_STEAL_MS or
+        more (their worker is busy: the load stays balanced), at most every
+        _IDLE_POLL_S: a group's last delivered id, then the entry after it."""
+        now = time.monotonic()
+        if now < self._next_steal:
+            return []
+        self._next_steal = now + _IDLE_POLL_S
+        pipe = self.redis.pipeline(transaction=False)
+        for suffix in lanes:
+            pipe.xinfo_groups(self.key(suffix))
+        behind: list[tuple[str, str]] = []
+        for suffix, groups in zip(lanes, pipe.execute(raise_on_error=False), strict=True):
+            for group in groups if isinstance(groups, list) else ():
+                lag = group.get("lag")
+                # lag is None where Redis cannot count it (entries were deleted)
+                if _s(group["name"]) == q.GROUP and (lag is None or lag > 0):
+                    behind.append((suffix, _s(group["last-delivered-id"])))
+        if not behind:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for suffix, last in behind:
+            pipe.xrange(self.key(suffix), min=f"({last}", count=1)
+        cutoff = q.now_ms() - LANE_STEAL_MS
+        due = [suffix for (suffix, _), first in zip(behind, pipe.execute(), strict=True)
+               if first and int(_s(first[0][0]).split("-")[0]) <= cutoff]
+        return self._read_new(due, max(1, room // len(due)), None) if due else []
 
     def _entries(self, reply: Any) -> list[Pending]:
         out = []
@@ -197,8 +248,8 @@ class Intake:
         if now >= self._streams_fresh_until:
             self._streams_seen = self.streams()
             self._streams_fresh_until = now + _IDLE_POLL_S
-        # A suffix is "<tenant>:<priority>" (queue.stream_suffix).
-        absent = [s for s in self._streams_seen if s.rpartition(":")[0] not in present]
+        absent = [s for s in self._mine(self._streams_seen)
+                  if q.suffix_tenant(s) not in present]
         absent = absent[:self.spec.max_batch_size]
         if not absent:
             return []

@@ -255,6 +255,7 @@ class Gateway:
             history = [*history, *(cast(Message, rendered(m)) for m in req.earlier)]
         droppable, scope = [m["content"] for m in history], await cache_scope(principal)
         prompt = prompt_of(req)
+        affinity = affinity_key(principal.tenant_slug, prompt.messages, history)
         key, fingerprint = replay.idempotency(principal, req)
 
         async def on(spec: DeploymentSpec, routed: Routed | None = None) -> Submitted:
@@ -294,7 +295,7 @@ class Gateway:
                 idempotency_key=key if resume is None else None,
                 fingerprint=fingerprint,
                 owner=replay.ownership(principal, req.model, conversation_id)
-                if req.stream and n == 1 and resumable else None)
+                if req.stream and n == 1 and resumable else None, affinity=affinity)
             return Submitted(principal, spec, handle, admission, conversation_id,
                              prompt.turn, more, routed=routed, idempotency_key=key)
 
@@ -303,8 +304,7 @@ class Gateway:
         return await self._routed(
             target, Kind.CHAT, on, texts=[m["content"] for m in prompt.messages],
             droppable=droppable, max_tokens=req.max_output_tokens, timeout_s=req.timeout_s,
-            prompt_only=req.raw_prompt,
-            affinity=affinity_key(principal.tenant_slug, prompt.messages, history))
+            prompt_only=req.raw_prompt, affinity=affinity)
 
     async def count(self, principal: Principal, req: CallRequest, *,
                     action: str, protocol: str = "rest") -> Submitted:
