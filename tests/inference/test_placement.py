@@ -103,7 +103,7 @@ def test_a_dead_workers_lane_is_anyones(
     read its lane as their own, without waiting to steal."""
     monkeypatch.setattr(intake, "LANE_STEAL_MS", 600_000)
     spec = spec_of(unique("orphan"))
-    worker = thread_worker(spec, block_ms=50, heartbeat_s=0.2)
+    thread_worker(spec, block_ms=50, heartbeat_s=0.2)
     eventually(lambda: len(live(rds, spec.name)) == 1, 10, what="the worker's heartbeat")
     ghost = {"ts": time.time(), "in_rotation": True, "load": 0, "max_batch": 4}
     beats = {**live(rds, spec.name), "ghost": ghost}
