@@ -92,8 +92,10 @@ def _load_past(cache: Any, prefix: PrefixCache, rows: Sequence[NewSequence],
     """Fill `cache` with each row's cached blocks, right-aligned in `past` columns."""
     if len(rows) == 1:  # the blocks as gathered, without a second copy
         single = prefix.gather(keys[0][:found[0]])
-        for layer in range(single.shape[0]):
-            cache.update(single[layer, 0][None], single[layer, 1][None], layer)
+        for layer, own in enumerate(cache.layers):
+            keys_, values = single[layer, 0][None], single[layer, 1][None]
+            own.lazy_initialization(keys_, values)
+            own.keys, own.values = keys_, values  # update() would copy them
         return
     first = next(i for i, n in enumerate(found) if n)
     sample = prefix.gather(keys[first][:1])
