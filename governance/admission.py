@@ -152,19 +152,15 @@ class Admission:
         cost = self.cost(final) if status < 500 else None
         self.governor.recorder.audit(audit.call_event(
             principal=self.principal, action=self.action, model=self.spec.name,
-            protocol=self.protocol, status=status,
-            latency_ms=latency_ms,
-            prompt_tokens=usage["prompt_tokens"],
-            completion_tokens=usage["completion_tokens"],
+            protocol=self.protocol, status=status, latency_ms=latency_ms,
+            prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
             request_id=self.request_id, trace_id=self.trace_id, request_text=self.request_text,
             response_text="".join(self.reply), patterns=self.patterns,
             detail={"finish": final["finish"] if final is not None and is_done(final)
                     else None, "probe": self.probe,
                     "degraded": self.max_tokens_cap is not None, **self.audit_detail(),
                     **({} if cost is None else {"cost_usd": pricing.usd(cost)}),
-                    **({"device_us": usage["device_us"]} if "device_us" in usage else {}),
-                    **({"cached_tokens": usage["cached_tokens"]}
-                       if "cached_tokens" in usage else {}),
+                    **{k: usage[k] for k in ("device_us", "cached_tokens") if k in usage},
                     **self.notes}))
 
 

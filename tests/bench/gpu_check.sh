@@ -4,7 +4,7 @@
 # a bare forward and a CUDA-graph replay for the SmolLM2, Llama 1B and 8B shapes
 # (bench_step.py), the sampler against `generate`'s (bench_sampler.py) and the queue
 # against direct model calls at batch 32 and 128 (bench_queue.py; SmolLM2's weights: it
-# has no 1B shape). `run` stays under 8 minutes on an H200 (each part has a timeout);
+# has no 1B shape), and the prefix cache's hit against its miss (bench_prefix_ttft.py). `run` stays under 8 minutes on an H200 (each part has a timeout);
 # its log is $OUT/log.
 # For a GPU machine that has its own Python with torch but cannot reach a package index
 # (the workplace's lent H200, reached through its `run` tool, which carries at most 64 MiB
@@ -106,5 +106,7 @@ if [ "$1" = run ]; then
     timeout 30 python3 tests/bench/bench_sampler.py --device cuda 2>&1 | tee -a "$out/log"
     timeout 80 python3 tests/bench/bench_queue.py --device cuda --models smollm2 \
         --batch-sizes 32,128 --tokens 64 --rounds 1 2>&1 | tee -a "$out/log"
+    # The prefix cache (issue #46): a 2,000-token prefix's hit against its miss.
+    timeout 90 python3 tests/bench/bench_prefix_ttft.py --device cuda 2>&1 | tee -a "$out/log"
     echo "gpu_check run: $((SECONDS - started)) s" | tee -a "$out/log"
 fi
