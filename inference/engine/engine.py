@@ -107,7 +107,10 @@ class Engine:
         self.collect()
         tokens, self._stepped = self._stepped, None
         firsts, self._firsts = self._firsts, {}
-        overlap = bool(self.rows) and self._step_s >= self.overlap_min_step_s
+        # No step ahead when every row has made its last token (max_tokens): it would
+        # only delay the next prefill (the barrier waits for it).
+        overlap = bool(self.rows) and self._step_s >= self.overlap_min_step_s \
+            and not (isinstance(self.runtime, ChatRuntime) and self.runtime.exhausted())
         if overlap:
             self._stepping = self._model.submit(self._timed_step)
             self.overlapped += 1

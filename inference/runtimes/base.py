@@ -158,6 +158,11 @@ class ChatRuntime(ABC):
         """Tokens the KV cache takes now (padding included where the layout pads)."""
         return 0
 
+    def exhausted(self) -> bool:
+        """Whether every running sequence has made all the tokens its max_tokens allows
+        (a next step would make tokens nobody takes); False when unknown."""
+        return False
+
     def cached_tokens(self, rid: str) -> int:
         """How many of running sequence `rid`'s prompt tokens its prefill did not
         compute (a prefix cache hit, a prompt shared with another sequence); 0 once it

@@ -68,6 +68,8 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._logprobs: dict[str, deque[TokenLogprob]] = {}
         # Per row, the most tokens it may take in the cache (kv_admission's unit).
         self._reserved: list[int] = []
+        # Per row, the tokens its max_tokens still allows after those it has made.
+        self._left: list[int] = []
         self.kv_bytes_per_token = kv_bytes_per_token(self.model.config, self.model.dtype)
         self.kv_capacity_tokens, pool = self._size_cache()
         block = self.options.prefix_block_tokens
@@ -206,6 +208,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._constraints += constraints
         self._counts += counts
         self._reserved += [self.reserved_tokens(s) for s in seqs]
+        self._left += [s.params.max_tokens - 1 for s in seqs]
         return first
 
     def _splice(self, cache: Any, mask: torch.Tensor, pos: torch.Tensor,
@@ -258,6 +261,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
                         masks.result() if masks is not None else None)
         _tally_rows(self._counts, tokens)
         self._keep_logprobs(self._rids, self._params, asked, tokens)
+        self._left = [n - 1 for n in self._left]
         return tokens
 
     def _keep_logprobs(self, rids: list[str], params: list[SamplingParams],
@@ -318,6 +322,10 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._rids, self._params = _rows(self._rids, order), _rows(self._params, order)
         self._gens, self._constraints = _rows(self._gens, order), _rows(self._constraints, order)
         self._counts, self._reserved = _rows(self._counts, order), _rows(self._reserved, order)
+        self._left = _rows(self._left, order)
+
+    def exhausted(self) -> bool:
+        return bool(self._left) and max(self._left) <= 0
 
 
 def _rows(column: list[T], keep: list[int]) -> list[T]:

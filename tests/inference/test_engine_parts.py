@@ -272,6 +272,31 @@ def test_an_inline_step_runs_after_the_handed_out_tokens_are_handled() -> None:
     engine.close(wait=True)
 
 
+def test_no_step_runs_ahead_of_rows_that_made_their_last_token() -> None:
+    """Overlapped, a batch whose every row has made its max_tokens starts no step ahead
+    (its tokens would be nobody's and the next prefill would wait for it)."""
+    from inference.runtimes.causal_lm import CausalLMRuntime, tiny_llama
+
+    model, tokenizer = tiny_llama(max_context=64)
+    runtime = CausalLMRuntime(model, tokenizer, device="cpu", max_context=64)
+    engine = Engine(runtime, overlap_min_step_s=0.0)
+    try:
+        engine.add([NewSequence("a", [300, 301, 302], SamplingParams(max_tokens=2)),
+                    NewSequence("b", [303, 304], SamplingParams(max_tokens=3))])
+        made: dict[str, int] = {"a": 0, "b": 0}
+        for _ in range(4):
+            for tokens in engine.step():
+                for rid in tokens:
+                    made[rid] += 1
+                ended = [rid for rid in tokens if made[rid] == {"a": 2, "b": 3}[rid]]
+                engine.drop(ended)
+        assert made == {"a": 2, "b": 3}
+        assert engine.overlapped == 2  # the steps of tokens 2 and 3, none beyond
+        assert not runtime.exhausted() and not runtime.active
+    finally:
+        engine.close(wait=True)
+
+
 def test_each_sequence_is_given_its_share_of_the_step_time() -> None:
     """Device time: a step's time split evenly among the sequences it advanced, a
     prefill's by prompt length; what a finished sequence reports is taken once; a

@@ -152,3 +152,21 @@ def test_a_tenant_may_narrow_reuse_to_one_key(live: Live, roomy: str) -> None:
     assert reused(Role.DEVELOPER, "two?") > 0  # the same key reuses
     assert reused(Role.TENANT_ADMIN, "three?") == 0  # the tenant's other key does not
     assert admin.patch(url, {"prefix_cache": None}).body["prefix_cache"] == "tenant"
+
+
+def test_a_cached_prefix_does_not_stretch_the_context(live: Live, orgs: tuple[Org, Org],
+                                                     tiny: str) -> None:
+    """A prompt over the model's context is refused though its opening is cached, and the
+    cache still serves the prompts that fit."""
+    client, system = oai(live, orgs[0]), opening()
+    first = client.chat.completions.create(model=tiny, max_tokens=1,
+                                           messages=messages(system, "short?"))
+    assert first.usage is not None and first.usage.prompt_tokens < 256
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=tiny, max_tokens=1,
+                                       messages=messages(system, "long " * 300))
+    assert refused.value.code == "context_length_exceeded"
+    again = client.chat.completions.create(model=tiny, max_tokens=1,
+                                           messages=messages(system, "short!"))
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) > 0
