@@ -33,6 +33,7 @@ _ROUTER_BLOCK_MS = 500  # how long one router read blocks (bounds close() latenc
 _TRIM_EVERY_S = 0.1  # how often the router trims the events it has read
 LANES_TTL_S = 1.0  # how stale the heartbeats placement reads may be
 
+
 class RequestHandle:
     def __init__(self, client: InferenceClient, spec: DeploymentSpec, rid: str, tenant: str,
                  deadline_ms: int, events: asyncio.Queue[Event | None]) -> None:

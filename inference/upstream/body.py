@@ -210,8 +210,14 @@ class ChunkReader:
             return "", []
         if isinstance(chunk.get("usage"), dict):
             got = chunk["usage"]
-            self.usage = usage(int(got.get("prompt_tokens") or 0),
-                               int(got.get("completion_tokens") or 0))
+            prompt = int(got.get("prompt_tokens") or 0)
+            details = got.get("prompt_tokens_details")
+            # The upstream's own prefix cache (vLLM, SGLang, OpenAI), priced as cached
+            # input; an untrusted count, kept within the prompt's.
+            cached = int((details.get("cached_tokens") if isinstance(details, dict)
+                          else 0) or 0)
+            self.usage = usage(prompt, int(got.get("completion_tokens") or 0),
+                               cached_tokens=max(0, min(cached, prompt)))
         choices = chunk.get("choices") or []
         if not choices:
             return "", []

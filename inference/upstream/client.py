@@ -296,7 +296,9 @@ class UpstreamClient:
     @staticmethod
     def _done(reader: ChunkReader, seq: int, prior: int, deltas: int) -> DoneEvent:
         got = reader.usage
-        billed = usage(max(0, got["prompt_tokens"] - prior), prior + got["completion_tokens"]) \
+        prompt = max(0, got["prompt_tokens"] - prior) if got is not None else 0
+        billed = usage(prompt, prior + got["completion_tokens"],
+                       cached_tokens=min(got.get("cached_tokens", 0), prompt)) \
             if got is not None else usage(0, prior + deltas)
         calls = reader.tool_calls()
         done: DoneEvent = {"t": "done", "seq": seq,

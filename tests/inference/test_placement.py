@@ -22,7 +22,6 @@ from inference.worker import Worker
 from tests.conftest import eventually
 from tests.inference.conftest import chat, collect, run, unique
 
-pytestmark = pytest.mark.cluster
 PROMPT = "Summarise the quarterly figures for the northern region in three lines. " * 3
 
 
@@ -79,6 +78,7 @@ def test_a_prefix_key_keeps_its_calls_on_one_worker(
         assert all(f["usage"].get("cached_tokens", 0) > 0 for _, f in finals[1:]), finals
 
 
+@pytest.mark.cluster  # the steal's pipelined XINFO GROUPS and XRANGE, on a cluster too
 def test_a_live_workers_lane_waits_then_another_takes_it(
         rds: redis.Redis, redis_url: str, thread_worker: Callable[..., Worker],
         monkeypatch: pytest.MonkeyPatch) -> None:

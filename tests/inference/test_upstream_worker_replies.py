@@ -72,3 +72,15 @@ def test_a_call_the_upstream_cut_at_max_tokens_ends_length_with_its_arguments_so
     assert done["finish"] == "length"
     assert done.get("tool_calls") == [
         {"id": "call_a", "name": "edit_file", "arguments": '{"path": "ma'}]
+
+
+def test_an_upstreams_cached_tokens_are_kept_within_the_prompt() -> None:
+    """vLLM, SGLang and OpenAI report their own prefix cache's reuse: it becomes the
+    reply's cached_tokens (priced as cached input), never more than the prompt."""
+    for details, cached in (({"cached_tokens": 64}, 64), ({"cached_tokens": 10**9}, 100),
+                            ({"cached_tokens": -5}, 0), (None, 0), ("junk", 0)):
+        reader = ChunkReader()
+        reader.read({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3,
+                                              "prompt_tokens_details": details}})
+        assert reader.usage is not None
+        assert reader.usage.get("cached_tokens", 0) == cached, details

@@ -16,6 +16,8 @@ import pytest
 from django.conf import settings
 
 from governance import audit
+from governance import cache as policy_cache
+from governance import privacy as privacy_cache
 from inference import cache as registry_cache
 from inference.models import Deployment
 from inference.weights import MINILM
@@ -38,6 +40,10 @@ def live(transactional_db: None) -> Iterator[Live]:
     sync_client(settings.REDIS_URL).flushdb()
     auth_cache.clear()
     registry_cache.clear()
+    # An earlier test's prices, policies and privacy settings (cached in-process) are
+    # not this one's.
+    policy_cache.clear()
+    privacy_cache.clear()
     specs = [
         Deployment.objects.create(name="echo", runtime="echo", max_batch_size=8,
                                   echo_token_delay_ms=2),

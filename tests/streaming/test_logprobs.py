@@ -37,9 +37,22 @@ def plain(entries: list[Any]) -> list[tuple[str, float, bytes, list[tuple[str, f
     for e in entries:
         raw = bytes(e.bytes) if hasattr(e, "bytes") and e.bytes is not None \
             else bytes(e.token_bytes)
-        out.append((e.token, round(e.logprob, 4), raw,
-                    [(t.token, round(t.logprob, 4)) for t in e.top_logprobs]))
+        out.append((e.token, e.logprob, raw, [(t.token, t.logprob) for t in e.top_logprobs]))
     return out
+
+
+def same(got: list[Any], want: list[Any]) -> bool:
+    """The same tokens and bytes, and log probabilities within 1e-3: each call after the
+    first reuses its prompt's blocks from the prefix cache, whose keys and values were
+    computed in another batch shape (the last bits of a float may differ)."""
+    def close(a: Any, b: Any) -> bool:
+        if isinstance(a, float) and isinstance(b, float):
+            return abs(a - b) <= 1e-3
+        if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+            return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b, strict=True))
+        return bool(a == b)
+
+    return close(got, want)
 
 
 def test_every_token_has_its_logprob_whichever_way_the_reply_travels(
@@ -72,19 +85,19 @@ def test_every_token_has_its_logprob_whichever_way_the_reply_travels(
             if c.logprobs is not None and c.logprobs.content:
                 streamed += c.logprobs.content
     assert text == choice.message.content
-    assert plain(streamed) == plain(content)
+    assert same(plain(streamed), plain(content))
 
     over_grpc = call(grpc_target, "Chat", chat(ASK[0]["content"], model=tiny,
                                                 max_tokens=TOKENS, temperature=0,
                                                 logprobs=True, top_logprobs=2), key=key)
     assert isinstance(over_grpc, pb.ChatResponse)
-    assert plain(over_grpc.logprobs) == plain(content)
+    assert same(plain(over_grpc.logprobs), plain(content))
     chunks = call(grpc_target, "ChatStream", chat(ASK[0]["content"], model=tiny,
                                                   max_tokens=TOKENS, temperature=0,
                                                   logprobs=True), key=key)
     grpc_streamed = [e for c in chunks for e in c.logprobs]
-    assert [(e.token, round(e.logprob, 4)) for e in grpc_streamed] == \
-        [(t, lp) for t, lp, _b, _top in plain(content)]
+    assert same([(e.token, e.logprob) for e in grpc_streamed],
+                [(t, lp) for t, lp, _b, _top in plain(content)])
     assert all(not e.top_logprobs for e in grpc_streamed)  # top_logprobs not asked
 
     async def over_websocket() -> list[dict[str, Any]]:
@@ -101,9 +114,9 @@ def test_every_token_has_its_logprob_whichever_way_the_reply_travels(
 
     frames = asyncio.run(over_websocket())
     over_ws = [e for f in frames if f["type"] == "chat.delta" for e in f["logprobs"]]
-    assert [(e["token"], round(e["logprob"], 4), bytes(e["bytes"]),
-             [(t["token"], round(t["logprob"], 4)) for t in e["top_logprobs"]])
-            for e in over_ws] == plain(content)
+    assert same([(e["token"], e["logprob"], bytes(e["bytes"]),
+                  [(t["token"], t["logprob"]) for t in e["top_logprobs"]]) for e in over_ws],
+                plain(content))
 
 
 def test_without_logprobs_there_are_none_and_top_alone_is_refused(

@@ -27,7 +27,7 @@ from tests.streaming.conftest import Live
 from tests.streaming.test_aliases import audited
 from tests.streaming.test_grpc import call
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = pytest.mark.slow
 BLOCK = 16
 
 
