@@ -240,16 +240,20 @@ def test_a_stored_response_that_fell_back_is_stored_under_the_id_its_caller_got(
 
 
 def test_a_conversation_stays_on_one_target_and_conversations_spread(
-        live: Live, org: Org, admin: Any, small: Worker, caller: OpenAI) -> None:
+        live: Live, org: Org, admin: Any, started: Callable[[Any], Any],
+        caller: OpenAI) -> None:
     """Placement by prefix: the turns of a conversation (its opening resent) go to one
     target, whose own prefix cache holds it; different openings share the targets."""
-    alias_create(actor=admin, name="org/pair", targets=[("echo", 1), ("echo-small", 1)])
+    twin = Deployment.objects.create(name="echo-twin", runtime="echo", max_batch_size=8)
+    started(Worker(twin.to_spec(), sync_client(settings.REDIS_URL), block_ms=200))
+    alias_create(actor=admin, name="org/pair", targets=[("echo", 1), ("echo-twin", 1)])
     for opening in range(8):
-        for turn in range(3):
-            caller.chat.completions.create(model="org/pair", messages=[
-                {"role": "system", "content": f"persona {opening}"},
-                {"role": "user", "content": f"turn {turn}"}])
+        history: list[Any] = [{"role": "system", "content": f"persona {opening}"}]
+        for turn in range(3):  # each turn resends the conversation so far
+            history.append({"role": "user", "content": f"turn {turn}"})
+            reply = caller.chat.completions.create(model="org/pair", messages=history)
+            history.append({"role": "assistant", "content": reply.choices[0].message.content})
     rows = audited(org, 24)
     per_opening = [{row.model for row in rows[i:i + 3]} for i in range(0, 24, 3)]
     assert all(len(models) == 1 for models in per_opening), per_opening
-    assert set().union(*per_opening) == {"echo", "echo-small"}
+    assert set().union(*per_opening) == {"echo", "echo-twin"}
