@@ -13,7 +13,9 @@ prefix cache, one with `prefix_cache_tokens: 0`), the official openai client.
 3. Tenant isolation: the hit's system prompt sent by another tenant's key: cached_tokens 0
    and a time to first token like a miss's.
 
-    .venv/bin/python tests/bench/bench_prefix_cache.py [--samples 5] [--clients 8]
+    .venv/bin/python tests/bench/bench_prefix_cache.py [--samples 5] [--clients 8] [--turns 10]
+
+(`--turns 0`: the time to first token alone.)
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ async def replay(client: openai.AsyncOpenAI, model: str, clients: int, turns: in
 
 async def run(url: str, key: str, other_key: str, samples: int, clients: int,
               turns: int) -> None:
+    """Both parts; `turns` 0 runs the time to first token's alone."""
     client = openai.AsyncOpenAI(base_url=url, api_key=key, timeout=600, max_retries=0)
     other = openai.AsyncOpenAI(base_url=url, api_key=other_key, timeout=600, max_retries=0)
     rng = random.Random(46)
@@ -128,9 +131,11 @@ async def run(url: str, key: str, other_key: str, samples: int, clients: int,
     foreign_s = statistics.median(f[0] for f in foreign)
     print(f"prompt {misses[0][1]} tokens; hit reused {hits[0][2]}")
     print(f"TTFT miss {miss_s * 1000:.0f} ms, hit {hit_s * 1000:.0f} ms: "
-          f"hit/miss {hit_s / miss_s:.3f} (goal <= 0.1)")
+          f"hit/miss {hit_s / miss_s:.4f} (goal <= 0.1)")
     print(f"TTFT another tenant's same prefix {foreign_s * 1000:.0f} ms: "
           f"/miss {foreign_s / miss_s:.2f} (cached_tokens 0)")
+    if not turns:
+        return
     cold = await replay(client, COLD, clients, turns)
     warm = await replay(client, MODEL, clients, turns)
     for name, r in (("no cache", cold), ("prefix cache", warm)):
