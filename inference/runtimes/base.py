@@ -159,8 +159,9 @@ class ChatRuntime(ABC):
         return 0
 
     def exhausted(self) -> bool:
-        """Whether every running sequence has made all the tokens its max_tokens allows
-        (a next step would make tokens nobody takes); False when unknown."""
+        """Whether every running sequence has made its last token (its max_tokens, or an
+        end-of-sequence token it does not ignore): a next step would make tokens nobody
+        takes. False when unknown (a stop string or a grammar may still end them)."""
         return False
 
     def cached_tokens(self, rid: str) -> int:

@@ -68,7 +68,8 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._logprobs: dict[str, deque[TokenLogprob]] = {}
         # Per row, the most tokens it may take in the cache (kv_admission's unit).
         self._reserved: list[int] = []
-        # Per row, the tokens its max_tokens still allows after those it has made.
+        # Per row, the tokens it may still make: what its max_tokens allows after those it
+        # has made, 0 once it made an end-of-sequence token it does not ignore (or none).
         self._left: list[int] = []
         self.kv_bytes_per_token = kv_bytes_per_token(self.model.config, self.model.dtype)
         self.kv_capacity_tokens, pool = self._size_cache()
@@ -208,7 +209,7 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
         self._constraints += constraints
         self._counts += counts
         self._reserved += [self.reserved_tokens(s) for s in seqs]
-        self._left += [s.params.max_tokens - 1 for s in seqs]
+        self._left += self._still_left([s.params.max_tokens for s in seqs], params, first)
         return first
 
     def _splice(self, cache: Any, mask: torch.Tensor, pos: torch.Tensor,
@@ -261,8 +262,16 @@ class CausalLMRuntime(TorchModel, ChatRuntime):
                         masks.result() if masks is not None else None)
         _tally_rows(self._counts, tokens)
         self._keep_logprobs(self._rids, self._params, asked, tokens)
-        self._left = [n - 1 for n in self._left]
+        self._left = self._still_left(self._left, self._params, tokens)
         return tokens
+
+    def _still_left(self, left: list[int], params: list[SamplingParams],
+                    tokens: list[int]) -> list[int]:
+        """Each row's tokens left after `tokens`: none after an end-of-sequence token
+        (the caller ends the row there) or a FAILED one (the caller drops it)."""
+        eos = self.eos_token_ids
+        return [0 if token == FAILED or (token in eos and not p.ignore_eos) else n - 1
+                for n, p, token in zip(left, params, tokens, strict=True)]
 
     def _keep_logprobs(self, rids: list[str], params: list[SamplingParams],
                        asked: tuple[list[int], torch.Tensor] | None,

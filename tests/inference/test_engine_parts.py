@@ -293,6 +293,16 @@ def test_no_step_runs_ahead_of_rows_that_made_their_last_token() -> None:
         assert made == {"a": 2, "b": 3}
         assert engine.overlapped == 2  # the steps of tokens 2 and 3, none beyond
         assert not runtime.exhausted() and not runtime.active
+        # A row whose first token is the end of its sequence gets no step either.
+        eos = next(iter(runtime.eos_token_ids))
+        engine.add([NewSequence("c", [305, 306], SamplingParams(
+            max_tokens=50, logit_bias=((eos, 100.0),)))])
+        assert runtime.exhausted()
+        got = []
+        for tokens in engine.step():
+            got.append(tokens)
+            engine.drop(list(tokens))  # the output processor ends it on that token
+        assert got == [{}, {"c": eos}] and engine.overlapped == 2
     finally:
         engine.close(wait=True)
 
